@@ -1,0 +1,161 @@
+"""The only place collectives and point-to-point calls are made.
+
+Every call is timed by the recorder as a ``comm`` span carrying the bytes it
+moved and the kind of operation, so bandwidth and split time come for free.
+Asynchronous calls return a :class:`Pending`: its in-flight interval (launch
+to completion, taken from the work's future callback) is recorded as an
+``async`` span, and the time a rank then blocks in ``wait()`` as an ordinary
+``comm`` span named ``wait:<name>``; the difference is communication that was
+hidden behind computation.
+
+Calls made outside a training step (set-up, checks, gathering records) go
+through the same functions; they land at step -1 and stay out of averages.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .recorder import Recorder
+
+SUM = dist.ReduceOp.SUM
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; accept both spellings.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Pending:
+    """An asynchronous operation in flight."""
+    comm: "Comm"
+    work: object
+    name: str
+    op: str
+    bytes: int
+    t_launch: float
+    step: int
+    done_at: float | None = None
+
+    def wait(self) -> None:
+        with self.comm.recorder.span("comm", f"wait:{self.name}", op=self.op):
+            self.work.wait()
+
+
+class Comm:
+    def __init__(self, recorder: Recorder, rank: int, world: int, group=None):
+        self.recorder, self.rank, self.world, self.group = recorder, rank, world, group
+        self.native_reduce_scatter: bool | None = None  # decided on first use
+
+    # ------------------------------------------------------------ helpers
+    def _timed(self, name: str, op: str, size: int, fn, *args, **kwargs):
+        with self.recorder.span("comm", name, size, op=op):
+            return fn(*args, **kwargs)
+
+    def _launch(self, name: str, op: str, size: int, fn, *args, **kwargs) -> Pending:
+        rec = self.recorder
+        t0 = rec.now()
+        work = fn(*args, async_op=True, **kwargs)
+        pending = Pending(self, work, name, op, size, t0, rec.step)
+
+        def finished(_fut):
+            pending.done_at = rec.now() if not rec.cuda else time.perf_counter() - rec.origin
+            step, rec.step = rec.step, pending.step
+            rec.add("comm", name, t0, pending.done_at, size, op=op, **{"async": True})
+            rec.step = step
+            return None
+
+        work.get_future().then(finished)
+        return pending
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, t: torch.Tensor, name: str = "all_reduce", async_op: bool = False):
+        if async_op:
+            return self._launch(name, "all_reduce", nbytes(t), dist.all_reduce, t, op=SUM, group=self.group)
+        return self._timed(name, "all_reduce", nbytes(t), dist.all_reduce, t, op=SUM, group=self.group)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, name: str = "broadcast"):
+        return self._timed(name, "broadcast", nbytes(t), dist.broadcast, t, src=src, group=self.group)
+
+    def gather(self, t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0,
+               name: str = "gather"):
+        return self._timed(name, "gather", nbytes(t), dist.gather, t, gather_list=gather_list, dst=dst,
+                           group=self.group)
+
+    def scatter(self, t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0,
+                name: str = "scatter"):
+        return self._timed(name, "scatter", nbytes(t), dist.scatter, t, scatter_list=scatter_list, src=src,
+                           group=self.group)
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, name: str = "all_gather",
+                        async_op: bool = False):
+        if async_op:
+            return self._launch(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=self.group)
+        return self._timed(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str = "reduce_scatter") -> str:
+        """Sum ``full`` over ranks and keep this rank's slice in ``out``.
+
+        Uses the backend's native reduce-scatter when it has one; otherwise an
+        all-reduce followed by slicing. Returns which one ran.
+        """
+        if self.native_reduce_scatter is not False:
+            try:
+                self._timed(name, "reduce_scatter", nbytes(full), _reduce_scatter_single, out, full,
+                            op=SUM, group=self.group)
+                self.native_reduce_scatter = True
+                return "reduce_scatter"
+            except (RuntimeError, NotImplementedError, ValueError):
+                if self.native_reduce_scatter:
+                    raise
+                self.native_reduce_scatter = False
+        self._timed(name, "all_reduce", nbytes(full), dist.all_reduce, full, op=SUM, group=self.group)
+        out.copy_(full.view(self.world, -1)[self.rank].view_as(out))
+        return "all_reduce+slice"
+
+    def send(self, t: torch.Tensor, dst: int, name: str = "send"):
+        return self._timed(name, "send", nbytes(t), dist.send, t, dst=dst, group=self.group)
+
+    def recv(self, t: torch.Tensor, src: int, name: str = "recv"):
+        return self._timed(name, "recv", nbytes(t), dist.recv, t, src=src, group=self.group)
+
+    def isend(self, t: torch.Tensor, dst: int, name: str = "send") -> Pending:
+        return self._launch(name, "send", nbytes(t), lambda *a, async_op, **k: dist.isend(*a, **k),
+                            t, dst=dst, group=self.group)
+
+    def irecv(self, t: torch.Tensor, src: int, name: str = "recv") -> Pending:
+        return self._launch(name, "recv", nbytes(t), lambda *a, async_op, **k: dist.irecv(*a, **k),
+                            t, src=src, group=self.group)
+
+    def barrier(self, name: str = "barrier"):
+        return self._timed(name, "barrier", 0, dist.barrier, group=self.group)
+
+    # ------------------------------------------------------------ python objects (set-up, records)
+    def gather_objects(self, obj, dst: int = 0) -> list | None:
+        """Collect one picklable object per rank on ``dst`` (None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def all_gather_objects(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]

@@ -1,0 +1,171 @@
+"""RunConfig: every option of a run, documented once, validated before any worker starts.
+
+The CLI builds a RunConfig from its flags; ``validate()`` raises UsageError
+(exit code 2) with a message saying what to change. Workers receive the
+validated config and never re-check it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+OPTIMIZERS = ("sgd", "adam")
+PRECISIONS = ("fp32", "bf16")
+NORMS = ("batch", "none")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class RunConfig:
+    # what to train
+    strategy: str = "single"          #: strategy name (see `paralab train --help`)
+    model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18
+    width: float = 1.0                #: channel multiplier (0.25 for fast runs)
+    norm: str = "batch"               #: batch | none (BatchNorm-free models)
+    # data
+    dataset: str = "auto"             #: auto | cifar10 | fashion-mnist | synthetic
+    data_dir: str | None = None       #: folder with the dataset files
+    synthetic_size: int = 10000       #: training samples of the synthetic set
+    augment: bool = True              #: random crop (pad 4) + horizontal flip
+    # optimisation
+    batch_size: int = 256             #: global batch (split over data-parallel workers)
+    per_worker_batch: int | None = None  #: per-worker batch instead (weak scaling)
+    epochs: int = 1                   #: epochs to train, unless num_batches is given
+    num_batches: int | None = None    #: train exactly this many steps
+    optimizer: str = "sgd"            #: sgd | adam
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    seed: int = 0
+    precision: str = "fp32"           #: fp32 | bf16 (autocast)
+    # reporting
+    log_every: int = 20               #: print the loss every N steps
+    warmup: int = 1                   #: first N steps left out of timing averages
+    eval_batches: int | None = None   #: bound the test evaluation (None: whole test split)
+    eval_batch_size: int = 500
+    out: str | None = None            #: run directory (default runs/<strategy>-w<N>-<time>)
+    progress: bool = True             #: progress bar on rank 0
+    # checkpoints and verification
+    checkpoint_every: int = 0         #: save resumable state every N steps (0: at the end only)
+    resume: str | None = None         #: run directory to resume from
+    check: bool = False               #: compare with the single-process reference
+    # launch
+    workers: int = 1                  #: local worker processes
+    cores_per_worker: int | None = None  #: pin rank r to cores [rC, rC+C)
+    world_size: int | None = None     #: manual multi-node: total ranks
+    rank: int | None = None           #: manual multi-node: this process's rank
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    backend: str = "auto"             #: auto | gloo | nccl
+    device: str = "auto"              #: auto | cpu | cuda
+    timeout: float = 60.0             #: seconds before a stuck collective fails the run
+    # strategy options (each strategy reads what it needs)
+    bucket_mb: float = 25.0           #: ddp: gradient bucket size in MiB
+    accumulate: int = 1               #: ddp-style strategies: microsteps per step (no_sync)
+    microbatches: int = 1             #: pipeline: microbatches per step
+    schedule: str = "gpipe"           #: pipeline: gpipe | 1f1b
+    partition: str = "balanced"       #: model/pipeline: balanced | params | counts "2,3,8"
+    zero_stage: int = 3               #: fsdp: 1 | 2 | 3
+    # extra, filled in by the launcher for the record
+    launched_by: str = "local"
+    extras: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def world(self) -> int:
+        if self.world_size is not None:
+            return self.world_size
+        if "WORLD_SIZE" in os.environ and self.launched_by == "torchrun":
+            return int(os.environ["WORLD_SIZE"])
+        return self.workers
+
+    def strategy_options(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("bucket_mb", "accumulate", "microbatches", "schedule", "partition", "zero_stage",
+                 "model", "width", "norm", "batch_size")}
+
+    def default_out(self) -> str:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return str(Path("runs") / f"{self.strategy}-w{self.world}-{stamp}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> "RunConfig":
+        from .data import check_dataset
+        from .models import MODELS
+        from .strategies import get_strategy
+
+        def positive(name, value, allow_none=False):
+            if value is None and allow_none:
+                return
+            if value is None or value <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive (got {value})")
+
+        strategy_cls = get_strategy(self.strategy)
+        if self.model not in MODELS:
+            raise UsageError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        for name in ("width", "batch_size", "epochs", "lr", "log_every", "eval_batch_size",
+                     "synthetic_size", "workers", "timeout", "bucket_mb", "accumulate", "microbatches"):
+            positive(name, getattr(self, name))
+        for name in ("num_batches", "per_worker_batch", "eval_batches", "cores_per_worker", "world_size"):
+            positive(name, getattr(self, name), allow_none=True)
+        if self.warmup < 0 or self.checkpoint_every < 0:
+            raise UsageError("--warmup and --checkpoint-every must be zero or positive")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise UsageError("--momentum and --weight-decay must be zero or positive")
+        for name, allowed in (("norm", NORMS), ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
+                              ("backend", BACKENDS), ("device", ("auto", "cpu", "cuda"))):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"--{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if self.check and self.precision != "fp32":
+            raise UsageError("--check compares fp32 arithmetic; drop --precision bf16")
+        if (self.world_size is None) != (self.rank is None):
+            raise UsageError("manual multi-node needs both --world-size and --rank")
+        if self.rank is not None and not 0 <= self.rank < self.world_size:
+            raise UsageError(f"--rank must be in [0, {self.world_size}) (got {self.rank})")
+        if self.world_size is not None and self.workers != 1:
+            raise UsageError("--workers starts local processes; with --world-size/--rank "
+                             "run one command per rank instead")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be a TCP port (got {self.master_port})")
+        if self.cores_per_worker is not None and self.world_size is None:
+            cores = os.cpu_count() or 1
+            if self.cores_per_worker * self.workers > cores:
+                raise UsageError(f"--cores-per-worker {self.cores_per_worker} x --workers {self.workers} "
+                                 f"needs {self.cores_per_worker * self.workers} cores; this machine has {cores}")
+        if self.device == "cuda" or self.backend == "nccl":
+            import torch
+            if not torch.cuda.is_available():
+                raise UsageError("CUDA/NCCL asked for but no GPU is visible; use --device cpu (gloo)")
+        world = self.world
+        if self.per_worker_batch is None and self.batch_size % self._data_replicas(strategy_cls, world):
+            raise UsageError(f"--batch-size {self.batch_size} must divide evenly over "
+                             f"{self._data_replicas(strategy_cls, world)} data-parallel workers; "
+                             "change it or use --per-worker-batch")
+        strategy_cls.validate(self, world)
+        check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None)
+        if self.resume:
+            from .checkpoint import check_resumable
+            check_resumable(Path(self.resume), self)
+        return self
+
+    @staticmethod
+    def _data_replicas(strategy_cls, world: int) -> int:
+        return world if getattr(strategy_cls, "data_parallel", True) else 1
+
+    def global_batch(self, strategy_cls) -> int:
+        if self.per_worker_batch is not None:
+            return self.per_worker_batch * self._data_replicas(strategy_cls, self.world)
+        return self.batch_size

@@ -1,0 +1,256 @@
+"""Datasets held in memory as uint8 tensors ``[N, 3, 32, 32]`` plus int64 labels.
+
+Readers for the real on-disk formats (CIFAR-10 python pickles, Fashion-MNIST
+IDX ``.gz``) and a deterministic, learnable synthetic set. Everything is
+loaded once; augmentation and normalisation happen later, batched.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+
+FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+DEFAULT_DATA_ROOT = Path(os.environ.get("PARALAB_DATA", Path.home() / ".cache" / "paralab"))
+
+CIFAR_MEAN = (125.3 / 255, 123.0 / 255, 113.9 / 255)
+CIFAR_STD = (63.0 / 255, 62.1 / 255, 66.7 / 255)
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                 "dog", "frog", "horse", "ship", "truck")
+FASHION_CLASSES = ("t-shirt", "trouser", "pullover", "dress", "coat",
+                   "sandal", "shirt", "sneaker", "bag", "ankle-boot")
+# Fashion-MNIST statistics after padding to 32x32 (the padding is zeros).
+FASHION_MEAN = (0.2190,) * 3
+FASHION_STD = (0.3318,) * 3
+
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_TEST = "test_batch"
+# Sizes of the official files, checked before unpickling.
+CIFAR_FILE_BYTES = {**{name: 31035704 for name in CIFAR_TRAIN}, CIFAR_TEST: 31035526}
+# MD5 of each file's *decompressed* IDX bytes: Debian re-compresses the
+# archives, so the digest of the .gz itself differs between sources.
+FASHION_FILES = {
+    "train_x": ("train-images-idx3-ubyte.gz", "f4a8712d7a061bf5bd6d2ca38dc4d50a"),
+    "train_y": ("train-labels-idx1-ubyte.gz", "9018921c3c673c538a1fc5bad174d6f9"),
+    "test_x": ("t10k-images-idx3-ubyte.gz", "8181f5470baa50b63fa0f6fddb340f0a"),
+    "test_y": ("t10k-labels-idx1-ubyte.gz", "15d484375f8d13e6eb1aabb0c3f46965"),
+}
+
+
+@dataclass
+class Dataset:
+    name: str
+    train_x: torch.Tensor  # uint8 [N, 3, 32, 32]
+    train_y: torch.Tensor  # int64 [N]
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    classes: tuple[str, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    source: str  # where it came from, for the run record
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.train_y)} train / {len(self.test_y)} test "
+                f"images from {self.source}")
+
+
+def md5sum(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------- CIFAR-10
+def cifar_dir(data_dir: Path | None) -> Path | None:
+    """The folder holding the CIFAR-10 batches, or None if absent."""
+    for root in ([data_dir] if data_dir else [DEFAULT_DATA_ROOT]):
+        for candidate in (root / CIFAR_FOLDER, root):
+            if (candidate / CIFAR_TEST).exists():
+                return candidate
+    return None
+
+
+def read_cifar_batch(path: Path, expected_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    if expected_bytes is not None and path.stat().st_size != expected_bytes:
+        raise UsageError(f"{path} has {path.stat().st_size} bytes, expected {expected_bytes}: "
+                         "the file is corrupt or truncated; download it again "
+                         "with `paralab data download cifar10`")
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise UsageError(f"{path} is not a CIFAR-10 python batch ({exc}); "
+                         "download it again with `paralab data download cifar10`") from exc
+    if len(data) != len(labels):
+        raise UsageError(f"{path}: {len(data)} images but {len(labels)} labels")
+    return data, labels
+
+
+def load_cifar10(data_dir: Path | None, check_sizes: bool = True) -> Dataset:
+    folder = cifar_dir(data_dir)
+    if folder is None:
+        where = data_dir or DEFAULT_DATA_ROOT
+        raise UsageError(f"CIFAR-10 not found in {where}. Fetch it with `paralab data download "
+                         "cifar10` (needs internet), or use --dataset fashion-mnist or "
+                         "--dataset synthetic")
+    xs, ys = [], []
+    for name in CIFAR_TRAIN:
+        path = folder / name
+        if not path.exists():
+            raise UsageError(f"{path} is missing; download CIFAR-10 again")
+        x, y = read_cifar_batch(path, CIFAR_FILE_BYTES[name] if check_sizes else None)
+        xs.append(x)
+        ys.append(y)
+    tx, ty = read_cifar_batch(folder / CIFAR_TEST, CIFAR_FILE_BYTES[CIFAR_TEST] if check_sizes else None)
+    return Dataset("cifar10", torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)),
+                   torch.from_numpy(tx), torch.from_numpy(ty), CIFAR_CLASSES,
+                   CIFAR_MEAN, CIFAR_STD, str(folder))
+
+
+# ------------------------------------------------------------ Fashion-MNIST
+def read_idx(path: Path, md5: str | None = None) -> np.ndarray:
+    """Read one gzipped IDX file (unsigned-byte data) into a numpy array.
+
+    With ``md5``, the decompressed bytes must have that digest.
+    """
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as exc:
+        raise UsageError(f"{path} is not a readable gzip file ({exc}); the file is corrupt") from exc
+    if md5 is not None and hashlib.md5(raw).hexdigest() != md5:
+        raise UsageError(f"{path} fails its MD5 check (decompressed content): the file is corrupt "
+                         "or not Fashion-MNIST; reinstall it or pass --dataset synthetic")
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise UsageError(f"{path} is not an IDX file of unsigned bytes")
+    ndim = raw[3]
+    dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    expected = int(np.prod(dims)) + 4 + 4 * ndim
+    if len(raw) != expected:
+        raise UsageError(f"{path} holds {len(raw)} bytes, its header promises {expected}: corrupt file")
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def fashion_dir(data_dir: Path | None) -> Path | None:
+    roots = [data_dir] if data_dir else [DEFAULT_DATA_ROOT / "fashion-mnist", FASHION_SYSTEM_DIR]
+    for root in roots:
+        if (root / FASHION_FILES["test_y"][0]).exists():
+            return root
+    return None
+
+
+def to_cifar_shape(images: np.ndarray) -> torch.Tensor:
+    """[N, 28, 28] gray -> [N, 3, 32, 32]: pad by 2 and repeat the channel."""
+    x = torch.from_numpy(images.copy()).unsqueeze(1)
+    x = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    return x.expand(-1, 3, -1, -1).contiguous()
+
+
+def load_fashion_mnist(data_dir: Path | None, check_md5: bool = True) -> Dataset:
+    folder = fashion_dir(data_dir)
+    if folder is None:
+        raise UsageError(f"Fashion-MNIST not found in {data_dir or FASHION_SYSTEM_DIR}; install "
+                         "Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist) "
+                         "or use --dataset synthetic")
+    arrays = {}
+    for key, (name, md5) in FASHION_FILES.items():
+        path = folder / name
+        if not path.exists():
+            raise UsageError(f"{path} is missing")
+        arrays[key] = read_idx(path, md5 if check_md5 else None)
+    for split in ("train", "test"):
+        if len(arrays[f"{split}_x"]) != len(arrays[f"{split}_y"]):
+            raise UsageError(f"Fashion-MNIST {split}: images and labels differ in count")
+    return Dataset("fashion-mnist", to_cifar_shape(arrays["train_x"]),
+                   torch.from_numpy(arrays["train_y"].astype(np.int64)),
+                   to_cifar_shape(arrays["test_x"]), torch.from_numpy(arrays["test_y"].astype(np.int64)),
+                   FASHION_CLASSES, FASHION_MEAN, FASHION_STD, str(folder))
+
+
+# ---------------------------------------------------------------- synthetic
+def synthetic_images(n: int, labels: torch.Tensor, templates: torch.Tensor,
+                     gen: torch.Generator) -> torch.Tensor:
+    """Class template + a random shift + noise, clipped to uint8."""
+    shift = torch.randint(-3, 4, (n, 2), generator=gen)
+    noise = torch.randn(n, 3, 32, 32, generator=gen) * 40
+    base = templates[labels]
+    rows = (torch.arange(32).view(1, 32) - shift[:, :1]) % 32
+    cols = (torch.arange(32).view(1, 32) - shift[:, 1:]) % 32
+    idx = torch.arange(n).view(n, 1, 1)
+    shifted = base[idx, :, rows.unsqueeze(2), cols.unsqueeze(1)].permute(0, 3, 1, 2)
+    return (shifted + noise).clamp(0, 255).to(torch.uint8)
+
+
+def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0,
+                   num_classes: int = 10) -> Dataset:
+    """A deterministic, learnable CIFAR-shaped set.
+
+    Each class has a smooth colour template (an 8x8 random pattern upsampled
+    to 32x32); a sample is its class template, shifted by up to 3 pixels,
+    plus Gaussian noise. The same seed always gives the same tensors.
+    """
+    gen = torch.Generator().manual_seed(1_000_003 + seed)
+    coarse = torch.rand(num_classes, 3, 8, 8, generator=gen) * 255
+    templates = torch.nn.functional.interpolate(coarse, size=32, mode="bilinear", align_corners=False)
+    train_y = torch.randint(0, num_classes, (train_size,), generator=gen)
+    test_y = torch.randint(0, num_classes, (test_size,), generator=gen)
+    train_x = synthetic_images(train_size, train_y, templates, gen)
+    test_x = synthetic_images(test_size, test_y, templates, gen)
+    stats = train_x[: min(train_size, 2000)].float() / 255
+    mean = tuple(stats.mean(dim=(0, 2, 3)).tolist())
+    std = tuple(stats.std(dim=(0, 2, 3)).tolist())
+    return Dataset("synthetic", train_x, train_y, test_x, test_y,
+                   tuple(f"class{i}" for i in range(num_classes)), mean, std,
+                   f"generated (seed {seed})")
+
+
+DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic")
+
+
+def resolve_dataset(name: str, data_dir: Path | None) -> str:
+    """Turn ``auto`` into the first dataset present: cifar10, fashion-mnist, synthetic."""
+    if name != "auto":
+        return name
+    if cifar_dir(data_dir) is not None:
+        return "cifar10"
+    if fashion_dir(data_dir) is not None:
+        return "fashion-mnist"
+    return "synthetic"
+
+
+def check_dataset(name: str, data_dir: Path | None) -> None:
+    """Refuse (UsageError) a dataset that cannot be loaded, before any worker starts."""
+    if name not in DATASETS:
+        raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if data_dir is not None and not data_dir.is_dir():
+        raise UsageError(f"--data-dir {data_dir} does not exist or is not a directory")
+    if name == "cifar10" and cifar_dir(data_dir) is None:
+        load_cifar10(data_dir)  # raises with the download hint
+    if name == "fashion-mnist" and fashion_dir(data_dir) is None:
+        load_fashion_mnist(data_dir)
+
+
+def load_dataset(name: str, data_dir: Path | None = None, *, synthetic_size: int = 10000,
+                 seed: int = 0) -> Dataset:
+    name = resolve_dataset(name, data_dir)
+    if name == "cifar10":
+        return load_cifar10(data_dir)
+    if name == "fashion-mnist":
+        return load_fashion_mnist(data_dir)
+    if name == "synthetic":
+        return make_synthetic(train_size=synthetic_size, test_size=max(1000, synthetic_size // 5), seed=seed)
+    raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -1,0 +1,50 @@
+"""Turn a step number into the float tensors one rank trains on."""
+from __future__ import annotations
+
+import torch
+
+from .datasets import Dataset
+from .sharding import batch_indices, steps_per_epoch
+from .transforms import Augmenter, normalize
+
+
+class BatchSource:
+    """Batches for one data-parallel replica (``replicas`` = 1 for a single process).
+
+    ``batch(step)`` is deterministic: the same (seed, step) always returns the
+    same samples, augmented the same way, so a resumed run and the reference
+    run read exactly what the original run read.
+    """
+
+    def __init__(self, data: Dataset, *, per_rank_batch: int, replicas: int = 1, rank: int = 0,
+                 seed: int = 0, augment: bool = True):
+        self.data = data
+        self.per_rank_batch = per_rank_batch
+        self.replicas, self.rank, self.seed = replicas, rank, seed
+        self.augmenter = Augmenter(len(data.train_y), seed, augment)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(len(self.data.train_y), self.replicas, self.per_rank_batch)
+
+    def indices(self, step: int, rank: int | None = None) -> tuple[int, torch.Tensor]:
+        return batch_indices(len(self.data.train_y), self.replicas,
+                             self.rank if rank is None else rank, self.per_rank_batch, step,
+                             seed=self.seed)
+
+    def batch(self, step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (or ``rank``'s) training batch at ``step``: normalised float images, labels."""
+        epoch, idx = self.indices(step, rank)
+        images = self.augmenter.apply(self.data.train_x[idx], idx, epoch)
+        return normalize(images, self.data.mean, self.data.std), self.data.train_y[idx]
+
+    def test_batches(self, batch_size: int, max_batches: int | None = None):
+        """This rank's share of the test split (strided, unpadded), in batches."""
+        idx = torch.arange(self.rank, len(self.data.test_y), self.replicas)
+        count = 0
+        for start in range(0, len(idx), batch_size):
+            if max_batches is not None and count >= max_batches:
+                return
+            sel = idx[start:start + batch_size]
+            yield normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel]
+            count += 1

@@ -1,0 +1,80 @@
+"""Test-split evaluation: loss, accuracy, per-class precision/recall/F1, confusion matrix.
+
+Each rank predicts the test samples it is given (data-parallel ranks a
+strided share; pipeline ranks all of it, the last stage producing logits);
+confusion matrices and loss sums are then added over ranks, so the numbers
+are the same whatever the strategy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .progress import Progress
+
+
+def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int | None, device,
+             progress: bool = False) -> dict | None:
+    k = len(classes)
+    confusion = torch.zeros(k, k, dtype=torch.long)
+    loss_sum = 0.0
+    batches = list(source.test_batches(batch_size, max_batches))
+    bar = Progress(len(batches), "eval", enabled=progress)
+    for i, (x, y) in enumerate(batches):
+        logits = strategy.predict(x.to(device))
+        if logits is not None:
+            logits = logits.float().cpu()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            pred = logits.argmax(1)
+            confusion += torch.bincount(y * k + pred, minlength=k * k).view(k, k)
+        bar.update(i + 1)
+    bar.close()
+    parts = comm.all_gather_objects((confusion, loss_sum))
+    confusion = sum(c for c, _ in parts)
+    loss_sum = sum(s for _, s in parts)
+    n = int(confusion.sum())
+    if n == 0:
+        return None
+    return metrics(confusion, loss_sum / n, classes)
+
+
+def metrics(confusion: torch.Tensor, mean_loss: float, classes) -> dict:
+    """Accuracy and per-class precision/recall/F1 from a confusion matrix (rows: true class)."""
+    tp = confusion.diag().double()
+    predicted = confusion.sum(0).double()
+    actual = confusion.sum(1).double()
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
+                     torch.zeros_like(tp))
+    n = int(confusion.sum())
+    return {
+        "loss": mean_loss,
+        "accuracy": float(tp.sum() / n),
+        "samples": n,
+        "classes": list(classes),
+        "precision": precision.tolist(),
+        "recall": recall.tolist(),
+        "f1": f1.tolist(),
+        "support": actual.long().tolist(),
+        "confusion": confusion.tolist(),
+    }
+
+
+def format_report(m: dict) -> str:
+    """The text of eval.txt: a per-class table and the confusion matrix."""
+    names = m["classes"]
+    width = max(12, max(len(c) for c in names) + 2)
+    lines = [f"test loss {m['loss']:.4f}   accuracy {100 * m['accuracy']:.2f}%   ({m['samples']} samples)", "",
+             f"{'class':<{width}}{'precision':>10}{'recall':>10}{'f1':>10}{'support':>10}"]
+    for i, c in enumerate(names):
+        lines.append(f"{c:<{width}}{m['precision'][i]:>10.4f}{m['recall'][i]:>10.4f}"
+                     f"{m['f1'][i]:>10.4f}{m['support'][i]:>10d}")
+    macro = [sum(m[key]) / len(names) for key in ("precision", "recall", "f1")]
+    lines.append(f"{'macro avg':<{width}}{macro[0]:>10.4f}{macro[1]:>10.4f}{macro[2]:>10.4f}{m['samples']:>10d}")
+    lines += ["", "confusion matrix (rows: true class, columns: predicted)"]
+    cell = max(6, max(len(str(v)) for row in m["confusion"] for v in row) + 1)
+    lines.append(" " * width + "".join(f"{i:>{cell}}" for i in range(len(names))))
+    for i, row in enumerate(m["confusion"]):
+        lines.append(f"{i} {names[i]:<{width - 2}}" + "".join(f"{v:>{cell}}" for v in row))
+    return "\n".join(lines) + "\n"

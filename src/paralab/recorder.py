@@ -1,0 +1,87 @@
+"""Where time goes: every measured interval is a *span* on one rank.
+
+A span is (rank, step, category, name, t0, t1, bytes). Categories:
+``data``, ``compute`` (names ``forward``/``backward``/...), ``comm`` (one per
+collective or send/recv, with bytes), ``optimizer``, ``idle`` (waiting on a
+peer with nothing else to do). Per-step splits, timelines, bubble fractions
+and bandwidths are all derived from these spans; nothing is timed twice.
+
+Times are ``time.perf_counter()`` seconds relative to the recorder's start.
+On CUDA the device is synchronised before each clock read so a span covers
+the kernels it launched.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+CATEGORIES = ("data", "compute", "comm", "optimizer", "idle")
+
+
+@dataclass
+class Span:
+    rank: int
+    step: int
+    category: str
+    name: str
+    t0: float
+    t1: float
+    bytes: int = 0
+    args: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.t1 - self.t0
+
+
+class Recorder:
+    def __init__(self, rank: int = 0, device: torch.device | None = None, enabled: bool = True):
+        self.rank = rank
+        self.cuda = device is not None and device.type == "cuda"
+        self.enabled = enabled
+        self.origin = time.perf_counter()
+        self.spans: list[Span] = []
+        self.step = -1  # set by the training loop; -1 = outside training
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - self.origin
+
+    def add(self, category: str, name: str, t0: float, t1: float, nbytes: int = 0, **args) -> Span:
+        span = Span(self.rank, self.step, category, name, t0, t1, int(nbytes), args)
+        if self.enabled:
+            self.spans.append(span)
+        return span
+
+    @contextmanager
+    def span(self, category: str, name: str, nbytes: int = 0, **args):
+        assert category in CATEGORIES, category
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            self.add(category, name, t0, self.now(), nbytes, **args)
+
+    def step_spans(self, step: int) -> list[Span]:
+        return [s for s in self.spans if s.step == step]
+
+    def split(self, step: int) -> dict[str, float]:
+        """Seconds by category in one step.
+
+        Asynchronous communication (``args['async']``) overlaps other spans, so it
+        is reported apart as ``comm_async`` and never added to the step total.
+        """
+        out = {c: 0.0 for c in CATEGORIES}
+        for s in self.step_spans(step):
+            if s.args.get("async"):
+                out["comm_async"] = out.get("comm_async", 0.0) + s.seconds
+            else:
+                out[s.category] += s.seconds
+        return out
+
+    def dump(self) -> list[dict]:
+        return [asdict(s) for s in self.spans]

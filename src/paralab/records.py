@@ -1,0 +1,171 @@
+"""The run directory: config, per-step rows, spans, summary, evaluation, trace.
+
+Rank 0 gathers every rank's rows and spans (one object gather at the end, so
+multi-node runs need no shared file system) and writes:
+
+    config.json   resolved config + environment
+    steps.jsonl   per step and rank: loss, seconds by category, samples
+    spans.jsonl   timeline spans of all ranks
+    summary.json  time/iter, samples/s, split per rank, bytes, bandwidth, test metrics, check
+    eval.txt      per-class precision/recall/F1 and the confusion matrix
+    trace.json    Chrome/Perfetto trace
+
+Everything plots and reports need is in these files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+
+import torch
+
+from .evaluate import format_report
+from .recorder import CATEGORIES
+from .trace import chrome_trace
+
+SPLIT_KEYS = CATEGORIES + ("other",)
+
+
+def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict) -> dict:
+    seconds = t1 - t0
+    accounted = sum(split[c] for c in CATEGORIES)
+    split = {**split, "other": max(0.0, seconds - accounted)}
+    return {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
+            "loss": result.loss, "samples": result.samples, "split": split}
+
+
+def environment(world: int, backend: str, device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+           "host": socket.gethostname(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "backend": backend, "device": device.type, "world": world}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["cores_available"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    return env
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: Path, rows) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def bus_factor(op: str, world: int) -> float:
+    """Bus bandwidth factor (as nccl-tests): bytes each rank moves per byte of message."""
+    if world <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op in ("all_gather", "reduce_scatter"):
+        return (world - 1) / world
+    return 1.0
+
+
+def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, world: int,
+              global_batch: int, evaluation: dict | None, check: dict | None, error: str | None,
+              extra: dict | None = None) -> dict:
+    timed = sorted({r["step"] for r in steps})
+    measured = [s for s in timed if s >= timed[0] + cfg.warmup] if timed else []
+    if not measured:
+        measured = timed  # fewer steps than warm-up: report them rather than nothing
+    by_step: dict[int, list[dict]] = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append(r)
+    iter_times = [max(r["seconds"] for r in by_step[s]) for s in measured]
+    seconds_per_iter = sum(iter_times) / len(iter_times) if iter_times else None
+
+    ranks = sorted({r["rank"] for r in steps})
+    split = {}
+    for rank in ranks:
+        rows = [r for r in steps if r["rank"] == rank and r["step"] in set(measured)]
+        split[str(rank)] = {k: sum(r["split"].get(k, 0.0) for r in rows) / max(len(rows), 1)
+                            for k in SPLIT_KEYS + ("comm_async",)}
+        split[str(rank)]["step"] = sum(r["seconds"] for r in rows) / max(len(rows), 1)
+
+    measured_set = set(measured)
+    comm_spans = [s for s in spans if s["category"] == "comm" and s["step"] in measured_set and s["bytes"]]
+    comm_bytes = {str(rank): sum(s["bytes"] for s in comm_spans if s["rank"] == rank) / max(len(measured), 1)
+                  for rank in ranks}
+    by_op: dict[str, dict] = {}
+    for s in comm_spans:
+        op = s.get("args", {}).get("op", s["name"])
+        entry = by_op.setdefault(op, {"bytes": 0, "seconds": 0.0, "calls": 0})
+        entry["bytes"] += s["bytes"]
+        entry["seconds"] += s["t1"] - s["t0"]
+        entry["calls"] += 1
+    for op, entry in by_op.items():
+        entry["bytes_per_step"] = entry["bytes"] / max(len(measured), 1) / max(len(ranks), 1)
+        entry["algbw_GBps"] = entry["bytes"] / entry["seconds"] / 1e9 if entry["seconds"] else None
+        factor = bus_factor(op, world)
+        entry["busbw_GBps"] = entry["algbw_GBps"] * factor if entry["algbw_GBps"] else None
+    bus = [e for op, e in by_op.items() if op in ("all_reduce", "all_gather", "reduce_scatter")]
+    bus_bandwidth = None
+    if bus:
+        moved = sum(e["bytes"] * bus_factor(op, world) for op, e in by_op.items()
+                    if op in ("all_reduce", "all_gather", "reduce_scatter"))
+        secs = sum(e["seconds"] for e in bus)
+        bus_bandwidth = moved / secs / 1e9 if secs else None
+
+    losses = [r["loss"] for r in steps if r["loss"] is not None]
+    last_step = max(timed) if timed else None
+    last_losses = [r["loss"] for r in by_step.get(last_step, []) if r["loss"] is not None]
+    global_samples = sum(global_batch for _ in measured)
+    summary = {
+        "strategy": cfg.strategy, "workers": world, "model": cfg.model, "width": cfg.width, "norm": cfg.norm,
+        "dataset": cfg.dataset, "parameters": parameters, "global_batch": global_batch,
+        "precision": cfg.precision, "steps": len(timed), "warmup": cfg.warmup, "measured_steps": len(measured),
+        "seconds_per_iter": seconds_per_iter,
+        "samples_per_s": global_samples / sum(iter_times) if iter_times and sum(iter_times) else None,
+        "split": split,
+        "comm_bytes": comm_bytes, "comm_ops": by_op, "bus_bandwidth": bus_bandwidth,
+        "bus_bandwidth_unit": "GB/s",
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(last_losses) / len(last_losses) if last_losses else None,
+        "test_loss": evaluation["loss"] if evaluation else None,
+        "test_accuracy": evaluation["accuracy"] if evaluation else None,
+        "check": None if check is None else {k: check[k] for k in
+                                             ("result", "max_weight_dev", "max_output_dev")},
+        "error": error,
+    }
+    summary.update(extra or {})
+    return summary
+
+
+def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
+              dataset, evaluation, check, error, global_batch, is_main) -> None:
+    gathered = comm.gather_objects((step_rows, recorder.dump(), strategy.extra_summary()))
+    if not is_main:
+        return
+    steps = sorted((r for rows, _, _ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))
+    spans = sorted((s for _, ss, _ in gathered for s in ss), key=lambda s: (s["t0"], s["rank"]))
+    extras = {}
+    per_rank = [e for _, _, e in gathered]
+    if any(per_rank):
+        extras["strategy_details"] = {str(r): e for r, e in enumerate(per_rank)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = cfg.to_dict() | {"environment": environment(world, backend, device),
+                              "dataset_source": dataset.source, "resolved_dataset": dataset.name}
+    write_json(run_dir / "config.json", config)
+    write_jsonl(run_dir / "steps.jsonl", steps)
+    write_jsonl(run_dir / "spans.jsonl", spans)
+    summary = summarize(cfg, steps, spans, parameters=parameters, world=world, global_batch=global_batch,
+                        evaluation=evaluation, check=check, error=error, extra=extras)
+    summary["dataset"] = dataset.name
+    write_json(run_dir / "summary.json", summary)
+    if evaluation is not None:
+        (run_dir / "eval.txt").write_text(format_report(evaluation))
+    write_json(run_dir / "trace.json", chrome_trace(spans, world))

@@ -1,0 +1,206 @@
+"""The strategy contract: one object per rank that owns the whole training step.
+
+A strategy is built from a model factory, an optimizer factory and the rank's
+:class:`Context`. The training loop only ever calls:
+
+- ``train_step(x, y) -> StepResult``: forward, backward, synchronisation and
+  optimizer step for one global step. ``x, y`` is what :meth:`replicas` asked
+  for: this rank's data-parallel shard of the global batch.
+- ``predict(x)``: logits where this rank has them (else None), eval mode.
+- ``full_state_dict()``: the whole model, same keys as the plain model.
+- ``state_dict()`` / ``load_state_dict()``: this rank's own resumable state.
+
+A strategy declares how a global batch is split, so the loop hands each rank
+exactly its samples and the reference run (verify.py) replays the same
+arithmetic: ``replicas()`` (how many data-parallel shards and which one is
+ours) and ``microbatches`` (how each shard is cut inside a step).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import Comm
+from ..recorder import Recorder
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    device: torch.device
+    comm: Comm
+    recorder: Recorder
+    precision: str = "fp32"
+    options: dict | None = None  # strategy-specific options from the config
+
+    def autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def option(self, key: str, default=None):
+        return (self.options or {}).get(key, default)
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # mean loss over the samples this rank saw (None: no loss here)
+    samples: int        # samples this rank trained on
+
+
+ModelFactory = Callable[[], nn.Sequential]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int):
+    """Cut a batch into ``m`` contiguous microbatches, each with its loss weight.
+
+    The weight is the microbatch's share of the samples (``1/m`` when ``m``
+    divides the batch), so the weighted sum of microbatch mean losses is the
+    mean loss of the whole batch. Strategies and the reference share this.
+    """
+    n = len(y)
+    return [(xs, ys, len(ys) / n) for xs, ys in zip(torch.tensor_split(x, m), torch.tensor_split(y, m))
+            if len(ys)]
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+class Strategy:
+    name = "base"
+    #: each rank trains on its own shard of the global batch (else: all see it whole)
+    data_parallel = True
+    #: every rank holds a full replica whose parameters must stay identical
+    replicated = True
+    #: how BatchNorm running statistics relate to a single process (see verify.py):
+    #: "first-replica": rank 0's statistics are authoritative (broadcast each step);
+    #: "sequential": one module sees each microbatch in turn.
+    bn_rule = "first-replica"
+
+    def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
+        self.ctx = ctx
+        self.rec: Recorder = ctx.recorder
+        self.comm: Comm = ctx.comm
+        self.microbatches = int(ctx.option("accumulate", 1) or 1)
+
+    # ------------------------------------------------------------ declarations
+    @classmethod
+    def validate(cls, cfg, world: int) -> None:
+        """Raise UsageError for options this strategy cannot run with."""
+
+    def replicas(self) -> tuple[int, int]:
+        """(number of data-parallel shards, this rank's shard)."""
+        if self.data_parallel:
+            return self.ctx.world, self.ctx.rank
+        return 1, 0
+
+    # ------------------------------------------------------------ contract
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        raise NotImplementedError
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def extra_summary(self) -> dict:
+        """Strategy-specific figures for summary.json (e.g. hidden communication)."""
+        return {}
+
+    # ------------------------------------------------------------ shared pieces
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         before_last: Callable | None = None) -> float:
+        """Forward and backward over this rank's microbatches; gradients accumulate.
+
+        ``before_last`` (if given) is a context manager factory entered for every
+        microbatch but the last: gradient accumulation uses it for ``no_sync``.
+        Returns the mean loss over the batch.
+        """
+        chunks = split_microbatches(x, y, self.microbatches)
+        total = 0.0
+        for i, (xs, ys, weight) in enumerate(chunks):
+            ctx = before_last() if before_last and i < len(chunks) - 1 else nullcontext()
+            with ctx:
+                with self.rec.span("compute", "forward", mb=i):
+                    with self.ctx.autocast():
+                        loss = F.cross_entropy(model(xs), ys)
+                with self.rec.span("compute", "backward", mb=i):
+                    (loss * weight).backward()
+            total += loss.item() * weight
+        return total
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        with self.rec.span("optimizer", "step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+class ReplicatedStrategy(Strategy):
+    """Base of the data-parallel strategies: a full model and optimizer on every rank.
+
+    Subclasses implement :meth:`synchronize` (make gradients equal on every
+    rank) or override :meth:`train_step` entirely. BatchNorm buffers follow
+    PyTorch DDP's rule: rank 0's are authoritative; they are broadcast after
+    every step so every replica, and the reference, agree.
+    """
+
+    def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
+        super().__init__(ctx, model_fn, optim_fn)
+        self.model = model_fn().to(ctx.device)
+        self.optimizer = optim_fn(list(self.model.parameters()))
+
+    def broadcast_parameters(self) -> None:
+        """Make every replica start from rank 0's weights and buffers."""
+        if self.ctx.world == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                self.comm.broadcast(t, 0, name="broadcast_params")
+
+    def broadcast_buffers(self) -> None:
+        if self.ctx.world == 1:
+            return
+        for b in self.model.buffers():
+            self.comm.broadcast(b, 0, name="broadcast_buffers")
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def train_step(self, x, y) -> StepResult:
+        self.model.train()
+        loss = self.forward_backward(self.model, x, y)
+        self.synchronize()
+        self.optimizer_step(self.optimizer)
+        self.broadcast_buffers()
+        return StepResult(loss, len(y))
+
+    @torch.no_grad()
+    def predict(self, x):
+        self.model.eval()
+        with self.ctx.autocast():
+            return self.model(x).float()
+
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,104 @@
+"""The single-process reference, and the comparisons behind ``--check``.
+
+The reference trains the plain model in one process on the *same global
+batches* as the strategy, replaying the strategy's own batch split:
+
+- Without BatchNorm (``--norm none``) splitting cannot change the arithmetic
+  beyond rounding, so the reference is the classic one: one forward and
+  backward on the whole global batch.
+- With BatchNorm, normalisation statistics depend on which samples share a
+  forward pass. The reference therefore runs forward on each data-parallel
+  shard (and each microbatch within it) separately and weights each loss by
+  its share of the samples, exactly as the strategy does. Running statistics
+  follow the strategy's declared ``bn_rule``:
+    * ``first-replica`` (data parallelism, as PyTorch DDP: rank 0's buffers are
+      authoritative): statistics come from shard 0's microbatches only;
+    * ``sequential`` (model/pipeline parallelism): one module sees every
+      microbatch in order, so statistics are updated once per microbatch.
+
+Tolerances (fp32): weights ``atol=1e-5``, outputs ``atol=1e-4``, ``rtol=0``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .strategies.base import has_batchnorm, split_microbatches
+
+WEIGHT_ATOL = 1e-5
+OUTPUT_ATOL = 1e-4
+
+
+def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
+                    bn_rule: str) -> list[float]:
+    """Train ``model`` for ``steps`` steps; ``source_batch(step, rank)`` gives shard ``rank``."""
+    losses = []
+    split = has_batchnorm(model)
+    for step in range(steps):
+        shards = [source_batch(step, r) for r in range(replicas)]
+        model.train()
+        if not split:
+            x = torch.cat([s[0] for s in shards])
+            y = torch.cat([s[1] for s in shards])
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            total = sum(len(s[1]) for s in shards)
+            kept_buffers = None
+            step_loss = 0.0
+            for r, (x, y) in enumerate(shards):
+                for xs, ys, w in split_microbatches(x, y, microbatches):
+                    weight = w * len(y) / total
+                    loss = F.cross_entropy(model(xs), ys)
+                    (loss * weight).backward()
+                    step_loss += loss.item() * weight
+                if r == 0 and bn_rule == "first-replica":
+                    kept_buffers = [b.detach().clone() for b in model.buffers()]
+            if kept_buffers is not None:
+                with torch.no_grad():
+                    for b, kept in zip(model.buffers(), kept_buffers):
+                        b.copy_(kept)
+            losses.append(step_loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+@dataclass
+class Comparison:
+    what: str           # "weights" | "outputs" | "replicas"
+    max_abs: float      # largest absolute deviation
+    worst: str          # name of the tensor where it occurred
+    atol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.atol
+
+    def line(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        return f"{self.what}: {verdict} max |diff| {self.max_abs:.3e} at {self.worst} (atol {self.atol:g})"
+
+
+def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                    atol: float) -> Comparison:
+    missing = set(ref) ^ set(mine)
+    if missing:
+        return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol)
+    worst, worst_name = 0.0, "-"
+    for name, r in ref.items():
+        m = mine[name]
+        if m.shape != r.shape:
+            return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol)
+        if not r.is_floating_point():
+            dev = float((m.long() - r.long()).abs().max()) if r.numel() else 0.0
+        else:
+            dev = float((m.float() - r.float()).abs().max()) if r.numel() else 0.0
+        if dev != dev:  # NaN
+            dev = float("inf")
+        if dev > worst or worst_name == "-":
+            worst, worst_name = dev, name
+    return Comparison(what, worst, worst_name, atol)

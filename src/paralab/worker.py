@@ -1,0 +1,175 @@
+"""One rank's life: process group, data, model, strategy, training loop, evaluation, records.
+
+The loop is the same for every strategy: for each step it loads this rank's
+samples (a ``data`` span), hands them to ``strategy.train_step`` (which
+records its own compute/comm/optimizer spans) and notes the step's wall time.
+Rank 0 gathers every rank's records at the end and writes the run directory.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, records
+from .comm import Comm
+from .config import RunConfig
+from .data import BatchSource, load_dataset
+from .evaluate import evaluate
+from .models import build_model, count_parameters
+from .progress import Progress
+from .recorder import Recorder
+from .strategies import get_strategy
+from .strategies.base import Context
+
+
+def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_optimizer_factory(cfg: RunConfig):
+    def make(params):
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return make
+
+
+def build_model_factory(cfg: RunConfig, num_classes: int):
+    def make():
+        torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
+        return build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes)
+    return make
+
+
+def fault_injection(rank: int, step: int) -> None:
+    """Testing only: PARALAB_FAULT=RANK:STEP makes that rank raise at that step."""
+    spec = os.environ.get("PARALAB_FAULT")
+    if spec:
+        fault_rank, fault_step = (int(v) for v in spec.split(":"))
+        if rank == fault_rank and step == fault_step:
+            raise RuntimeError(f"injected fault on rank {rank} at step {step} (PARALAB_FAULT)")
+
+
+def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    kwargs = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout))
+    if init_method is None:  # torchrun: env://
+        dist.init_process_group(**kwargs)
+    else:
+        dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
+    return backend
+
+
+def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_method: str | None,
+               run_dir: str) -> None:
+    """Entry point of every rank (local spawn, manual --rank, or torchrun)."""
+    run_dir = Path(run_dir)
+    device = pick_device(cfg, local_rank)
+    backend = init_group(cfg, rank, world, device, init_method)
+    try:
+        train(cfg, rank, world, device, backend, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path):
+    recorder = Recorder(rank, device)
+    comm = Comm(recorder, rank, world)
+    main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+
+    data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
+                        synthetic_size=cfg.synthetic_size, seed=cfg.seed)
+    strategy_cls = get_strategy(cfg.strategy)
+    model_fn = build_model_factory(cfg, len(data.classes))
+    optim_fn = build_optimizer_factory(cfg)
+    ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options())
+    strategy = strategy_cls(ctx, model_fn, optim_fn)
+    replicas, replica = strategy.replicas()
+    global_batch = cfg.global_batch(strategy_cls)
+    source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
+                         rank=replica, seed=cfg.seed, augment=cfg.augment)
+    total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
+    parameters = count_parameters(model_fn())
+    say(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
+        f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
+        f"global batch {global_batch}, {total_steps} steps")
+
+    start_step = 0
+    if cfg.resume:
+        saved = checkpoint.load(Path(cfg.resume), rank)
+        strategy.load_state_dict(saved["state"])
+        start_step = saved["step"]
+        say(f"resumed from {cfg.resume} at step {start_step}")
+
+    step_rows: list[dict] = []
+    progress = Progress(total_steps, "train", enabled=main and cfg.progress, start=start_step)
+    error = None
+    first_bad = None  # first step whose loss was not finite, on this rank
+    for step in range(start_step, total_steps):
+        recorder.step = step
+        t0 = recorder.now()
+        fault_injection(rank, step)
+        with recorder.span("data", "load"):
+            x, y = source.batch(step)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        result = strategy.train_step(x, y)
+        t1 = recorder.now()
+        recorder.step = -1
+        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
+        if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
+            first_bad = step
+        # Every rank must take the same decision to stop, so the check is collective
+        # (a single process checks every step; several ranks at each log point).
+        if world == 1 or (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+            seen = comm.all_gather_objects((result.loss, first_bad))
+            bad = [b for _, b in seen if b is not None]
+            if bad:
+                error = (f"loss became non-finite at step {min(bad)}; lower --lr or check the data "
+                         "(the records up to here are kept)")
+                progress.close()
+                print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
+                break
+            if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+                losses = [loss for loss, _ in seen if loss is not None]
+                say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
+        progress.update(step + 1)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total_steps:
+            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())
+    else:
+        progress.close()
+        checkpoint.save(run_dir, rank, total_steps, cfg, strategy.state_dict())
+
+    recorder.step = -1
+    result_eval = None
+    check = None
+    if error is None:
+        result_eval = evaluate(strategy, source, data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
+                               device, progress=main and cfg.progress)
+        if main and result_eval is not None:
+            say(f"test: loss {result_eval['loss']:.4f}  accuracy {100 * result_eval['accuracy']:.2f}% "
+                f"({result_eval['samples']} samples)")
+        if cfg.check:
+            from .check import run_check
+            check = run_check(cfg, strategy, source, model_fn, optim_fn, total_steps, comm, say)
+
+    records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=parameters,
+                      world=world, backend=backend, device=device, dataset=data, evaluation=result_eval,
+                      check=check, error=error, global_batch=global_batch, is_main=main)
+    if main:
+        say(f"records written to {run_dir}")
+    if error is not None:
+        raise SystemExit(3)
+    if check is not None and not check["passed"]:
+        raise SystemExit(1)
