@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import shutil
+import importlib
 import sys
 from pathlib import Path
 
+from .commands import COMMANDS
 from .config import RunConfig
 from .errors import UsageError
 
@@ -127,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     q = dsub.add_parser("info", help="which datasets are present, where, how big")
     q.add_argument("--data-dir")
     q.set_defaults(func=cmd_data)
+
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"paralab.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"paralab.commands.{name}":
+                raise
+            continue
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 

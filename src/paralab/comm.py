@@ -55,20 +55,20 @@ class Comm:
         self.native_reduce_scatter: bool | None = None  # decided on first use
 
     # ------------------------------------------------------------ helpers
-    def _timed(self, name: str, op: str, size: int, fn, *args, **kwargs):
-        with self.recorder.span("comm", name, size, op=op):
+    def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
+        with self.recorder.span("comm", name, size, op=kind):
             return fn(*args, **kwargs)
 
-    def _launch(self, name: str, op: str, size: int, fn, *args, **kwargs) -> Pending:
+    def _launch(self, name: str, kind: str, size: int, fn, *args, **kwargs) -> Pending:
         rec = self.recorder
         t0 = rec.now()
         work = fn(*args, async_op=True, **kwargs)
-        pending = Pending(self, work, name, op, size, t0, rec.step)
+        pending = Pending(self, work, name, kind, size, t0, rec.step)
 
         def finished(_fut):
             pending.done_at = rec.now() if not rec.cuda else time.perf_counter() - rec.origin
             step, rec.step = rec.step, pending.step
-            rec.add("comm", name, t0, pending.done_at, size, op=op, **{"async": True})
+            rec.add("comm", name, t0, pending.done_at, size, op=kind, **{"async": True})
             rec.step = step
             return None
 

@@ -74,13 +74,16 @@ class Recorder:
 
         Asynchronous communication (``args['async']``) overlaps other spans, so it
         is reported apart as ``comm_async`` and never added to the step total.
+        ``forward`` and ``backward`` break ``compute`` down (they are part of it).
         """
-        out = {c: 0.0 for c in CATEGORIES}
+        out = {c: 0.0 for c in CATEGORIES} | {"forward": 0.0, "backward": 0.0, "comm_async": 0.0}
         for s in self.step_spans(step):
             if s.args.get("async"):
-                out["comm_async"] = out.get("comm_async", 0.0) + s.seconds
-            else:
-                out[s.category] += s.seconds
+                out["comm_async"] += s.seconds
+                continue
+            out[s.category] += s.seconds
+            if s.category == "compute" and s.name in ("forward", "backward"):
+                out[s.name] += s.seconds
         return out
 
     def dump(self) -> list[dict]:

@@ -93,7 +93,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
     for rank in ranks:
         rows = [r for r in steps if r["rank"] == rank and r["step"] in set(measured)]
         split[str(rank)] = {k: sum(r["split"].get(k, 0.0) for r in rows) / max(len(rows), 1)
-                            for k in SPLIT_KEYS + ("comm_async",)}
+                            for k in SPLIT_KEYS + ("forward", "backward", "comm_async")}
         split[str(rank)]["step"] = sum(r["seconds"] for r in rows) / max(len(rows), 1)
 
     measured_set = set(measured)

@@ -7,6 +7,7 @@ from ..errors import UsageError
 
 REGISTRY = {
     "single": "paralab.strategies.single:Single",
+    "allreduce": "paralab.strategies.allreduce:AllReduce",
 }
 
 

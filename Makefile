@@ -1,0 +1,45 @@
+# paralab: `make demo` sets up and runs the main job; `make test` sets up and runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup data demo test bench clean
+
+# A virtual environment with torch installed first, pinned (a bare `torch`
+# requirement can pull gigabytes of CUDA wheels). If the Python that creates
+# the venv already has torch (say, a CUDA build), the venv sees it through
+# --system-site-packages and it is never replaced.
+setup: $(VENV)/.paralab-setup
+$(VENV)/.paralab-setup: pyproject.toml
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "setup: using the torch already installed for $(PY)"; \
+	  $(PY) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PY) -m venv $(VENV) && $(BIN)/pip install -q $(TORCH_PIN); \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+# Real data offline: Debian's dataset-fashion-mnist, where root and apt allow.
+data:
+	@if [ -d /usr/share/datasets/fashion-mnist ]; then \
+	  echo "data: Fashion-MNIST present in /usr/share/datasets/fashion-mnist"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) \
+	  || echo "data: could not install dataset-fashion-mnist; the demo uses synthetic data"; \
+	else \
+	  echo "data: not root or no apt-get; the demo uses synthetic data (see README for real data)"; \
+	fi
+
+demo: setup data
+	$(BIN)/paralab train single --width 0.25 --num-batches 100 --eval-batches 4
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) runs reports .pytest_cache

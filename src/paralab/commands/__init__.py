@@ -1,0 +1,7 @@
+"""Subcommands beyond ``train`` and ``data``: one module each.
+
+A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int`` (raise UsageError for bad input). The CLI registers every
+module listed in ``COMMANDS`` that exists.
+"""
+COMMANDS = ("compare", "plot", "calc", "partition", "sweep")
