@@ -13,14 +13,14 @@ import torch
 from .verify import OUTPUT_ATOL, WEIGHT_ATOL, Comparison, compare_tensors, reference_train
 
 
-def run_check(cfg, strategy, source, model_fn, optim_fn, steps: int, comm, say) -> dict:
+def run_check(cfg, strategy, source, model_fn, optim_fn, lr_for, steps: int, comm, say) -> dict:
     replicas, _ = strategy.replicas()
     say(f"check: training the single-process reference for {steps} steps "
         f"({replicas} shard(s) x {strategy.microbatches} microbatch(es), BN rule {strategy.bn_rule})")
     ref = model_fn()
     ref_opt = optim_fn(list(ref.parameters()))
     reference_train(ref, ref_opt, lambda step, r: source.batch(step, rank=r), steps, replicas,
-                    strategy.microbatches, strategy.bn_rule)
+                    strategy.microbatches, strategy.bn_rule, lr_for)
 
     results: list[Comparison] = []
     mine = strategy.full_state_dict()

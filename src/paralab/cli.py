@@ -41,6 +41,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--precision", default=d.precision, help="fp32 | bf16 (autocast)")
+    g.add_argument("--lr-scaling", default=d.lr_scaling, help="none | linear: lr x global batch / 256")
+    g.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="linear lr warm-up (epochs)")
     g = p.add_argument_group("records")
     g.add_argument("--out", help="run directory (default runs/<strategy>-w<N>-<time>)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print the loss every N steps")

@@ -43,6 +43,8 @@ class RunConfig:
     weight_decay: float = 1e-4
     seed: int = 0
     precision: str = "fp32"           #: fp32 | bf16 (autocast)
+    lr_scaling: str = "none"          #: none | linear (lr x global batch / 256, Goyal et al.)
+    warmup_epochs: float = 0.0        #: linear lr warm-up over this many epochs
     # reporting
     log_every: int = 20               #: print the loss every N steps
     warmup: int = 1                   #: first N steps left out of timing averages
@@ -123,6 +125,10 @@ class RunConfig:
             positive(name, getattr(self, name), allow_none=True)
         if self.warmup < 0 or self.checkpoint_every < 0:
             raise UsageError("--warmup and --checkpoint-every must be zero or positive")
+        if self.lr_scaling not in ("none", "linear"):
+            raise UsageError(f"--lr-scaling must be none or linear (got {self.lr_scaling!r})")
+        if self.warmup_epochs < 0:
+            raise UsageError("--warmup-epochs must be zero or positive")
         if self.momentum < 0 or self.weight_decay < 0:
             raise UsageError("--momentum and --weight-decay must be zero or positive")
         for name, allowed in (("norm", NORMS), ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .schedule import set_lr
 from .strategies.base import has_batchnorm, split_microbatches
 
 WEIGHT_ATOL = 1e-5
@@ -32,11 +33,14 @@ OUTPUT_ATOL = 1e-4
 
 
 def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
-                    bn_rule: str) -> list[float]:
-    """Train ``model`` for ``steps`` steps; ``source_batch(step, rank)`` gives shard ``rank``."""
+                    bn_rule: str, lr_for=None) -> list[float]:
+    """Train ``model`` for ``steps`` steps; ``source_batch(step, rank)`` gives shard ``rank``;
+    ``lr_for(step)`` is the learning-rate schedule (None: keep the optimizer's)."""
     losses = []
     split = has_batchnorm(model)
     for step in range(steps):
+        if lr_for is not None:
+            set_lr([optimizer], lr_for(step))
         shards = [source_batch(step, r) for r in range(replicas)]
         model.train()
         if not split:

@@ -7,6 +7,7 @@ Rank 0 gathers every rank's records at the end and writes the run directory.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -25,6 +26,7 @@ from .evaluate import evaluate
 from .models import build_model, count_parameters
 from .progress import Progress
 from .recorder import Recorder
+from .schedule import lr_at, set_lr
 from .strategies import get_strategy
 from .strategies.base import Context
 
@@ -36,11 +38,17 @@ def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def build_optimizer_factory(cfg: RunConfig):
+def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
+    """A factory strategies call on the parameters they own; ``created`` collects the
+    optimizers so the loop can drive the learning-rate schedule of all of them."""
     def make(params):
         if cfg.optimizer == "adam":
-            return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if created is not None:
+            created.append(opt)
+        return opt
     return make
 
 
@@ -49,6 +57,11 @@ def build_model_factory(cfg: RunConfig, num_classes: int):
         torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
         return build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes)
     return make
+
+
+def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int):
+    return functools.partial(lr_at, lr=cfg.lr, scaling=cfg.lr_scaling, global_batch=global_batch,
+                             warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch)
 
 
 def fault_injection(rank: int, step: int) -> None:
@@ -93,7 +106,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                         synthetic_size=cfg.synthetic_size, seed=cfg.seed)
     strategy_cls = get_strategy(cfg.strategy)
     model_fn = build_model_factory(cfg, len(data.classes))
-    optim_fn = build_optimizer_factory(cfg)
+    optimizers: list = []
+    optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options())
     strategy = strategy_cls(ctx, model_fn, optim_fn)
     replicas, replica = strategy.replicas()
@@ -101,6 +115,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
                          rank=replica, seed=cfg.seed, augment=cfg.augment)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
+    lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
     parameters = count_parameters(model_fn())
     say(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
         f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
@@ -121,6 +136,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         recorder.step = step
         t0 = recorder.now()
         fault_injection(rank, step)
+        set_lr(optimizers, lr_for(step))
         with recorder.span("data", "load"):
             x, y = source.batch(step)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -162,7 +178,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                 f"({result_eval['samples']} samples)")
         if cfg.check:
             from .check import run_check
-            check = run_check(cfg, strategy, source, model_fn, optim_fn, total_steps, comm, say)
+            check = run_check(cfg, strategy, source, model_fn, build_optimizer_factory(cfg), lr_for,
+                              total_steps, comm, say)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=parameters,
                       world=world, backend=backend, device=device, dataset=data, evaluation=result_eval,

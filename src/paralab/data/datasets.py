@@ -238,10 +238,17 @@ def check_dataset(name: str, data_dir: Path | None) -> None:
         raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if data_dir is not None and not data_dir.is_dir():
         raise UsageError(f"--data-dir {data_dir} does not exist or is not a directory")
-    if name == "cifar10" and cifar_dir(data_dir) is None:
-        load_cifar10(data_dir)  # raises with the download hint
-    if name == "fashion-mnist" and fashion_dir(data_dir) is None:
-        load_fashion_mnist(data_dir)
+    if name == "cifar10":
+        folder = cifar_dir(data_dir)
+        if folder is None:
+            load_cifar10(data_dir)  # raises with the download hint
+        for file, size in CIFAR_FILE_BYTES.items():
+            path = folder / file
+            if not path.exists() or path.stat().st_size != size:
+                raise UsageError(f"{path} is missing or has the wrong size (expected {size} bytes): "
+                                 "the download is corrupt; run `paralab data download cifar10` again")
+    if name == "fashion-mnist":
+        load_fashion_mnist(data_dir)  # small: reading it checks presence, format and MD5
 
 
 def load_dataset(name: str, data_dir: Path | None = None, *, synthetic_size: int = 10000,

@@ -1,0 +1,104 @@
+"""Bad input is refused before training: exit code 2, a message saying what to change, nothing written."""
+import gzip
+
+import pytest
+
+from paralab.cli import main
+from paralab.data.datasets import FASHION_FILES
+
+FAST = ["--dataset", "synthetic", "--width", "0.125", "--num-batches", "1"]
+
+
+def refused(capsys, tmp_path, *argv):
+    out = tmp_path / "never"
+    code = main(["train", *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not out.exists(), "a refused run must leave nothing behind"
+    return err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["warp-drive"], "unknown strategy 'warp-drive'"),
+    (["single", "--model", "alexnet"], "unknown model 'alexnet'"),
+    (["single", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (["single", "--batch-size", "0"], "--batch-size must be positive"),
+    (["single", "--num-batches", "-3"], "--num-batches must be positive"),
+    (["single", "--width", "0"], "--width must be positive"),
+    (["single", "--epochs", "0"], "--epochs must be positive"),
+    (["single", "--lr", "-1"], "--lr must be positive"),
+    (["single", "--optimizer", "lbfgs"], "--optimizer must be one of"),
+    (["single", "--precision", "fp8"], "--precision must be one of"),
+    (["single", "--norm", "group"], "--norm must be one of"),
+    (["single", "--workers", "2"], "strategy 'single' runs one process"),
+    (["single", "--check", "--precision", "bf16"], "--check compares fp32"),
+    (["single", "--rank", "0"], "needs both --world-size and --rank"),
+])
+def test_refused(capsys, tmp_path, argv, message):
+    defaults = [x for flag, value in zip(FAST[::2], FAST[1::2]) if flag not in argv for x in (flag, value)]
+    err = refused(capsys, tmp_path, *argv, *defaults)
+    assert message in err
+
+
+def test_missing_data_dir(capsys, tmp_path):
+    err = refused(capsys, tmp_path, "single", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "nope"))
+    assert "does not exist" in err
+
+
+def test_cifar_absent_says_how_to_get_it(capsys, tmp_path):
+    err = refused(capsys, tmp_path, "single", "--dataset", "cifar10", "--data-dir", str(tmp_path))
+    assert "paralab data download cifar10" in err and "synthetic" in err
+
+
+def test_corrupt_cifar_file(capsys, tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (folder / name).write_bytes(b"garbage")
+    # presence passes validation; the size check refuses before any training step
+    err = refused(capsys, tmp_path, "single", "--dataset", "cifar10", "--data-dir", str(tmp_path))
+    assert "corrupt" in err
+
+
+def test_corrupt_fashion_file(capsys, tmp_path):
+    for name, _ in FASHION_FILES.values():
+        with gzip.open(tmp_path / name, "wb") as f:
+            f.write(b"\x00\x00\x08\x01\x00\x00\x00\x02ab")
+    err = refused(capsys, tmp_path, "single", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path))
+    assert "MD5" in err
+
+
+def test_resume_without_checkpoint(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    err = refused(capsys, tmp_path, "single", *FAST, "--resume", str(tmp_path / "empty"))
+    assert "no checkpoint" in err
+
+
+def test_resume_from_another_model(capsys, tmp_path):
+    assert main(["train", "single", *FAST, "--no-progress", "--eval-batches", "1",
+                 "--out", str(tmp_path / "vgg")]) == 0
+    capsys.readouterr()
+    err = refused(capsys, tmp_path, "single", *FAST, "--model", "resnet18", "--resume", str(tmp_path / "vgg"))
+    assert "different run" in err and "resnet18" in err
+
+
+def test_existing_run_directory_is_not_overwritten(capsys, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "single", *FAST, "--no-progress", "--eval-batches", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["train", "single", *FAST, "--out", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "single", "--batch-size", "many"])
+    assert exc.value.code == 2
+
+
+def test_help_for_every_command(capsys):
+    for argv in (["--help"], ["train", "--help"], ["data", "--help"], ["data", "info", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    assert "--batch-size" in capsys.readouterr().out
