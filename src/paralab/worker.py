@@ -99,6 +99,9 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_meth
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path):
     recorder = Recorder(rank, device)
     comm = Comm(recorder, rank, world)
+    if world > 1:  # a common time origin, so the ranks' timelines line up
+        dist.barrier()
+        recorder.origin = time.perf_counter()
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
 
