@@ -170,3 +170,17 @@ def test_data_info_lists_every_dataset(tmp_path):
     make_cifar(tmp_path)
     text = info(tmp_path)
     assert "cifar10        present" in text and "synthetic" in text and "auto picks: cifar10" in text
+
+
+def test_test_shards_are_padded_to_equal_calls_and_cover_every_sample_once():
+    data = make_synthetic(train_size=64, test_size=1001)
+    seen = []
+    shapes = []
+    for rank in range(2):
+        src = BatchSource(data, per_rank_batch=8, replicas=2, rank=rank)
+        batches = list(src.test_batches(500))
+        shapes.append([len(y) for _, y, _ in batches])
+        for x, y, real in batches:
+            seen += y[real].tolist()
+    assert shapes[0] == shapes[1] == [500, 1]
+    assert sorted(seen) == sorted(data.test_y.tolist())

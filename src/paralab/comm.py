@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .recorder import Recorder
+from .recorder import Recorder, Span
 
 SUM = dist.ReduceOp.SUM
 
@@ -43,10 +43,14 @@ class Pending:
     t_launch: float
     step: int
     done_at: float | None = None
+    on_wait: object = None  # records the interval at wait() where the work has no future (gloo send/recv)
 
-    def wait(self) -> None:
-        with self.comm.recorder.span("comm", f"wait:{self.name}", op=self.op):
+    def wait(self, category: str = "comm", **args) -> None:
+        """Block until done; ``category="idle"`` marks a wait for a peer with nothing else to do."""
+        with self.comm.recorder.span(category, f"wait:{self.name}", op=self.op, **args):
             self.work.wait()
+        if self.on_wait is not None and self.done_at is None:
+            self.on_wait(None)
 
 
 class Comm:
@@ -67,12 +71,17 @@ class Comm:
 
         def finished(_fut):
             pending.done_at = rec.now() if not rec.cuda else time.perf_counter() - rec.origin
-            step, rec.step = rec.step, pending.step
-            rec.add("comm", name, t0, pending.done_at, size, op=kind, **{"async": True})
-            rec.step = step
+            # runs on the backend's thread: build the span with its own step rather than
+            # swapping rec.step, which the training thread may be changing at this moment
+            if rec.enabled:
+                rec.spans.append(Span(rec.rank, pending.step, "comm", name, t0, pending.done_at, size,
+                                      {"op": kind, "async": True}))
             return None
 
-        work.get_future().then(finished)
+        try:
+            work.get_future().then(finished)
+        except RuntimeError:  # gloo point-to-point work has no future: the interval ends at wait()
+            pending.on_wait = finished
         return pending
 
     # ------------------------------------------------------------ collectives

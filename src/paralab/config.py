@@ -89,7 +89,7 @@ class RunConfig:
     def strategy_options(self) -> dict:
         return {k: getattr(self, k) for k in
                 ("bucket_mb", "accumulate", "microbatches", "schedule", "partition", "zero_stage",
-                 "model", "width", "norm", "batch_size")}
+                 "model", "width", "norm", "batch_size", "warmup")}
 
     def default_out(self) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -1,7 +1,8 @@
 """Test-split evaluation: loss, accuracy, per-class precision/recall/F1, confusion matrix.
 
 Each rank predicts the test samples it is given (data-parallel ranks a
-strided share; pipeline ranks all of it, the last stage producing logits);
+strided share, padded to equal length and the padding left out of the counts;
+pipeline ranks all of it, the last stage producing logits);
 confusion matrices and loss sums are then added over ranks, so the numbers
 are the same whatever the strategy.
 """
@@ -20,10 +21,10 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
     loss_sum = 0.0
     batches = list(source.test_batches(batch_size, max_batches))
     bar = Progress(len(batches), "eval", enabled=progress)
-    for i, (x, y) in enumerate(batches):
+    for i, (x, y, real) in enumerate(batches):
         logits = strategy.predict(x.to(device))
         if logits is not None:
-            logits = logits.float().cpu()
+            logits, y = logits.float().cpu()[real], y[real]
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             pred = logits.argmax(1)
             confusion += torch.bincount(y * k + pred, minlength=k * k).view(k, k)

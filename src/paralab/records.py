@@ -72,7 +72,19 @@ def bus_factor(op: str, world: int) -> float:
         return 2 * (world - 1) / world
     if op in ("all_gather", "reduce_scatter"):
         return (world - 1) / world
+    if op in ("gather", "scatter"):  # the root's link carries N-1 shards of the (per-rank) size recorded
+        return world - 1
     return 1.0
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Time covered by the union of intervals (asynchronous calls overlap: count each moment once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, world: int,
@@ -105,18 +117,21 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         op = s.get("args", {}).get("op", s["name"])
         entry = by_op.setdefault(op, {"bytes": 0, "seconds": 0.0, "calls": 0})
         entry["bytes"] += s["bytes"]
-        entry["seconds"] += s["t1"] - s["t0"]
+        entry.setdefault("_intervals", {}).setdefault(s["rank"], []).append((s["t0"], s["t1"]))
         entry["calls"] += 1
+    for entry in by_op.values():  # per rank, the time this kind of call was in progress
+        entry["seconds"] = sum(busy_seconds(iv) for iv in entry.pop("_intervals").values())
     for op, entry in by_op.items():
         entry["bytes_per_step"] = entry["bytes"] / max(len(measured), 1) / max(len(ranks), 1)
         entry["algbw_GBps"] = entry["bytes"] / entry["seconds"] / 1e9 if entry["seconds"] else None
         factor = bus_factor(op, world)
         entry["busbw_GBps"] = entry["algbw_GBps"] * factor if entry["algbw_GBps"] else None
-    bus = [e for op, e in by_op.items() if op in ("all_reduce", "all_gather", "reduce_scatter")]
+    collectives = ("all_reduce", "all_gather", "reduce_scatter", "gather", "scatter")
+    bus = [e for op, e in by_op.items() if op in collectives]
     bus_bandwidth = None
     if bus:
         moved = sum(e["bytes"] * bus_factor(op, world) for op, e in by_op.items()
-                    if op in ("all_reduce", "all_gather", "reduce_scatter"))
+                    if op in collectives)
         secs = sum(e["seconds"] for e in bus)
         bus_bandwidth = moved / secs / 1e9 if secs else None
 

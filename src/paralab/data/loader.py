@@ -1,6 +1,8 @@
 """Turn a step number into the float tensors one rank trains on."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .datasets import Dataset
@@ -39,12 +41,21 @@ class BatchSource:
         return normalize(images, self.data.mean, self.data.std), self.data.train_y[idx]
 
     def test_batches(self, batch_size: int, max_batches: int | None = None):
-        """This rank's share of the test split (strided, unpadded), in batches."""
-        idx = torch.arange(self.rank, len(self.data.test_y), self.replicas)
-        count = 0
-        for start in range(0, len(idx), batch_size):
+        """This rank's share of the test split, in batches of (images, labels, real).
+
+        Rank r takes samples r, r+N, ...; shares are padded to equal length (as
+        DistributedSampler does) so every rank makes the same number of equally
+        sized predict calls, which sharded strategies need (their predict is a
+        collective). ``real`` marks the rows that are not padding.
+        """
+        n = len(self.data.test_y)
+        per_rank = math.ceil(n / self.replicas)
+        positions = torch.arange(self.rank, per_rank * self.replicas, self.replicas)
+        real = positions < n
+        idx = torch.where(real, positions, positions % n)
+        for count, start in enumerate(range(0, per_rank, batch_size)):
             if max_batches is not None and count >= max_batches:
                 return
             sel = idx[start:start + batch_size]
-            yield normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel]
-            count += 1
+            yield (normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel],
+                   real[start:start + batch_size])

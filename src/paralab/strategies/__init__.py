@@ -7,7 +7,14 @@ from ..errors import UsageError
 
 REGISTRY = {
     "single": "paralab.strategies.single:Single",
+    "gather-scatter": "paralab.strategies.gather_scatter:GatherScatter",
     "allreduce": "paralab.strategies.allreduce:AllReduce",
+    "ddp": "paralab.strategies.ddp:DDP",
+    "torch-ddp": "paralab.strategies.torch_ddp:TorchDDP",
+    "fsdp": "paralab.strategies.fsdp:FSDP",
+    "torch-fsdp": "paralab.strategies.torch_fsdp:TorchFSDP",
+    "model": "paralab.strategies.model_parallel:ModelParallel",
+    "pipeline": "paralab.strategies.pipeline:Pipeline",
 }
 
 

@@ -1,0 +1,233 @@
+"""Sharded data-parallel benchmark: ddp, fsdp at ZeRO stages 1-3, torch-fsdp; throughput and memory.
+
+``python bench/fsdp.py [--width 1.0] [--batch-size 256] [--steps 5] [--repeats 2]``
+
+Every variant trains VGG-11 on the same global batch through the ordinary
+command line (``paralab train``), 2 workers x 1 core (``--cores-per-worker
+1``), synthetic data. Variants: ``ddp`` (``allreduce`` if ``ddp`` is not
+registered: the same memory), ``fsdp`` at ``--zero-stage`` 1, 2 and 3,
+``fsdp`` stage 3 with prefetch off (``PARALAB_FSDP_PREFETCH=0``: what the
+prefetch buys) and ``torch-fsdp``.
+
+Throughput: global batch / the median step time (slowest rank per step, from
+steps.jsonl, after warm-up), so a spike from another process on the machine
+does not count; with ``--repeats R`` the variants run R times, interleaved,
+and each variant's best run counts.
+
+Memory per rank: parameter + gradient + optimizer-state bytes.
+- ``fsdp``/``torch-fsdp``: what the strategy counted (summary.json
+  ``strategy_details.<rank>.memory``): the peak of the three held at the
+  same moment, and each category's own peak; beside the cost model's
+  prediction (analysis/memory.py) for the same stage.
+- ``ddp``: counted here from the model: a full replica's parameters, its
+  gradients and the optimizer's state after one step (every rank of a
+  replicated strategy holds exactly these).
+
+Targets: fsdp stage 3 >= 0.9 x torch-fsdp samples/s; fsdp stage 3's resident
+parameter + gradient + optimizer bytes per rank <= ddp's / N + one unit's
+full parameters (the largest unit). Writes ``bench/results/fsdp.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("ddp", "fsdp1", "fsdp2", "fsdp3", "fsdp3-noprefetch", "torch-fsdp")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="bench/fsdp.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="vgg11")
+    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (0.25 for a quick run)")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, the same for every variant")
+    p.add_argument("--steps", type=int, default=5, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--cores-per-worker", type=int, default=1)
+    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam")
+    p.add_argument("--repeats", type=int, default=2, help="run every variant R times, interleaved; keep the best")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=str(HERE / "results" / "fsdp.json"))
+    return p.parse_args(argv)
+
+
+def registered(name: str) -> bool:
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from paralab.strategies import strategy_names
+    return name in strategy_names()
+
+
+def command(variant: str, ddp_name: str) -> tuple[list[str], dict]:
+    env = {}
+    if variant == "ddp":
+        return [ddp_name], env
+    if variant.startswith("fsdp"):
+        if variant.endswith("noprefetch"):
+            env["PARALAB_FSDP_PREFETCH"] = "0"
+        return ["fsdp", "--zero-stage", variant[4]], env
+    return [variant], env
+
+
+def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
+    out = workdir / f"{variant}-{tag}"
+    strategy, extra_env = command(variant, ddp_name)
+    cmd = [sys.executable, "-m", "paralab", "train", *strategy, "--workers", str(args.workers),
+           "--cores-per-worker", str(args.cores_per_worker), "--model", args.model, "--width", str(args.width),
+           "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
+           "--optimizer", args.optimizer, "--dataset", "synthetic",
+           "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",
+           "--eval-batch-size", "100", "--no-progress", "--log-every", str(args.steps), "--out", str(out)]
+    env = {**os.environ, **extra_env,
+           "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"{variant} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows})
+    measured = [st for st in steps if st >= steps[0] + args.warmup] or steps
+    step_s = [max(r["seconds"] for r in rows if r["step"] == st) for st in measured]
+    ranks = list(s["split"].values())
+    details = s.get("strategy_details") or {}
+    memory = [d["memory"] for d in details.values() if isinstance(d, dict) and "memory" in d]
+    result = {
+        "variant": variant, "strategy": " ".join(strategy), "samples_per_s": s["global_batch"] / statistics.median(step_s),
+        "samples_per_s_mean": s["samples_per_s"], "median_step_s": statistics.median(step_s),
+        "compute_s": max(r["compute"] for r in ranks), "comm_exposed_s": max(r["comm"] for r in ranks),
+        "comm_in_flight_s": max(r["comm_async"] for r in ranks),
+        "comm_bytes_per_step": max(s["comm_bytes"].values()) if s["comm_bytes"] else 0,
+        "parameters": s["parameters"], "global_batch": s["global_batch"], "run": str(out),
+    }
+    if memory:
+        worst = max(memory, key=lambda m: m["measured"]["resident_peak_bytes"])
+        result["memory"] = {"resident_peak_bytes": worst["measured"]["resident_peak_bytes"],
+                            "resident_peak_split": worst["measured"]["resident_peak_split"],
+                            "resident_peak_at": worst["measured"]["resident_peak_at"],
+                            "peak_bytes": worst["measured"]["peak_bytes"],
+                            "predicted_bytes": worst["predicted"]["bytes"],
+                            "predicted_formula": worst["predicted"]["formulas"]["total"]["substituted"]}
+        if "cuda_max_memory_allocated_bytes" in worst["measured"]:
+            result["memory"]["cuda_max_memory_allocated_bytes"] = worst["measured"]["cuda_max_memory_allocated_bytes"]
+        d0 = details.get("0", {})
+        for key in ("reduce_scatter", "largest_unit", "padding_elements"):
+            if key in d0:
+                result[key] = d0[key]
+    return result
+
+
+def replica_bytes(args) -> dict:
+    """Parameters, gradients and optimizer state of one full replica, counted after one step."""
+    sys.path.insert(0, str(HERE.parent / "src"))
+    import torch
+    import torch.nn.functional as F
+    from paralab.models import build_model
+    torch.manual_seed(0)
+    model = build_model(args.model, width=args.width)
+    if args.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
+    opt.step()
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    params = sum(size(p) for p in model.parameters())
+    grads = sum(size(p.grad) for p in model.parameters())
+    state = sum(size(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    units = [sum(size(p) for p in u.parameters()) for u in model]
+    return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state,
+            "largest_unit_bytes": max(units)}
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        print(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    ddp_name = "ddp" if registered("ddp") else "allreduce"
+    if ddp_name != "ddp":
+        print("bench fsdp: strategy 'ddp' is not registered; using 'allreduce' (same memory)", flush=True)
+    ddp_memory = replica_bytes(args)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    load_before = os.getloadavg()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="paralab-bench-fsdp-") as tmp:
+        for rep in range(args.repeats):
+            for name in names:
+                print(f"bench fsdp: {name} (run {rep + 1}/{args.repeats}) ...", flush=True)
+                try:
+                    runs[name].append(run_one(name, args, Path(tmp), str(rep), ddp_name))
+                except RuntimeError as exc:
+                    print(exc, file=sys.stderr)
+                    return 1
+    best = {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}
+    if "ddp" in best:
+        best["ddp"]["memory"] = {"resident_peak_bytes": ddp_memory["total"], "peak_bytes": {
+            k: ddp_memory[k] for k in ("params", "grads", "optimizer")}, "counted": "from the model (full replica)"}
+
+    ratios, checks = {}, {}
+    if "fsdp3" in best and "torch-fsdp" in best:
+        ratios["fsdp3_over_torch_fsdp"] = best["fsdp3"]["samples_per_s"] / best["torch-fsdp"]["samples_per_s"]
+        checks["fsdp3_over_torch_fsdp"] = {"value": ratios["fsdp3_over_torch_fsdp"], "target": ">= 0.9",
+                                           "met": ratios["fsdp3_over_torch_fsdp"] >= 0.9}
+    if "fsdp3" in best and "fsdp3-noprefetch" in best:
+        ratios["prefetch_speedup"] = best["fsdp3"]["samples_per_s"] / best["fsdp3-noprefetch"]["samples_per_s"]
+    if "fsdp3" in best:
+        limit = ddp_memory["total"] / args.workers + ddp_memory["largest_unit_bytes"]
+        measured = best["fsdp3"]["memory"]["resident_peak_bytes"]
+        checks["fsdp3_resident_bytes"] = {"value": measured, "limit": limit,
+                                          "limit_formula": f"ddp {ddp_memory['total']} B / {args.workers} + "
+                                                           f"largest unit {ddp_memory['largest_unit_bytes']} B",
+                                          "met": measured <= limit, "over_by_bytes": max(0, measured - limit)}
+    result = {"benchmark": "fsdp", "model": args.model, "width": args.width, "global_batch": args.batch_size,
+              "steps": args.steps, "warmup": args.warmup, "workers": args.workers,
+              "cores_per_worker": args.cores_per_worker, "optimizer": args.optimizer, "repeats": args.repeats,
+              "ddp_strategy": ddp_name, "cpu_count": os.cpu_count(), "load_average_before": load_before,
+              "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
+              "ddp_replica_bytes": ddp_memory, "best": best, "all_runs": runs, "ratios": ratios,
+              "targets": checks}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "-"  # noqa: E731
+    print(f"\n{args.model} width {args.width}, global batch {args.batch_size}, {args.workers} workers x "
+          f"{args.cores_per_worker} core, {args.optimizer}; best of {args.repeats} (median step); load average "
+          f"before {load_before[0]:.1f}, after {result['load_average_after'][0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'variant':<18}{'samples/s':>10}{'step s':>8}{'comm exp s':>11}{'in flight s':>12}"
+          f"{'resident MB':>12}{'params MB':>10}{'grads MB':>9}{'optim MB':>9}{'model MB':>9}")
+    for n in names:
+        b = best[n]
+        m = b.get("memory", {})
+        peaks = m.get("resident_peak_split") or m.get("peak_bytes") or {}
+        predicted = (m.get("predicted_bytes") or {}).get("total")
+        if n == "ddp":
+            predicted = ddp_memory["total"]
+        print(f"{n:<18}{b['samples_per_s']:>10.1f}{b['median_step_s']:>8.3f}{b['comm_exposed_s']:>11.3f}"
+              f"{b['comm_in_flight_s']:>12.3f}{mb(m.get('resident_peak_bytes')):>12}{mb(peaks.get('params')):>10}"
+              f"{mb(peaks.get('grads')):>9}{mb(peaks.get('optimizer')):>9}{mb(predicted):>9}")
+    print("(resident = peak of parameters + gradients + optimizer state held at the same moment, split at "
+          "that moment; model = the cost model's model states; torch-fsdp is observed at unit boundaries)")
+    if "prefetch_speedup" in ratios:
+        print(f"prefetch: fsdp3 / fsdp3-noprefetch throughput = {ratios['prefetch_speedup']:.3f}")
+    for key, c in checks.items():
+        if "limit" in c:
+            print(f"{key} = {mb(c['value'])} MB  (target <= {mb(c['limit'])} MB = {c['limit_formula']}: "
+                  f"{'met' if c['met'] else 'NOT met'})")
+        else:
+            print(f"{key} = {c['value']:.3f}  (target {c['target']}: {'met' if c['met'] else 'NOT met'})")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,203 @@
+"""Memory per worker for model states: DDP and ZeRO stages 1, 2 and 3.
+
+The model of Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models* (SC'20, sec. 3.1 and 5.1). For a model of Psi
+parameters on N data-parallel workers, each worker holds three *model
+states*:
+
+- parameters: ``p`` bytes per parameter,
+- gradients: ``g`` bytes per parameter,
+- optimizer state: ``K`` bytes per parameter (everything the optimizer keeps
+  besides the working parameters and gradients).
+
+Bytes per parameter by precision and optimizer:
+
+===========  ====  ====  ===========================================  ====
+precision     p     g    optimizer state                               K
+===========  ====  ====  ===========================================  ====
+fp32          4     4    sgd: none / sgd-momentum: momentum / adam:   0/4/8
+                         exp_avg + exp_avg_sq
+mixed         2     2    fp32 master weights (4) + the above in fp32  4/8/12
+===========  ====  ====  ===========================================  ====
+
+(``mixed`` = fp16 or bf16 parameters and gradients with an fp32 optimizer;
+with Adam this is the paper's K = 12.)
+
+Per worker, where each stage partitions one more state over the N workers:
+
+- DDP (no partitioning):       ``(p + g + K) x Psi``
+- ZeRO-1 (P_os, optimizer):    ``(p + g) x Psi + K x Psi / N``
+- ZeRO-2 (P_os+g, + grads):    ``p x Psi + (g + K) x Psi / N``
+- ZeRO-3 (P_os+g+p, + params): ``(p + g + K) x Psi / N``
+
+The paper's example (7.5B parameters, N = 64, mixed-precision Adam) gives
+120 GB, 31.4 GB, 16.6 GB and 1.9 GB (1 GB = 10^9 B); ``tests`` check it.
+
+Activations, temporary buffers (a ZeRO-3 worker's gathered unit, a unit's
+full gradient before it is reduce-scattered, communication buffers) and
+fragmentation are *not* model states and are not in these formulas; pass
+``unit_parameters`` to :func:`memory_per_worker` to add the working set of
+ZeRO-3 (one unit's parameters gathered at a time) as a separate line.
+
+Use::
+
+    from paralab.analysis.memory import memory_per_worker, zero_table
+    est = memory_per_worker(7_500_000_000, 64, stage=3, optimizer="adam", precision="mixed")
+    est.total            # 1.875e9 bytes
+    print(est.text())    # each component: formula, numbers substituted, result
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cost import GB, Formula, fmt_bytes, g
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
+PRECISIONS = ("fp32", "mixed")
+STAGES = (0, 1, 2, 3)
+#: the name of each stage as used on the command line and in reports
+STAGE_NAMES = {0: "ddp", 1: "zero-1", 2: "zero-2", 3: "zero-3"}
+
+#: optimizer state in fp32 elements per parameter (momentum: 1, Adam: 2)
+_STATE_ELEMENTS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class BytesPerParameter:
+    """p, g, K of the ZeRO paper for one precision and optimizer."""
+    params: int      # p
+    grads: int       # g
+    optimizer: int   # K
+    explain: str     # where K comes from, in words
+
+
+def bytes_per_parameter(optimizer: str, precision: str = "fp32") -> BytesPerParameter:
+    """The paper's p, g and K for ``optimizer`` ("sgd", "sgd-momentum", "adam") and ``precision``."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    states = _STATE_ELEMENTS[optimizer]
+    what = {"sgd": "no state", "sgd-momentum": "momentum", "adam": "exp_avg + exp_avg_sq"}[optimizer]
+    if precision == "fp32":
+        return BytesPerParameter(4, 4, 4 * states, f"fp32 {what}" if states else what)
+    master = "fp32 master weights" + (f" + fp32 {what}" if states else "")
+    return BytesPerParameter(2, 2, 4 + 4 * states, master)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per worker for one strategy: the components, their formulas, the total."""
+    stage: int               # 0 = DDP, 1..3 = ZeRO stage
+    parameters: int          # Psi
+    workers: int             # N
+    optimizer: str
+    precision: str
+    per_parameter: BytesPerParameter
+    params: Formula          # each component as a Formula (value in bytes)
+    grads: Formula
+    optimizer_state: Formula
+    total_formula: Formula
+    working: Formula | None = None  # ZeRO-3: one gathered unit (not a model state), if asked for
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return STAGE_NAMES[self.stage]
+
+    @property
+    def total(self) -> float:
+        """Model states per worker in bytes (without the working set)."""
+        return self.total_formula.value
+
+    def components(self) -> dict[str, float]:
+        """Bytes per component, for JSON records and tables."""
+        out = {"params": self.params.value, "grads": self.grads.value,
+               "optimizer": self.optimizer_state.value, "total": self.total}
+        if self.working is not None:
+            out["working_unit_params"] = self.working.value
+        return out
+
+    def to_dict(self) -> dict:
+        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer_state),
+                 ("total", self.total_formula)] + ([("working_unit_params", self.working)] if self.working else [])
+        return {"strategy": self.name, "stage": self.stage, "parameters": self.parameters,
+                "workers": self.workers, "optimizer": self.optimizer, "precision": self.precision,
+                "bytes_per_parameter": {"p": self.per_parameter.params, "g": self.per_parameter.grads,
+                                        "K": self.per_parameter.optimizer},
+                "bytes": self.components(),
+                "formulas": {k: {"formula": f.formula, "substituted": f.substituted, "value": f.value}
+                             for k, f in parts}}
+
+    def text(self) -> str:
+        parts = [self.params, self.grads, self.optimizer_state, self.total_formula]
+        if self.working is not None:
+            parts.append(self.working)
+        head = (f"{self.name}: {g(self.parameters)} parameters, {self.workers} workers, {self.optimizer}, "
+                f"{self.precision} (p={self.per_parameter.params}, g={self.per_parameter.grads}, "
+                f"K={self.per_parameter.optimizer}: {self.per_parameter.explain})")
+        return "\n".join([head] + [line for f in parts for line in f.lines()])
+
+
+def _component(title: str, coeff: int, symbol: str, parameters: int, workers: int, sharded: bool) -> Formula:
+    psi, n = parameters, workers
+    if sharded:
+        value = coeff * psi / n
+        return Formula(title, f"{symbol} x Psi / N", f"{coeff} x {g(psi)} / {n}", value, "B",
+                       parts={"sharded": True})
+    value = float(coeff * psi)
+    return Formula(title, f"{symbol} x Psi", f"{coeff} x {g(psi)}", value, "B", parts={"sharded": False})
+
+
+def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: str = "sgd-momentum",
+                      precision: str = "fp32", unit_parameters: int | None = None) -> MemoryEstimate:
+    """Model-state bytes per worker for DDP (``stage=0``) or ZeRO ``stage`` 1, 2, 3.
+
+    ``parameters``: Psi, the model's parameter count; ``workers``: N, the
+    data-parallel workers; ``optimizer``: "sgd", "sgd-momentum" or "adam";
+    ``precision``: "fp32" or "mixed". ``unit_parameters`` (optional, ZeRO-3):
+    the largest unit's parameter count, added as a separate *working* line
+    (the one unit gathered in full while it runs).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (got {stage!r})")
+    if parameters < 0 or workers < 1:
+        raise ValueError("parameters must be >= 0 and workers >= 1")
+    b = bytes_per_parameter(optimizer, precision)
+    psi, n = parameters, workers
+    params = _component("parameters", b.params, "p", psi, n, sharded=stage >= 3)
+    grads = _component("gradients", b.grads, "g", psi, n, sharded=stage >= 2)
+    state = _component("optimizer state", b.optimizer, "K", psi, n, sharded=stage >= 1)
+    formulas = {0: "(p + g + K) x Psi", 1: "(p + g) x Psi + K x Psi / N",
+                2: "p x Psi + (g + K) x Psi / N", 3: "(p + g + K) x Psi / N"}
+    subs = {0: f"({b.params} + {b.grads} + {b.optimizer}) x {g(psi)}",
+            1: f"({b.params} + {b.grads}) x {g(psi)} + {b.optimizer} x {g(psi)} / {n}",
+            2: f"{b.params} x {g(psi)} + ({b.grads} + {b.optimizer}) x {g(psi)} / {n}",
+            3: f"({b.params} + {b.grads} + {b.optimizer}) x {g(psi)} / {n}"}
+    value = params.value + grads.value + state.value
+    total = Formula(f"{STAGE_NAMES[stage]}: model states per worker", formulas[stage],
+                    f"{subs[stage]} = {fmt_bytes(value)}", value, "B",
+                    note="1 GB = 10^9 B; activations and temporary buffers not included")
+    working = None
+    if unit_parameters is not None and stage >= 3:
+        working = Formula("working set: one unit gathered in full", "p x Psi_unit",
+                          f"{b.params} x {g(unit_parameters)}", float(b.params * unit_parameters), "B",
+                          note="transient, beside the model states")
+    return MemoryEstimate(stage, psi, n, optimizer, precision, b, params, grads, state, total, working)
+
+
+def zero_table(parameters: int, workers: int, optimizer: str = "sgd-momentum",
+               precision: str = "fp32") -> list[MemoryEstimate]:
+    """DDP and ZeRO 1/2/3 side by side, in that order."""
+    return [memory_per_worker(parameters, workers, s, optimizer, precision) for s in STAGES]
+
+
+def optimizer_kind(optimizer: str, momentum: float = 0.0) -> str:
+    """The model's optimizer name for paralab's ``--optimizer`` and ``--momentum``."""
+    if optimizer == "adam":
+        return "adam"
+    return "sgd-momentum" if momentum else "sgd"
+
+
+def in_gb(nbytes: float) -> float:
+    return nbytes / GB

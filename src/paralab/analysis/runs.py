@@ -1,0 +1,163 @@
+"""Reading run directories: the only input of plots, reports and run analyses.
+
+A run directory (see DESIGN.md) holds ``config.json``, ``summary.json``,
+``steps.jsonl`` and ``spans.jsonl``. :func:`load_run` reads one lazily (the
+span file can be large) and refuses, with a message saying what to pass
+instead, anything that is not a finished run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+
+CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    summary: dict
+    _steps: list | None = field(default=None, repr=False)
+    _spans: list | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------ identity
+    @property
+    def strategy(self) -> str:
+        return self.summary.get("strategy") or self.config.get("strategy", "?")
+
+    @property
+    def workers(self) -> int:
+        return int(self.summary.get("workers") or self.config.get("workers") or 1)
+
+    @property
+    def label(self) -> str:
+        """``strategy wN``, plus the pipeline schedule / microbatches where they matter."""
+        extra = ""
+        if self.strategy == "pipeline":
+            extra = f" {self.config.get('schedule', '')} m{self.config.get('microbatches', '')}"
+        return f"{self.strategy} w{self.workers}{extra}"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # ------------------------------------------------------------ figures
+    def get(self, key, default=None):
+        return self.summary.get(key, default)
+
+    @property
+    def seconds_per_iter(self) -> float | None:
+        return self.summary.get("seconds_per_iter")
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.summary.get("samples_per_s")
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(int(r) for r in (self.summary.get("split") or {}))
+
+    def split(self, rank: int) -> dict:
+        return (self.summary.get("split") or {}).get(str(rank), {})
+
+    @property
+    def environment(self) -> dict:
+        return self.config.get("environment", {})
+
+    @property
+    def details(self) -> dict:
+        """``strategy_details`` of summary.json: per rank (string keys), strategy-specific figures."""
+        return self.summary.get("strategy_details") or {}
+
+    # ------------------------------------------------------------ records
+    @property
+    def steps(self) -> list[dict]:
+        if self._steps is None:
+            self._steps = read_jsonl(self.path / "steps.jsonl")
+        return self._steps
+
+    @property
+    def spans(self) -> list[dict]:
+        if self._spans is None:
+            self._spans = read_jsonl(self.path / "spans.jsonl")
+        return self._spans
+
+    def measured_steps(self) -> list[int]:
+        """Steps that count in averages: all after the first ``warmup``."""
+        timed = sorted({r["step"] for r in self.steps if r["step"] >= 0})
+        if not timed:
+            return []
+        warm = int(self.summary.get("warmup", self.config.get("warmup", 1)) or 0)
+        measured = [s for s in timed if s >= timed[0] + warm]
+        return measured or timed
+
+    def step_spans(self, step: int) -> list[dict]:
+        return [s for s in self.spans if s["step"] == step]
+
+    def step_rows(self, step: int) -> list[dict]:
+        return [r for r in self.steps if r["step"] == step]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / "summary.json").is_file()
+
+
+def load_run(path) -> Run:
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path} does not exist; pass a run directory written by `paralab train`")
+    if not path.is_dir() or not (path / "summary.json").is_file():
+        hint = ""
+        if path.is_dir() and (path / "runs").is_dir():
+            hint = f" (it looks like a compare report: pass {path}/runs/*)"
+        raise UsageError(f"{path} is not a finished run directory (no summary.json){hint}; "
+                         "pass directories written by `paralab train`")
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: unreadable run record ({exc})") from None
+    return Run(path, config, summary)
+
+
+def load_runs(paths, skip_unfinished: bool = False, warn=None) -> list[Run]:
+    """Load every path; with ``skip_unfinished``, directories without summary.json (a failed run
+    of a comparison) are left out with a warning, as long as at least one finished run remains."""
+    runs, skipped = [], []
+    for p in paths:
+        p = Path(p)
+        if skip_unfinished and p.is_dir() and not (p / "summary.json").exists() and not (p / "runs").is_dir():
+            skipped.append(p)
+            continue
+        runs.append(load_run(p))
+    if not runs:
+        if skipped:
+            raise UsageError(f"none of these is a finished run directory (no summary.json): "
+                             f"{', '.join(map(str, skipped[:3]))}; pass directories written by `paralab train`")
+        raise UsageError("no run directories given")
+    for p in skipped:
+        (warn or (lambda m: None))(f"skipping {p}: not a finished run (no summary.json)")
+    return runs
+
+
+def sort_runs(runs: list[Run], order: list[str] | None = None) -> list[Run]:
+    """By strategy (in ``order``, else registry order, else name), then worker count."""
+    if order is None:
+        try:
+            from ..strategies import strategy_names
+            order = strategy_names()
+        except Exception:  # noqa: BLE001 - ordering only
+            order = []
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(runs, key=lambda r: (rank.get(r.strategy, len(rank)), r.strategy, r.workers, r.label))

@@ -1,0 +1,369 @@
+"""The cost model, with the arithmetic shown: each formula, the numbers substituted, the result.
+
+  memory      model-state bytes per worker: DDP and ZeRO stages 1, 2, 3
+  allreduce   gradient synchronisation time: ring all-reduce and gather/scatter through a root
+  bubble      pipeline bubble (p-1)/(m+p-1) and microbatches alive, GPipe and 1F1B
+  comm        model/pipeline traffic at the partition boundaries (the real partition)
+  run         from a run directory: achieved bandwidth and utilisation (HPML Lab 4 Q3.2),
+              predicted vs measured communication time, measured vs predicted bubble
+
+Units: bytes with 1 GB = 10^9 B; --bandwidth in gigabits per second (Gb/s);
+--latency in microseconds.
+
+examples:
+  paralab calc memory --parameters 7.5e9 --workers 64 --optimizer adam --precision mixed
+  paralab calc memory --model vgg11 --workers 4
+  paralab calc allreduce --parameters 10e9 --precision fp16 --workers 8 --bandwidth 100
+  paralab calc allreduce --model vgg11 --workers 4 --bandwidth 10 --latency 50 --per-tensor
+  paralab calc bubble --stages 4 --microbatches 1,4,8,32
+  paralab calc comm --model vgg11 --workers 4 --batch-size 256
+  paralab calc run runs/ddp-w2-20250101-120000 --bandwidth 10
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from ..errors import UsageError
+
+HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
+
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _parent_parser(p):
+    return type(p)
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT", parser_class=_parent_parser(p))
+
+    q = sub.add_parser("memory", help="model-state bytes per worker: DDP and ZeRO 1/2/3",
+                       description="Bytes per worker of parameters, gradients and optimizer state for DDP and "
+                                   "ZeRO stages 1, 2, 3 (Rajbhandari et al. 2020).")
+    _size_options(q, bytes_option=False)
+    q.add_argument("--workers", type=int, required=True, help="data-parallel workers N")
+    q.add_argument("--optimizer", default="sgd-momentum", help="sgd | sgd-momentum | adam (default %(default)s)")
+    q.add_argument("--precision", default="fp32",
+                   help="fp32 | mixed (fp16/bf16 parameters and gradients, fp32 optimizer state and master "
+                        "weights) (default %(default)s)")
+    q.add_argument("--stage", help="only these stages, e.g. 0,3 (0 = DDP; default all)")
+    q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
+
+    q = sub.add_parser("allreduce", help="gradient synchronisation time: ring and gather/scatter",
+                       description="Time to average S bytes of gradients over N workers: ring all-reduce "
+                                   "2(N-1)/N x S/B + 2(N-1) x latency, and gather/scatter through a root.")
+    _size_options(q, bytes_option=True)
+    q.add_argument("--precision", default="fp32", help="gradient precision: fp32 | fp16 | bf16 (default %(default)s)")
+    q.add_argument("--workers", type=int, required=True, help="workers N")
+    q.add_argument("--bandwidth", type=float, required=True, help="link bandwidth B in Gb/s (gigabits per second)")
+    q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
+    q.add_argument("--messages", type=int, default=1,
+                   help="separate all-reduce calls (one per tensor or bucket), each paying the latency")
+    q.add_argument("--per-tensor", action="store_true",
+                   help="with --model: one call per parameter tensor (as the allreduce strategy does)")
+
+    q = sub.add_parser("bubble", help="pipeline bubble and microbatches alive (GPipe, 1F1B)",
+                       description="Idle fraction of a p-stage pipeline with m microbatches, (p-1)/(m+p-1), "
+                                   "and the microbatches each stage keeps alive under GPipe and 1F1B.")
+    q.add_argument("--stages", "--workers", dest="stages", type=int, required=True, help="pipeline stages p")
+    q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
+    q.add_argument("--forward-ms", type=float, help="one stage's forward of one microbatch (ms): adds the step time")
+    q.add_argument("--backward-ms", type=float, help="one stage's backward of one microbatch (ms, default 2 x forward)")
+
+    q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
+                       description="Cut the model as `paralab train model|pipeline` would and count the "
+                                   "activations sent forward and gradients sent back at each boundary.")
+    q.add_argument("--model", default="vgg11")
+    q.add_argument("--width", type=float, default=1.0)
+    q.add_argument("--norm", default="batch")
+    q.add_argument("--workers", type=int, required=True, help="stages (one per worker)")
+    q.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
+    q.add_argument("--microbatches", type=int, default=1, help="microbatches per step (messages, not bytes)")
+    q.add_argument("--partition", default="params",
+                   help="balanced (measures unit times here) | params | counts such as 2,3,8 "
+                        "(default %(default)s: deterministic; a run's own cut is in its summary)")
+    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds the transfer time")
+
+    q = sub.add_parser("run", help="bandwidth utilisation and predicted vs measured comm of a run",
+                       description="From a run directory: bytes and time of each communication operation, "
+                                   "achieved bandwidth, HPML Lab 4 Q3.2's bandwidth utilisation, the ring "
+                                   "all-reduce prediction beside the measurement, and a pipeline's bubble.")
+    q.add_argument("run", help="run directory written by `paralab train`")
+    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds predictions and link share")
+    q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
+
+
+def _size_options(q, bytes_option: bool) -> None:
+    g = q.add_mutually_exclusive_group(required=True)
+    g.add_argument("--parameters", type=float, help="parameter count Psi (e.g. 7.5e9)")
+    g.add_argument("--model", help="count the parameters of a paralab model (vgg11, resnet18, ...)")
+    if bytes_option:
+        g.add_argument("--bytes", type=float, help="message size S in bytes")
+    q.add_argument("--width", type=float, default=1.0, help="with --model: channel multiplier (default 1)")
+
+
+def run(args) -> int:
+    return {"memory": calc_memory, "allreduce": calc_allreduce, "bubble": calc_bubble, "comm": calc_comm,
+            "run": calc_run}[args.what](args)
+
+
+# ======================================================================== helpers
+def _model_size(name: str, width: float):
+    from ..models import MODELS, build_model
+    if name not in MODELS:
+        raise UsageError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if width <= 0:
+        raise UsageError("--width must be positive")
+    model = build_model(name, width=width)
+    return model
+
+
+def _parameters(args) -> tuple[int, str, list[int]]:
+    """(parameter count, where it came from, per-tensor sizes if a model was named)."""
+    if args.model:
+        model = _model_size(args.model, args.width)
+        sizes = [p.numel() for p in model.parameters()]
+        return sum(sizes), f"{args.model} (width {args.width}): {sum(sizes):,} parameters in {len(sizes)} tensors", sizes
+    if args.parameters is None or args.parameters <= 0 or not math.isfinite(args.parameters):
+        raise UsageError("--parameters must be a positive number such as 7.5e9")
+    return int(round(args.parameters)), f"{int(round(args.parameters)):,} parameters", []
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise UsageError(f"--{name} must be positive (got {value})")
+
+
+def _print(*formulas) -> None:
+    for f in formulas:
+        print(f.text())
+        print()
+
+
+# ======================================================================== memory
+def calc_memory(args) -> int:
+    from ..analysis.memory import OPTIMIZERS, PRECISIONS, STAGE_NAMES, memory_per_worker
+    _positive("workers", args.workers)
+    if args.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {args.optimizer!r})")
+    if args.precision not in PRECISIONS:
+        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)} (got {args.precision!r}); "
+                         "mixed = fp16/bf16 parameters and gradients with an fp32 optimizer")
+    stages = [0, 1, 2, 3]
+    if args.stage:
+        try:
+            stages = [int(s) for s in args.stage.split(",")]
+        except ValueError:
+            raise UsageError(f"--stage takes stage numbers such as 0,3 (got {args.stage!r})") from None
+        if any(s not in STAGE_NAMES for s in stages):
+            raise UsageError("--stage: stages are 0 (DDP), 1, 2, 3")
+    psi, source, _ = _parameters(args)
+    estimates = [memory_per_worker(psi, args.workers, s, args.optimizer, args.precision) for s in stages]
+    if args.json:
+        print(json.dumps([e.to_dict() for e in estimates], indent=2))
+        return 0
+    print(f"model states per worker: {source}, N = {args.workers} workers, {args.optimizer}, {args.precision}\n")
+    for e in estimates:
+        print(e.text())
+        print()
+    from ..report import text_table
+    print(text_table(["strategy", "parameters", "gradients", "optimizer state", "total per worker"],
+                     [[e.name, _gb(e.params.value), _gb(e.grads.value), _gb(e.optimizer_state.value), _gb(e.total)]
+                      for e in estimates]))
+    return 0
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.4g} GB" if n >= 1e8 else f"{n / 1e6:.4g} MB"
+
+
+# ======================================================================== all-reduce
+def calc_allreduce(args) -> int:
+    from ..analysis.cost import allreduce_bytes_per_rank, gather_scatter_time, ring_allreduce_time
+    _positive("workers", args.workers)
+    _positive("bandwidth", args.bandwidth)
+    _positive("messages", args.messages)
+    if args.latency < 0:
+        raise UsageError("--latency must be zero or positive (microseconds)")
+    if args.precision not in ELEMENT_BYTES:
+        raise UsageError(f"--precision must be one of {', '.join(ELEMENT_BYTES)} (got {args.precision!r})")
+    messages = args.messages
+    if args.bytes is not None:
+        _positive("bytes", args.bytes)
+        size, source = args.bytes, f"S = {args.bytes:g} B"
+        if args.per_tensor:
+            raise UsageError("--per-tensor needs --model (it counts the model's parameter tensors)")
+    else:
+        psi, source, sizes = _parameters(args)
+        e = ELEMENT_BYTES[args.precision]
+        size = psi * e
+        source += f"; S = {psi:,} x {e} B ({args.precision} gradients) = {size:,} B"
+        if args.per_tensor:
+            if not sizes:
+                raise UsageError("--per-tensor needs --model (it counts the model's parameter tensors)")
+            messages = len(sizes)
+    print(f"gradient synchronisation: {source}; N = {args.workers}; B = {args.bandwidth:g} Gb/s; "
+          f"a = {args.latency:g} us; k = {messages} call(s)\n")
+    lat = args.latency * 1e-6
+    ring = ring_allreduce_time(size, args.workers, args.bandwidth, lat, messages)
+    gs = gather_scatter_time(size, args.workers, args.bandwidth, lat, messages)
+    _print(allreduce_bytes_per_rank(size, args.workers), ring, gs)
+    if ring.value > 0:
+        print(f"gather/scatter takes {gs.value / ring.value:.2f}x the ring's time at N = {args.workers}")
+    return 0
+
+
+# ======================================================================== bubble
+def calc_bubble(args) -> int:
+    from ..analysis.cost import bubble_fraction, ideal_step_time, in_flight_formula
+    _positive("stages", args.stages)
+    try:
+        ms = [int(m) for m in str(args.microbatches).split(",") if m.strip()]
+    except ValueError:
+        raise UsageError(f"--microbatches takes integers such as 4 or 1,2,4,8 (got {args.microbatches!r})") from None
+    if not ms or any(m < 1 for m in ms):
+        raise UsageError("--microbatches must be positive")
+    if args.forward_ms is not None:
+        _positive("forward-ms", args.forward_ms)
+    p = args.stages
+    rows = []
+    for m in ms:
+        print(f"--- p = {p} stages, m = {m} microbatches")
+        fs = [bubble_fraction(p, m), in_flight_formula("gpipe", p, m), in_flight_formula("1f1b", p, m)]
+        if args.forward_ms is not None:
+            tb = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
+            fs.append(ideal_step_time(p, m, args.forward_ms / 1e3, tb / 1e3))
+        _print(*fs)
+        rows.append([m, f"{fs[0].value:.1f}", fs[1].value, fs[2].value])
+    if len(ms) > 1:
+        from ..report import text_table
+        print(text_table(["microbatches", "bubble %", "alive GPipe (any stage)", "alive 1F1B (stage 0)"], rows))
+    return 0
+
+
+# ======================================================================== comm (partition)
+def calc_comm(args) -> int:
+    from ..analysis.cost import allreduce_bytes_per_rank, boundary_traffic, fmt_bytes, fmt_seconds, bytes_per_second
+    from ..models import count_parameters
+    from ..partition import analyze_partition, parse_spec, partition_model, sample_batch
+    _positive("workers", args.workers)
+    _positive("batch-size", args.batch_size)
+    _positive("microbatches", args.microbatches)
+    model = _model_size(args.model, args.width)
+    if args.norm != "batch":
+        from ..models import build_model
+        model = build_model(args.model, width=args.width, norm=args.norm)
+    parse_spec(args.partition, args.workers, len(model))
+    unit_times = None
+    if args.partition == "balanced":
+        from ..partition import measure_unit_times
+        print("measuring each unit's forward+backward time on a batch of 32 to balance the stages...")
+        unit_times = measure_unit_times(model, sample_batch(32))
+    ranges = partition_model(model, args.workers, args.partition, unit_times=unit_times)
+    info = analyze_partition(model, ranges, args.batch_size, unit_times=unit_times)
+    print(f"{args.model} (width {args.width}) over {args.workers} stages, partition {args.partition}, "
+          f"batch {args.batch_size}:")
+    for st in info.stages:
+        share = f", {100 * st.time_share:.0f}% of the time" if st.time_share is not None else ""
+        print(f"  stage {st.stage}: units {st.units[0]}..{st.units[1] - 1} ({', '.join(st.labels)}), "
+              f"{st.parameters:,} parameters{share}")
+    for b in info.boundaries:
+        print(f"  boundary {b.after_stage}->{b.after_stage + 1}: activation {tuple(b.activation_shape)} = "
+              f"{fmt_bytes(b.activation_bytes)} forward, gradient of the same shape back")
+    print()
+    traffic = boundary_traffic([(b.after_stage, b.activation_shape, b.activation_bytes) for b in info.boundaries],
+                               args.batch_size)
+    _print(traffic)
+    m, p = args.microbatches, args.workers
+    print(f"messages per step: 2 x m x (p-1) = 2 x {m} x {p - 1} = {2 * m * (p - 1)} "
+          f"(microbatches split the bytes, not add to them)")
+    psi = count_parameters(model)
+    ddp = allreduce_bytes_per_rank(psi * 4, p)
+    print()
+    print(f"for comparison, data parallelism over {p} workers all-reduces {psi:,} fp32 gradients per step:")
+    _print(ddp)
+    if args.bandwidth:
+        _positive("bandwidth", args.bandwidth)
+        b = bytes_per_second(args.bandwidth)
+        # boundaries are sequential in model parallelism: each crossing is on the critical path
+        print(f"transfer time at {args.bandwidth:g} Gb/s: boundaries {fmt_seconds(traffic.value / b)} "
+              f"(each crossing is on the critical path), data-parallel ring {fmt_seconds(ddp.value / b)}")
+    return 0
+
+
+# ======================================================================== from a run
+def calc_run(args) -> int:
+    from ..analysis.cost import (bandwidth_utilisation, bubble_fraction, fmt_bytes, fmt_seconds,
+                                 gather_scatter_time, link_share, ring_allreduce_time)
+    from ..analysis.runs import load_run
+    from ..report import text_table
+    r = load_run(args.run)
+    if args.bandwidth is not None:
+        _positive("bandwidth", args.bandwidth)
+    if args.latency < 0:
+        raise UsageError("--latency must be zero or positive (microseconds)")
+    n = r.workers
+    steps = max(int(r.get("measured_steps") or 1), 1)
+    ops = r.get("comm_ops") or {}
+    print(f"{r.path}: {r.label}, {r.get('parameters'):,} parameters, global batch {r.get('global_batch')}, "
+          f"{steps} measured steps, {r.environment.get('backend', '?')} on {r.environment.get('device', '?')}\n")
+    if not ops:
+        print("no communication with a payload was recorded in the measured steps (one worker?)")
+        return 0
+    rows = []
+    for op, e in sorted(ops.items()):
+        per_rank_s = e["seconds"] / steps / n
+        rows.append([op, e["calls"] // (steps * n), fmt_bytes(e["bytes_per_step"]), fmt_seconds(per_rank_s),
+                     f"{e['algbw_GBps']:.4g}" if e.get("algbw_GBps") else "-"])
+    print("measured, per step and rank:")
+    print(text_table(["operation", "calls", "bytes", "time", "achieved GB/s (bytes/time)"], rows))
+    print()
+    lat = args.latency * 1e-6
+    if "all_reduce" in ops and n > 1:
+        e = ops["all_reduce"]
+        size = e["bytes_per_step"]
+        t = e["seconds"] / steps / n
+        calls = max(e["calls"] // (steps * n), 1)
+        print("HPML Lab 4 Q3.2, assuming the ring all-reduce of Patarasuk & Yuan:")
+        u = bandwidth_utilisation(size, n, t)
+        _print(u)
+        split_comm = sum(r.split(k).get("comm", 0.0) for k in r.ranks) / max(len(r.ranks), 1)
+        print(f"  blocking communication in the step (split, mean over ranks): {fmt_seconds(split_comm)}; "
+              f"all-reduce time in flight: {fmt_seconds(t)}" + (" (asynchronous: partly hidden under backward)"
+                                                                  if any(r.split(k).get("comm_async") for k in r.ranks)
+                                                                  else ""))
+        print()
+        if args.bandwidth:
+            _print(link_share(u.value, args.bandwidth))
+            pred = ring_allreduce_time(size, n, args.bandwidth, lat, calls)
+            _print(pred)
+            print(f"predicted {fmt_seconds(pred.value)} vs measured {fmt_seconds(t)} per step: "
+                  f"measured / predicted = {t / pred.value:.2f}" if pred.value > 0 else "")
+        else:
+            print("pass --bandwidth (Gb/s) to predict the time and the share of the link")
+    if "gather" in ops and "scatter" in ops and n > 1 and args.bandwidth:
+        size = ops["gather"]["bytes_per_step"]
+        calls = max(ops["gather"]["calls"] // (steps * n), 1)
+        t = (ops["gather"]["seconds"] + ops["scatter"]["seconds"]) / steps / n
+        pred = gather_scatter_time(size, n, args.bandwidth, lat, calls)
+        _print(pred)
+        print(f"measured gather + scatter per step and rank: {fmt_seconds(t)}")
+    p2p = {k: v for k, v in ops.items() if k in ("send", "recv")}
+    if p2p:
+        sent = ops.get("send", {}).get("bytes_per_step", 0.0)
+        print(f"point-to-point: {fmt_bytes(sent)} sent per step per rank on average "
+              f"({fmt_bytes(sent * n)} over all ranks)")
+        if args.bandwidth:
+            from ..analysis.cost import bytes_per_second
+            print(f"  at {args.bandwidth:g} Gb/s that is {fmt_seconds(sent * n / bytes_per_second(args.bandwidth))} "
+                  "of transfers per step")
+        print()
+    bubbles = [d.get("bubble") for d in r.details.values() if isinstance(d, dict) and d.get("bubble") is not None]
+    if bubbles and r.strategy in ("model", "pipeline"):
+        m = int(r.config.get("microbatches", 1) or 1) if r.strategy == "pipeline" else 1
+        theory = bubble_fraction(n, m)
+        _print(theory)
+        print("measured bubble (idle / step time) per rank: "
+              + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in enumerate(bubbles)))
+    return 0

@@ -1,0 +1,457 @@
+"""HPML Lab 4 studies: epoch time vs batch size, weak vs strong scaling, compute vs communication.
+
+  batch-size  per-device batch 32, 128, 512, ... (x --factor) until a run runs
+              out of memory or passes --max. Each run trains two "epochs" of
+              --epoch-samples samples; the first is warm-up and left out; the
+              table gives the second epoch's time without data loading (the
+              `data` spans: batch assembly, augmentation and the copy to the
+              device) and with it. (HPML Q1)
+  scaling     the strategy at each worker count for each batch size, both ways:
+              weak scaling (--per-worker-batch b: the global batch grows with
+              the workers, HPML Q2) and strong scaling (--batch-size B: the
+              global batch is fixed and split). Per setup: epoch time and
+              speedup over 1 worker; compute vs communication per epoch,
+              measured from the spans beside HPML's estimate (compute = T1/N,
+              communication = TN - T1/N, Q3.1); bandwidth utilisation of the
+              all-reduce (Q3.2).
+
+An "epoch" here is --epoch-samples samples (default 2048, small enough for a
+CPU); --epoch-samples 0 uses the whole training split (the real epoch).
+Every run is a `paralab train` process; the directory (default
+reports/sweep-<kind>-<time>) gets runs/, logs/, sweep.json, report.md,
+report.html and a figure.
+
+Large batches: --lr-scaling linear --warmup-epochs 1 apply Goyal et al.'s linear
+scaling rule and gradual warm-up to every run (`paralab train` options; the
+lr each step used follows paralab.schedule.lr_at).
+
+examples:
+  paralab sweep batch-size --max 512
+  paralab sweep scaling --strategy ddp --workers 1,2 --batch-sizes 32,128
+  paralab sweep scaling --mode weak --batch-sizes 32,128,512 --workers 1,2,4
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+from .compare import Display, cores_per_worker, parse_int_list, run_child, train_namespace
+
+HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
+
+OOM_RE = re.compile(r"out of memory|can't allocate memory|MemoryError|Cannot allocate memory|OutOfMemory",
+                    re.IGNORECASE)
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="kind", required=True, metavar="KIND", parser_class=type(p))
+    q = sub.add_parser("batch-size", help="epoch time vs per-device batch (HPML Q1)",
+                       description="Per-device batch sizes growing by --factor from --start until a run runs "
+                                   "out of memory or passes --max; second-epoch time without data loading.")
+    q.add_argument("--strategy", default="single", help="strategy (default %(default)s)")
+    q.add_argument("--workers", type=int, default=1, help="workers (default %(default)s)")
+    q.add_argument("--sizes", help="explicit per-device batch sizes, e.g. 32,128,512 (instead of --start/--factor)")
+    q.add_argument("--start", type=int, default=32, help="first per-device batch (default %(default)s)")
+    q.add_argument("--factor", type=int, default=4, help="growth factor (default %(default)s)")
+    q.add_argument("--max", type=int, default=2048, help="largest per-device batch to try (default %(default)s)")
+    _common(q)
+
+    q = sub.add_parser("scaling", help="weak vs strong scaling, compute vs communication (HPML Q2-Q3)",
+                       description="Each batch size at each worker count, as weak scaling (per-worker batch) "
+                                   "and/or strong scaling (global batch): epoch time, speedup, compute vs "
+                                   "communication, bandwidth utilisation.")
+    q.add_argument("--strategy", default=None, help="strategy (default ddp, else allreduce)")
+    q.add_argument("--workers", default="1,2", help="worker counts (default %(default)s)")
+    q.add_argument("--batch-sizes", default="32,128",
+                   help="per-worker batches (weak) / global batches (strong) (default %(default)s)")
+    q.add_argument("--mode", default="both", choices=("weak", "strong", "both"),
+                   help="weak, strong or both (default %(default)s)")
+    _common(q)
+
+
+def _common(q) -> None:
+    q.add_argument("--epoch-samples", type=int, default=2048,
+                   help="samples per epoch (default %(default)s; 0 = the whole training split)")
+    q.add_argument("--model", default="vgg11")
+    q.add_argument("--width", type=float, default=0.25, help="channel multiplier (default %(default)s)")
+    q.add_argument("--dataset", default="auto")
+    q.add_argument("--data-dir")
+    q.add_argument("--lr", type=float, default=0.02, help="learning rate (default %(default)s)")
+    q.add_argument("--lr-scaling", default="none",
+                   help="none | linear: lr x global batch / 256 for large batches (Goyal et al.; default none)")
+    q.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="ramp the lr up over this many dataset epochs (Goyal et al.'s gradual warm-up)")
+    q.add_argument("--cores-per-worker", default="auto",
+                   help="cores pinned to each worker: auto (cores // the largest worker count: a 1-worker run "
+                        "gets the same cores as each worker of a larger one), a number, or none")
+    q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
+    q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
+    q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
+    q.add_argument("--verbose", action="store_true", help="stream every run's output")
+
+
+# ======================================================================== epoch arithmetic
+def train_size(a) -> int:
+    """Training samples of the dataset the runs will use (for --epoch-samples 0)."""
+    from ..data import load_dataset
+    ns = train_namespace(["single", "--dataset", a.dataset] + (["--data-dir", a.data_dir] if a.data_dir else [])
+                         + shlex.split(a.train_args or ""))
+    data = load_dataset(ns.dataset, Path(ns.data_dir) if ns.data_dir else None,
+                        synthetic_size=ns.synthetic_size, seed=ns.seed)
+    return len(data.train_y)
+
+
+def steps_per_epoch(samples: int, global_batch: int) -> int:
+    return max(1, math.ceil(samples / global_batch))
+
+
+def epoch_times(run, steps: int) -> dict:
+    """Second-epoch figures of a run that trained 2 x ``steps`` steps (slowest rank per step)."""
+    second = [s for s in sorted({r["step"] for r in run.steps}) if s >= steps]
+    if not second:
+        return {}
+    total = no_data = 0.0
+    split_sum: dict[str, float] = {}
+    ranks = sorted({r["rank"] for r in run.steps})
+    for s in second:
+        rows = run.step_rows(s)
+        total += max(r["seconds"] for r in rows)
+        no_data += max(r["seconds"] - r["split"].get("data", 0.0) for r in rows)
+        for r in rows:
+            for k, v in r["split"].items():
+                split_sum[k] = split_sum.get(k, 0.0) + v / len(ranks)
+    return {"epoch_s": total, "epoch_no_data_s": no_data, "steps": len(second), "split": split_sum}
+
+
+# ======================================================================== the sweep
+class Sweep:
+    def __init__(self, a, kind: str):
+        self.a = a
+        self.kind = kind
+        self.out = Path(a.out or Path("reports") / time.strftime(f"sweep-{kind}-%Y%m%d-%H%M%S"))
+        if self.out.exists():
+            raise UsageError(f"{self.out} already exists; pass another --out (or remove it)")
+        if a.epoch_samples < 0:
+            raise UsageError("--epoch-samples must be positive (or 0 for the whole training split)")
+        if a.width <= 0 or a.lr <= 0 or a.run_timeout <= 0:
+            raise UsageError("--width, --lr and --run-timeout must be positive")
+        try:
+            self.extra = shlex.split(a.train_args or "")
+        except ValueError as exc:
+            raise UsageError(f"--train-args: {exc}") from None
+        owned = {"--out", "--workers", "--num-batches", "--batch-size", "--per-worker-batch", "--warmup", "--epochs",
+                 "--cores-per-worker", "--lr", "--lr-scaling", "--warmup-epochs"}
+        clash = [x.split("=")[0] for x in self.extra if x.split("=")[0] in owned]
+        if clash:
+            raise UsageError(f"--train-args may not set {', '.join(clash)}: the sweep sets them")
+        self.display = Display(verbose=a.verbose)
+        self.pinned = None
+        self.entries: list[dict] = []
+        self.tmp: Path | None = None
+
+    def argv(self, strategy: str, workers: int, batch_flag: str, batch: int, steps: int) -> list[str]:
+        a = self.a
+        argv = [strategy, "--workers", str(workers), batch_flag, str(batch), "--num-batches", str(2 * steps),
+                "--warmup", str(steps), "--model", a.model, "--width", str(a.width), "--dataset", a.dataset,
+                "--lr", str(a.lr), "--lr-scaling", a.lr_scaling, "--warmup-epochs", str(a.warmup_epochs),
+                "--eval-batches", "1", "--eval-batch-size", "100", "--log-every",
+                str(max(steps, 1))]
+        if a.data_dir:
+            argv += ["--data-dir", a.data_dir]
+        if self.pinned:
+            argv += ["--cores-per-worker", str(self.pinned)]
+        return argv + self.extra
+
+    def validate(self, argv: list[str]) -> None:
+        from ..cli import config_from_args
+        cfg = config_from_args(train_namespace(argv))
+        cfg.validate()
+
+    def start(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+
+    def run(self, name: str, argv: list[str], index: str) -> dict:
+        from ..analysis.runs import is_run_dir, load_run
+        run_dir = self.tmp / "runs" / name
+        cmd = [sys.executable, "-m", "paralab", "train"] + argv + ["--out", str(run_dir)]
+        res = run_child(cmd, f"[{index}] {name}", self.tmp / "logs" / f"{name}.log", self.a.run_timeout,
+                        self.display)
+        entry = {"name": name, "argv": argv, "seconds": res.seconds, "returncode": res.returncode,
+                 "command": shlex.join(["paralab", "train"] + argv + ["--out", str(self.out / "runs" / name)]),
+                 "log": f"logs/{name}.log"}
+        log_text = res.log.read_text() if res.log.exists() else ""
+        if is_run_dir(run_dir) and res.returncode == 0:
+            entry.update(status="ok", run_dir=f"runs/{name}", run=load_run(run_dir))
+            verdict = f"ok, {entry['run'].seconds_per_iter:.3f} s/iter"
+        else:
+            oom = res.returncode is not None and (OOM_RE.search(log_text) or res.returncode in (-9, 137))
+            entry.update(status="oom" if oom else "failed", error=res.error)
+            verdict = ("OUT OF MEMORY" if oom else "FAILED") + f" ({res.error})"
+        self.display.status(f"[{index}] {name}  {verdict}  {res.seconds:.1f}s", final=True)
+        self.entries.append(entry)
+        return entry
+
+    def finish(self, report, data: dict) -> Path:
+        page, md = report.write(self.tmp)
+        data["entries"] = [{k: v for k, v in e.items() if k != "run"} for e in self.entries]
+        (self.tmp / "sweep.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            print(f"sweep: stopped; nothing written to {self.out}", file=sys.stderr)
+
+
+def run(a) -> int:
+    if a.kind == "batch-size":
+        return sweep_batch_size(a)
+    return sweep_scaling(a)
+
+
+def _epoch_samples(a) -> tuple[int, str]:
+    if a.epoch_samples:
+        return a.epoch_samples, f"{a.epoch_samples} samples (--epoch-samples)"
+    n = train_size(a)
+    return n, f"the whole training split, {n} samples"
+
+
+# ======================================================================== batch size (Q1)
+def sweep_batch_size(a) -> int:
+    from ..report import Report, text_table
+    from ..strategies import get_strategy
+    cls = get_strategy(a.strategy)
+    if a.workers < 1:
+        raise UsageError("--workers must be positive")
+    if a.sizes:
+        sizes = parse_int_list(a.sizes, "--sizes")
+    else:
+        if a.start < 1 or a.factor < 2 or a.max < a.start:
+            raise UsageError("need --start >= 1, --factor >= 2 and --max >= --start")
+        sizes, b = [], a.start
+        while b <= a.max:
+            sizes.append(b)
+            b *= a.factor
+    sw = Sweep(a, "batch-size")
+    sw.pinned = cores_per_worker(a, [a.workers])
+    samples, what = _epoch_samples(a)
+    plans = []
+    for b in sizes:
+        gb = b * a.workers if getattr(cls, "data_parallel", True) else b
+        steps = steps_per_epoch(samples, gb)
+        argv = sw.argv(a.strategy, a.workers, "--per-worker-batch", b, steps)
+        sw.validate(argv)
+        plans.append((b, steps, argv))
+    print(f"sweep batch-size: {a.strategy} on {a.workers} worker(s), per-device batch {', '.join(map(str, sizes))}; "
+          f"epoch = {what}; 2 epochs per run, the first is warm-up", file=sys.stderr)
+    sw.start()
+    rows, stopped = [], None
+    try:
+        for i, (b, steps, argv) in enumerate(plans):
+            e = sw.run(f"b{b}", argv, f"{i + 1}/{len(plans)}")
+            if e["status"] != "ok":
+                rows.append([b, steps, "-", "-", "-", "-", e["status"] + ": " + (e.get("error") or "")])
+                stopped = b
+                break
+            t = epoch_times(e["run"], steps)
+            e["epoch"] = t
+            rows.append([b, steps, f"{t['epoch_no_data_s']:.3f}", f"{t['epoch_s']:.3f}",
+                         f"{t['epoch_no_data_s'] / t['steps'] * 1000:.1f}",
+                         f"{samples / t['epoch_s']:.0f}" if t["epoch_s"] else "-", ""])
+        headers = ["batch/device", "steps/epoch", "epoch s (no data)", "epoch s (all)", "ms/step (no data)",
+                   "samples/s", "note"]
+        rep = Report(f"paralab sweep batch-size: {a.strategy}, {a.workers} worker(s)")
+        sec = rep.section("Epoch time vs batch size (HPML Lab 4 Q1)")
+        sec.para(f"Each run trains two epochs of {what}; the table is the second epoch (the first warms caches up). "
+                 "'no data' leaves out the data spans (batch assembly, augmentation, copy to the device).")
+        sec.table(headers, rows)
+        if stopped is not None:
+            sec.para(f"Stopped at per-device batch {stopped}: " + (
+                "it did not fit in memory." if sw.entries[-1]["status"] == "oom" else "the run failed (see logs/)."))
+        ok = [e for e in sw.entries if e["status"] == "ok"]
+        if ok:
+            fig = _plot_batch(sw.tmp / "epoch_time.png", [(int(e["name"][1:]), e["epoch"]) for e in ok])
+            sec.figure(fig, "epoch_time.png", "Second-epoch time vs per-device batch size.")
+        rep.section("Commands").code("\n".join(e["command"] for e in sw.entries))
+        out = sw.finish(rep, {"kind": "batch-size", "headers": headers, "rows": rows, "epoch_samples": samples})
+    except BaseException:
+        sw.abort()
+        raise
+    print(text_table(headers, rows))
+    print(f"sweep: written to {out}", file=sys.stderr)
+    return 0 if all(e["status"] in ("ok", "oom") for e in sw.entries) else 1
+
+
+def _plot_batch(path: Path, points) -> Path:
+    from ..plots import _plt, _save
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [b for b, _ in points]
+    ax.plot(xs, [t["epoch_no_data_s"] for _, t in points], "o-", label="without data loading")
+    ax.plot(xs, [t["epoch_s"] for _, t in points], "s--", label="with data loading")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("batch size per device (samples)")
+    ax.set_ylabel("epoch time (s)")
+    ax.set_title("Second-epoch training time vs batch size")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+# ======================================================================== scaling (Q2, Q3)
+def sweep_scaling(a) -> int:
+    from ..analysis.cost import bandwidth_utilisation
+    from ..report import Report, text_table
+    from ..strategies import get_strategy, strategy_names
+    strategy = a.strategy or ("ddp" if "ddp" in strategy_names() else "allreduce")
+    cls = get_strategy(strategy)
+    if not getattr(cls, "data_parallel", True):
+        raise UsageError(f"sweep scaling studies data parallelism; {strategy} splits the model "
+                         "(use paralab compare for it)")
+    workers = parse_int_list(a.workers, "--workers")
+    sizes = parse_int_list(a.batch_sizes, "--batch-sizes")
+    modes = ["weak", "strong"] if a.mode == "both" else [a.mode]
+    sw = Sweep(a, "scaling")
+    sw.pinned = cores_per_worker(a, workers)
+    samples, what = _epoch_samples(a)
+    plans = []
+    for mode in modes:
+        for b in sizes:
+            for w in workers:
+                strat = "single" if w == 1 and strategy != "single" and "single" in strategy_names() else strategy
+                flag = "--per-worker-batch" if mode == "weak" else "--batch-size"
+                gb = b * w if mode == "weak" else b
+                if mode == "strong" and b % w:
+                    raise UsageError(f"strong scaling splits --batch-sizes {b} over {w} workers: pick sizes "
+                                     "divisible by every worker count")
+                steps = steps_per_epoch(samples, gb)
+                argv = sw.argv(strat, w, flag, b, steps)
+                sw.validate(argv)
+                plans.append((mode, b, w, steps, argv))
+    print(f"sweep scaling: {strategy} ({', '.join(modes)}), workers {a.workers}, batch sizes {a.batch_sizes}; "
+          f"epoch = {what}; 1 worker runs `single`", file=sys.stderr)
+    sw.start()
+    results: dict[tuple, dict] = {}
+    try:
+        for i, (mode, b, w, steps, argv) in enumerate(plans):
+            key = (mode, b, w)
+            e = sw.run(f"{mode}-b{b}-w{w}", argv, f"{i + 1}/{len(plans)}")
+            if e["status"] == "ok":
+                e["epoch"] = epoch_times(e["run"], steps)
+                results[key] = e
+        rep = Report(f"paralab sweep scaling: {strategy}")
+        tables = {}
+        for mode in modes:
+            # HPML Table 1: time and speedup per batch size and worker count
+            headers = ["workers"] + [h for b in sizes for h in (f"b={b} epoch s", f"b={b} speedup")]
+            rows = []
+            for w in workers:
+                row = [w]
+                for b in sizes:
+                    e, base = results.get((mode, b, w)), results.get((mode, b, workers[0]))
+                    if e and base:
+                        t = e["epoch"]["epoch_s"]
+                        row += [f"{t:.3f}", f"{base['epoch']['epoch_s'] / t:.2f}"]
+                    else:
+                        row += ["-", "-"]
+                rows.append(row)
+            cap = (f"{mode} scaling: " + ("batch b per worker, global batch b x N; " if mode == "weak" else
+                                          "global batch b split over N workers; ")
+                   + f"epoch time (all components) and speedup = T({workers[0]} worker{'s' if workers[0] > 1 else ''}) / T(N)")
+            sec = rep.section(f"{mode.capitalize()} scaling (HPML Lab 4 Q2)")
+            sec.table(headers, rows, cap)
+            tables[f"{mode}_speedup"] = {"headers": headers, "rows": rows}
+            print(cap)
+            print(text_table(headers, rows))
+            print()
+            # HPML Table 2: compute vs communication, measured and estimated
+            headers2 = ["workers", "batch", "compute s (measured)", "comm s (measured)", "compute s (T1/N)",
+                        "comm s (TN - T1/N)", "util GB/s"]
+            rows2 = []
+            for b in sizes:
+                base = results.get((mode, b, 1))
+                for w in workers:
+                    e = results.get((mode, b, w))
+                    if not e or w == 1:
+                        continue
+                    sp = e["epoch"]["split"]
+                    compute = sp.get("compute", 0) + sp.get("optimizer", 0) + sp.get("data", 0)
+                    comm = sp.get("comm", 0) + sp.get("idle", 0)
+                    est_c = est_m = "-"
+                    if base:
+                        t1 = base["epoch"]["epoch_s"]
+                        # weak: the N workers share the epoch's steps; strong: each step is 1/N the work
+                        c = t1 / w
+                        est_c, est_m = f"{c:.3f}", f"{e['epoch']['epoch_s'] - c:.3f}"
+                    util = "-"
+                    op = (e["run"].get("comm_ops") or {}).get("all_reduce")
+                    if op and op.get("seconds"):
+                        n_steps = max(e["run"].get("measured_steps") or 1, 1)
+                        u = bandwidth_utilisation(op["bytes_per_step"], w, op["seconds"] / n_steps / w)
+                        util = f"{u.value:.3f}"
+                    rows2.append([w, b, f"{compute:.3f}", f"{comm:.3f}", est_c, est_m, util])
+            if rows2:
+                cap2 = (f"{mode} scaling, per epoch: compute (data + compute + optimizer spans) and communication "
+                        "(blocking comm + waits) measured from the spans, beside HPML's estimate from the 1-worker "
+                        "time; util = 2(N-1)/N x S / T_allreduce (Q3.2)")
+                sec.table(headers2, rows2, cap2)
+                tables[f"{mode}_compute_comm"] = {"headers": headers2, "rows": rows2}
+                print(cap2)
+                print(text_table(headers2, rows2))
+                print()
+        fig = _plot_speedup(sw.tmp / "speedup.png", results, modes, sizes, workers, strategy)
+        if fig:
+            rep.section("Speedup").figure(fig, "speedup.png", "Speedup over 1 worker; dashed: ideal (N).")
+        failed = [e for e in sw.entries if e["status"] != "ok"]
+        if failed:
+            sec = rep.section("Failed runs")
+            for e in failed:
+                sec.para(f"{e['name']}: {e['status']}: {e.get('error')} (see {e['log']})")
+        rep.section("Commands").code("\n".join(e["command"] for e in sw.entries))
+        out = sw.finish(rep, {"kind": "scaling", "strategy": strategy, "tables": tables, "epoch_samples": samples})
+    except BaseException:
+        sw.abort()
+        raise
+    print(f"sweep: written to {out}", file=sys.stderr)
+    return 0 if all(e["status"] == "ok" for e in sw.entries) else 1
+
+
+def _plot_speedup(path, results, modes, sizes, workers, strategy):
+    from ..plots import WORKER_COLORS, _plt, _save
+    if len(workers) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    i = 0
+    for mode in modes:
+        for b in sizes:
+            base = results.get((mode, b, workers[0]))
+            pts = [(w, base["epoch"]["epoch_s"] / results[(mode, b, w)]["epoch"]["epoch_s"])
+                   for w in workers if base and (mode, b, w) in results]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if mode == "weak" else "s--",
+                        color=WORKER_COLORS[i % len(WORKER_COLORS)], label=f"{mode}, b={b}")
+                i += 1
+    ax.plot(workers, [w / workers[0] for w in workers], ":", color="#888888", label="ideal (linear)")
+    ax.set_xticks(workers)
+    ax.set_xlabel("workers")
+    ax.set_ylabel(f"speedup over {workers[0]} worker(s) (epoch time ratio)")
+    ax.set_title(f"{strategy}: weak vs strong scaling")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,161 @@
+"""``torch-fsdp``: PyTorch's FSDP2 (``fully_shard``), the comparison for ``fsdp``.
+
+``fully_shard`` is applied to every unit that has parameters and then to the
+whole model, so PyTorch shards, gathers and frees at the same granularity as
+our ``fsdp`` at stage 3 (parameters, gradients and optimizer state sharded;
+each unit all-gathered before its forward and backward and resharded after;
+gradients reduce-scattered and averaged over ranks). Parameters become
+``DTensor`` shards (dim-0 sharding of each tensor rather than one flat
+tensor per unit); the optimizer built from the run's factory therefore holds
+state for the local shard only. It runs on CPU with gloo in torch 2.13.
+
+Its collectives are issued inside PyTorch, not through ``comm.py``, so their
+time is part of the ``compute`` spans (forward/backward) of this strategy,
+not ``comm`` spans: compare throughput, not the split, with ``fsdp``.
+
+BatchNorm buffers are not sharded by FSDP; as everywhere else rank 0's are
+authoritative and broadcast after every step (``first-replica``).
+``--accumulate K`` runs K microbatches with gradient reduction turned off for
+all but the last (``set_requires_gradient_sync``).
+
+``full_state_dict()`` turns every ``DTensor`` into a plain full tensor
+(``full_tensor()``, a collective) under the plain model's keys. The
+checkpoint keeps each rank's local shards as plain tensors (``weights_only``
+loading needs no DTensor), and rebuilds DTensors on load.
+
+Memory: bytes of the local parameter shards, the unsharded parameters FSDP
+has gathered, the local gradient shards and the optimizer state, read where
+they can be seen from outside: before and after each unit's forward (hooks
+registered after FSDP's own), after backward and at the optimizer step. What
+FSDP holds inside backward (a unit's unsharded parameters and gradient, its
+reduce-scatter buffers) is not visible this way, so the figures are a lower
+bound of its true peak; on CUDA the allocator's peak is reported too.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed.fsdp  # noqa: F401  (the subpackage must be imported explicitly)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..comm import nbytes
+from .base import StepResult, Strategy
+from .fsdp import Ledger, broadcast_buffers, optimizer_kind
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TorchFSDP(Strategy):
+    name = "torch-fsdp"
+    data_parallel = True
+    replicated = False
+    bn_rule = "first-replica"
+
+    def __init__(self, ctx, model_fn, optim_fn):
+        super().__init__(ctx, model_fn, optim_fn)
+        self.model = model_fn().to(ctx.device)
+        self.keys = list(self.model.state_dict().keys())
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+        self.units = [u for u in self.model if any(True for _ in u.parameters())]
+        for unit in self.units:
+            fully_shard(unit, mesh=self.mesh)
+        fully_shard(self.model, mesh=self.mesh)
+        self.params = list(self.model.parameters())
+        self.parameters = sum(p.numel() for p in self.params)
+        self.optimizer = optim_fn(self.params)
+        self.ledger = Ledger()
+        self.shard_bytes = sum(nbytes(_local(p)) for p in self.params)
+        self.ledger.add("params", self.shard_bytes, "init")
+        for unit in self.units:
+            unit.register_forward_pre_hook(lambda m, a: self._observe("forward"))
+            unit.register_forward_hook(lambda m, a, o: self._observe("after forward"))
+
+    # ------------------------------------------------------------ memory
+    def _observe(self, where: str) -> None:
+        """Count parameter and gradient bytes resident now (sharded + currently gathered)."""
+        gathered = 0
+        grads = 0
+        for unit in self.units:
+            for p in unit.parameters():
+                if not isinstance(p, DTensor):  # FSDP swapped in the unsharded parameter
+                    gathered += nbytes(p)
+                if p.grad is not None:
+                    grads += nbytes(_local(p.grad))
+        self.ledger.set("params", self.shard_bytes + gathered, where)
+        self.ledger.set("grads", grads, where)
+
+    def _optimizer_bytes(self) -> int:
+        return sum(nbytes(_local(t)) for state in self.optimizer.state.values() for t in state.values()
+                   if torch.is_tensor(t))
+
+    @contextmanager
+    def _no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------ contract
+    def train_step(self, x, y) -> StepResult:
+        self.model.train()
+        loss = self.forward_backward(self.model, x, y, self._no_sync if self.microbatches > 1 else None)
+        self._observe("after backward")
+        with self.rec.span("optimizer", "step"):
+            self.optimizer.step()
+            self.ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ledger.set("grads", 0)
+        broadcast_buffers(self.comm, self.model, self.ctx.world)
+        return StepResult(loss, len(y))
+
+    @torch.no_grad()
+    def predict(self, x):
+        self.model.eval()
+        with self.ctx.autocast():
+            return self.model(x).float()
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        state = self.model.state_dict()
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v.detach()).clone() for k, v in state.items()}
+
+    def state_dict(self):
+        opt = self.optimizer.state_dict()
+        opt["state"] = {pid: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                        for pid, s in opt["state"].items()}
+        return {"world": self.ctx.world,
+                "model": {k: _local(v).detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": opt}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        if state.get("world") != self.ctx.world:
+            raise ValueError(f"checkpoint is from {state.get('world')} workers; this run has {self.ctx.world}")
+        for k, v in self.model.state_dict().items():
+            _local(v).copy_(state["model"][k])
+        opt = state["optimizer"]
+        for pid, s in opt["state"].items():
+            p = self.params[int(pid)]
+            for k, v in s.items():
+                if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0:
+                    s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride(), run_check=False)
+        self.optimizer.load_state_dict(opt)
+        self.ledger.set("optimizer", self._optimizer_bytes(), "load")
+
+    def extra_summary(self):
+        from ..analysis.memory import memory_per_worker
+        measured = self.ledger.report() | {"observed": "forward unit boundaries, after backward, step: "
+                                                       "a lower bound (backward internals not visible)"}
+        if self.ctx.device.type == "cuda":
+            measured["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        kind = optimizer_kind(self.optimizer)
+        largest = max(sum(p.numel() for p in u.parameters()) for u in self.units)
+        predicted = memory_per_worker(self.parameters, self.ctx.world, 3, kind, "fp32", unit_parameters=largest)
+        return {"zero_stage": 3, "memory": {"measured": measured, "predicted": predicted.to_dict()}}

@@ -1,0 +1,177 @@
+"""The cost model (`paralab calc`) and the large-batch learning-rate rule (schedule.lr_at)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from paralab.analysis import cost
+from paralab.cli import main
+from paralab.schedule import lr_at, target_lr
+
+from report_runs import tiny_compare
+
+
+def calc(capsys, *args) -> tuple[int, str, str]:
+    code = main(["calc", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------- memory (ZeRO paper, sec. 5.1)
+def test_zero_paper_example(capsys):
+    code, out, _ = calc(capsys, "memory", "--parameters", "7.5e9", "--workers", "64", "--optimizer", "adam",
+                        "--precision", "mixed", "--json")
+    assert code == 0
+    totals = {e["strategy"]: e["bytes"]["total"] / 1e9 for e in json.loads(out)}
+    assert round(totals["ddp"]) == 120
+    assert round(totals["zero-1"], 1) == 31.4
+    assert round(totals["zero-2"], 1) == 16.6
+    assert round(totals["zero-3"], 1) == 1.9
+
+
+def test_memory_prints_formula_substitution_and_result(capsys):
+    code, out, _ = calc(capsys, "memory", "--model", "vgg11", "--workers", "4", "--stage", "0,3")
+    assert code == 0
+    assert "9,231,114 parameters" in out  # DESIGN.md: VGG-11's parameter count
+    assert "(p + g + K) x Psi / N" in out and "formula:" in out and "substituted:" in out
+    # fp32 sgd with momentum: 12 bytes per parameter, sharded 4 ways for ZeRO-3
+    assert f"{12 * 9231114 / 4 / 1e6:.4g} MB" in out and "zero-1" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["memory", "--parameters", "1e9", "--workers", "0"], "--workers"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--optimizer", "lamb"], "--optimizer"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--precision", "fp8"], "--precision"),
+    (["memory", "--model", "alexnet", "--workers", "8"], "unknown model"),
+    (["allreduce", "--parameters", "1e9", "--workers", "8", "--bandwidth", "0"], "--bandwidth"),
+    (["allreduce", "--bytes", "1e6", "--workers", "8", "--bandwidth", "10", "--per-tensor"], "--per-tensor"),
+    (["bubble", "--stages", "4", "--microbatches", "0"], "--microbatches"),
+    (["comm", "--model", "vgg11", "--workers", "99"], "at most"),
+])
+def test_bad_input_exits_2_saying_what_to_change(capsys, args, message):
+    code, _, err = calc(capsys, *args)
+    assert code == 2 and message in err
+
+
+# ---------------------------------------------------------------- all-reduce (CS1390 Q1.6, HPML Q3.2)
+def test_ring_allreduce_cs1390_example(capsys):
+    # 10B fp16 gradients over 8 workers at 100 Gb/s: 2 x 7/8 x 20 GB / 12.5 GB/s = 2.8 s
+    code, out, _ = calc(capsys, "allreduce", "--parameters", "10e9", "--precision", "fp16", "--workers", "8",
+                        "--bandwidth", "100")
+    assert code == 0
+    assert "result:      2.8 s" in out
+    assert "result:      22.4 s" in out  # gather/scatter: 2 x 7 x 20 GB / 12.5 GB/s
+    assert "2(N-1)/N x S / B + 2(N-1) x a" in out
+
+
+def test_allreduce_formulas():
+    f = cost.ring_allreduce_time(1e9, 4, 8.0, latency_s=1e-3, messages=10)
+    # 1.5 x 1e9 B / 1e9 B/s + 2 x 3 x 1 ms x 10
+    assert f.value == pytest.approx(1.5 + 0.06)
+    assert cost.ring_allreduce_time(1e9, 1, 8.0).value == 0
+    gs = cost.gather_scatter_time(1e9, 4, 8.0)
+    assert gs.value == pytest.approx(6.0)
+    # gather/scatter grows with N, the ring stays under 2 S / B
+    assert cost.gather_scatter_time(1e9, 16, 8.0).value > 4 * gs.value
+    assert cost.ring_allreduce_time(1e9, 64, 8.0).value < 2.0
+
+
+def test_per_tensor_latency_counts_model_tensors(capsys):
+    code, out, _ = calc(capsys, "allreduce", "--model", "vgg11", "--workers", "4", "--bandwidth", "10",
+                        "--latency", "100", "--per-tensor")
+    assert code == 0
+    tensors = len(list(__import__("paralab.models", fromlist=["build_model"]).build_model("vgg11").parameters()))
+    assert f"k = {tensors} call(s)" in out and f"x {tensors}" in out
+
+
+# ---------------------------------------------------------------- bubble (GPipe sec. 2.3, PipeDream 1F1B)
+def test_bubble_numbers(capsys):
+    code, out, _ = calc(capsys, "bubble", "--stages", "4", "--microbatches", "1,4,8")
+    assert code == 0
+    assert "bubble = (4-1) / (4+4-1) = 3/7" in out and "42.86 %" in out
+    assert "75.00 %" in out and "27.27 %" in out
+    assert "min(4-0, 8) = 4, min(4-1, 8) = 3, min(4-2, 8) = 2, min(4-3, 8) = 1" in out
+
+
+def test_bubble_and_in_flight_functions():
+    assert cost.bubble_fraction(2, 4).parts["fraction"] == pytest.approx(0.2)
+    assert cost.in_flight("gpipe", 3, 8) == [8, 8, 8]
+    assert cost.in_flight("1f1b", 3, 8) == [3, 2, 1]
+    assert cost.in_flight("1f1b", 4, 2) == [2, 2, 2, 1]
+    assert cost.ideal_step_time(4, 4, 0.01, 0.02).value == pytest.approx(7 * 0.03)
+
+
+# ---------------------------------------------------------------- boundary traffic (CS1390 Q2.3)
+def test_comm_counts_the_real_boundary(capsys):
+    from paralab.models import build_model
+    from paralab.partition import partition_model
+    code, out, _ = calc(capsys, "comm", "--model", "vgg11", "--width", "0.25", "--workers", "2",
+                        "--batch-size", "64", "--partition", "params")
+    assert code == 0
+    model = build_model("vgg11", width=0.25)
+    (_, cut), _ = partition_model(model, 2, "params")
+    h = torch.zeros(1, 3, 32, 32)
+    model.eval()
+    with torch.no_grad():
+        for unit in list(model)[:cut]:
+            h = unit(h)
+    act = 64 * h[0].numel() * 4
+    assert f"V = 2 x ({act:_}" in out or f"V = 2 x ({act})" in out
+    total = 2 * act
+    assert f"({total:,} B)" in out
+    assert "2 x m x (p-1) = 2 x 1 x 1 = 2" in out
+
+
+# ---------------------------------------------------------------- from a run directory
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out, p = tiny_compare(tmp_path_factory.getbasetemp())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def test_calc_run_bandwidth_utilisation(report, capsys):
+    from paralab.analysis.runs import load_run
+    run_dir = report / "runs" / "ddp-w2"
+    r = load_run(run_dir)
+    op = r.get("comm_ops")["all_reduce"]
+    steps = r.get("measured_steps")
+    t = op["seconds"] / steps / 2
+    expected = 2 * (2 - 1) / 2 * op["bytes_per_step"] / t / 1e9
+    code, out, _ = calc(capsys, "run", str(run_dir), "--bandwidth", "10")
+    assert code == 0
+    assert "U = 2(N-1)/N x S / T_comm" in out
+    assert f"{expected:.4g} GB/s" in out
+    assert "predicted" in out and "measured / predicted" in out and "share of the link" in out
+
+
+def test_calc_run_pipeline_bubble(report, capsys):
+    code, out, _ = calc(capsys, "run", str(report / "runs" / "pipeline-w2"))
+    assert code == 0
+    assert "bubble = (2-1) / (2+2-1) = 1/3" in out and "measured bubble" in out
+
+
+def test_calc_run_refuses_a_non_run(tmp_path, capsys):
+    code, _, err = calc(capsys, "run", str(tmp_path))
+    assert code == 2 and "not a finished run directory" in err
+
+
+# ---------------------------------------------------------------- large batches (Goyal et al.)
+def test_lr_scaling_and_warmup_follow_the_documented_rule():
+    kw = dict(lr=0.1, global_batch=1024, steps_per_epoch=50)
+    # no scaling, no warm-up: lr throughout
+    assert lr_at(0, scaling="none", warmup_epochs=0, **kw) == 0.1
+    assert lr_at(500, scaling="none", warmup_epochs=0, **kw) == 0.1
+    # linear rule: lr x global batch / 256
+    assert target_lr(0.1, "linear", 1024) == pytest.approx(0.4)
+    assert lr_at(0, scaling="linear", warmup_epochs=0, **kw) == pytest.approx(0.4)
+    # warm-up over 2 epochs (100 steps): from lr to the target, linearly, then held
+    assert lr_at(0, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.1)
+    assert lr_at(50, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.25)
+    assert lr_at(99, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.1 + 0.3 * 99 / 100)
+    assert lr_at(100, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.4)
+    assert lr_at(10_000, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.4)
+    # a batch of 256 is the reference: the rule changes nothing
+    assert lr_at(0, lr=0.1, scaling="linear", global_batch=256, warmup_epochs=0, steps_per_epoch=1) == 0.1

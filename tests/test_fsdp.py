@@ -1,0 +1,226 @@
+"""fsdp (ZeRO stages 1/2/3 from primitives) and torch-fsdp (FSDP2).
+
+The check matrix (every stage and torch-fsdp, 2 and 3 workers, BatchNorm and
+BN-free, SGD with momentum and Adam) runs in one group of spawned ranks per
+worker count, so it costs two process start-ups instead of one per run; the
+command-line path is covered by two end-to-end runs.
+"""
+from __future__ import annotations
+
+import io
+import json
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from paralab.strategies.fsdp import FlatUnit
+
+BATCH = 8  # per worker
+
+
+def test_flat_unit_flattens_pads_shards_and_rebinds():
+    torch.manual_seed(0)
+    unit = nn.Sequential(nn.Conv2d(3, 2, 3), nn.BatchNorm2d(2), nn.ReLU())  # 54 + 2 + 2 + 2 = 60 parameters
+    original = {k: v.detach().clone() for k, v in unit.named_parameters()}
+    x = torch.randn(4, 3, 6, 6)
+    expected = unit(x)
+
+    world = 7
+    fu = FlatUnit(0, unit, world, rank=0, device=torch.device("cpu"))
+    assert fu.numel == 60 and fu.padded == 63 and fu.shard_numel == 9
+    flat = fu.flat_cpu
+    assert torch.equal(flat[:60], torch.cat([v.reshape(-1) for v in original.values()]))
+    assert torch.count_nonzero(flat[60:]) == 0  # the padding is zeros
+    shards = [flat[r * 9:(r + 1) * 9] for r in range(world)]
+    assert torch.equal(torch.cat(shards), flat)  # rank r's shard is slice r
+    assert list(unit.parameters()) == []  # the unit keeps no parameters of its own
+
+    views = fu.bind(flat, train=True)
+    assert all(v.is_leaf and v.requires_grad for v in views)
+    assert torch.equal(unit(x), expected)
+    grads = torch.autograd.grad(unit(x).sum(), views)
+    assert [g.shape for g in grads] == [v.shape for v in original.values()]
+    unflat = fu.unflatten(flat)
+    assert list(unflat) == list(original) and all(torch.equal(unflat[k], original[k]) for k in original)
+
+    # freeing the storage and refilling it is invisible to autograd's saved views
+    kept = flat.clone()
+    views = fu.bind(flat, train=True)
+    out = unit(x).sum()
+    flat.untyped_storage().resize_(0)
+    flat.untyped_storage().resize_(63 * 4)
+    flat.copy_(kept)  # (stands in for the all-gather)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, views), grads))
+
+
+# ---------------------------------------------------------------- the check matrix, in-process ranks
+COMBOS = [("fsdp", stage, norm, "sgd") for stage in (1, 2, 3) for norm in ("batch", "none")] + [
+    ("torch-fsdp", 3, "batch", "sgd"), ("torch-fsdp", 3, "none", "sgd"),
+    ("fsdp", 3, "none", "adam"), ("fsdp", 1, "none", "adam"), ("torch-fsdp", 3, "none", "adam")]
+
+
+def _run_combo(rank, world, combo, data):
+    from paralab.check import run_check
+    from paralab.comm import Comm
+    from paralab.config import RunConfig
+    from paralab.data import BatchSource
+    from paralab.recorder import Recorder
+    from paralab.strategies import get_strategy
+    from paralab.strategies.base import Context
+    from paralab.worker import build_model_factory, build_optimizer_factory
+
+    name, stage, norm, optimizer = combo
+    cfg = RunConfig(strategy=name, zero_stage=stage, norm=norm, optimizer=optimizer, workers=world,
+                    dataset="synthetic", width=0.125, per_worker_batch=BATCH, num_batches=2,
+                    lr=0.02 if optimizer == "sgd" else 1e-3)
+    rec = Recorder(rank)
+    comm = Comm(rec, rank, world)
+    model_fn, optim_fn = build_model_factory(cfg, len(data.classes)), build_optimizer_factory(cfg)
+
+    def make():
+        ctx = Context(rank, world, torch.device("cpu"), comm, rec, "fp32", cfg.strategy_options())
+        return get_strategy(name)(ctx, model_fn, optim_fn)
+
+    strategy = make()
+    source = BatchSource(data, per_rank_batch=BATCH, replicas=world, rank=rank, seed=0)
+    for step in range(2):
+        strategy.train_step(*source.batch(step))
+    buf = io.BytesIO()
+    torch.save(strategy.state_dict(), buf)  # as the checkpoint does; loaded back with weights_only
+    check = run_check(cfg, strategy, source, model_fn, optim_fn, None, 2, comm, say=lambda *a: None)
+
+    # optimizer state: one shard's worth per parameter, nothing else
+    if name == "fsdp":
+        shard_sizes = [strategy.flat[i].shard_numel for i in strategy.param_units]
+        params = [strategy.flat[i].shard for i in strategy.param_units]
+    else:
+        params = strategy.params
+        shard_sizes = [p.to_local().numel() for p in params]
+    state_sizes = [sorted((k, (v.to_local() if hasattr(v, "to_local") else v).numel())
+                          for k, v in strategy.optimizer.state[p].items() if k != "step") for p in params]
+
+    # resume: a fresh strategy loads the saved shards and takes the same next step bit for bit
+    resumed = make()
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    buf.seek(0)
+    strategy.load_state_dict(torch.load(buf, weights_only=True))  # the check ran eval; start equal
+    x, y = source.batch(2)
+    strategy.train_step(x, y)
+    resumed.train_step(x, y)
+    a, b = strategy.full_state_dict(), resumed.full_state_dict()
+    resume_equal = list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return {"passed": check["passed"], "max_weight_dev": check["max_weight_dev"],
+            "max_output_dev": check["max_output_dev"], "lines": [v["lines"] for v in check["ranks"]],
+            "shard_sizes": shard_sizes, "state_sizes": state_sizes, "resume_equal": resume_equal,
+            "replicated": strategy.replicated, "extra": strategy.extra_summary()}
+
+
+def _matrix_rank(rank, world, port, out_dir):
+    from paralab.data import load_dataset
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        data = load_dataset("synthetic", None, synthetic_size=256, seed=0)
+        results = {"/".join(map(str, c)): _run_combo(rank, world, c, data) for c in COMBOS}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, default=str))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
+def matrix(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"fsdp{world}")
+    mp.spawn(_matrix_rank, args=(world, _free_port(), out), nprocs=world)
+    return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("combo", ["/".join(map(str, c)) for c in COMBOS])
+def test_check_passes_and_resume_is_exact(matrix, combo):
+    world, ranks = matrix
+    for rank, results in enumerate(ranks):
+        r = results[combo]
+        assert r["passed"], f"rank {rank}: {r['lines']}"
+        assert r["max_weight_dev"] <= 1e-5 and r["max_output_dev"] <= 1e-4
+        assert r["resume_equal"], f"rank {rank}: resumed run diverged"
+
+
+@pytest.mark.parametrize("combo", ["/".join(map(str, c)) for c in COMBOS])
+def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
+    world, ranks = matrix
+    name, stage, _, optimizer = combo.split("/")
+    keys = ["exp_avg", "exp_avg_sq"] if optimizer == "adam" else ["momentum_buffer"]
+    for rank, results in enumerate(ranks):
+        r = results[combo]
+        for shard, state in zip(r["shard_sizes"], r["state_sizes"]):
+            assert state == [[k, shard] for k in keys]
+        total = sum(r["shard_sizes"])
+        parameters = r["extra"]["memory"]["predicted"]["parameters"]
+        assert total < 1.25 * parameters / world  # about a 1/N share, not the model
+        if name == "fsdp":
+            assert total * world == parameters + r["extra"]["padding_elements"]
+            assert r["replicated"] == (stage != "3")
+            measured = r["extra"]["memory"]["measured"]["peak_bytes"]
+            extra = measured["optimizer"] - 4 * total * len(keys)  # Adam also keeps a scalar step per shard
+            assert 0 <= extra <= 8 * len(r["shard_sizes"]) * (optimizer == "adam")
+            assert r["extra"]["reduce_scatter"] in ("reduce_scatter", "all_reduce+slice")
+            if world == 3:
+                assert r["extra"]["padding_elements"] > 0  # 3 workers make the padding real
+
+
+def test_stage3_holds_a_shard_plus_gathered_units(matrix):
+    world, ranks = matrix
+    r = ranks[0]["fsdp/3/batch/sgd"]["extra"]
+    measured, predicted = r["memory"]["measured"], r["memory"]["predicted"]["bytes"]
+    unit = r["largest_unit"]["bytes"]
+    shard_bytes = 4 * r["shard_elements"]
+    # parameters: the shards plus at most two gathered units (the running one and the prefetched one)
+    assert shard_bytes <= measured["peak_bytes"]["params"] <= shard_bytes + 2 * unit
+    assert abs(shard_bytes - predicted["params"]) <= 4 * world * r["units_sharded"]
+    stage1 = ranks[0]["fsdp/1/batch/sgd"]["extra"]["memory"]["measured"]["peak_bytes"]
+    assert stage1["params"] == world * shard_bytes  # a full (padded) replica
+    assert measured["resident_peak_bytes"] < ranks[0]["fsdp/1/batch/sgd"]["extra"]["memory"]["measured"][
+        "resident_peak_bytes"]
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_fsdp_stage3_three_workers(paralab):
+    r = paralab("train", "fsdp", "--zero-stage", "3", "--workers", "3", "--num-batches", "2",
+                "--per-worker-batch", "8", "--lr", "0.02", "--check")
+    assert r.returncode == 0, r.stderr + r.stdout
+    s = r.summary
+    assert s["check"]["result"] == "PASS"
+    assert {"all_gather", "reduce_scatter"} <= set(s["comm_ops"])
+    details = s["strategy_details"]["0"]
+    assert details["zero_stage"] == 3 and details["prefetch"] is True
+    assert details["memory"]["predicted"]["strategy"] == "zero-3"
+    assert details["memory"]["measured"]["resident_peak_bytes"] > 0
+    assert any(sp["args"].get("async") for sp in r.rows("spans.jsonl") if sp["category"] == "comm")
+
+
+def test_cli_torch_fsdp_two_workers_bn_free(paralab):
+    r = paralab("train", "torch-fsdp", "--workers", "2", "--norm", "none", "--num-batches", "2", "--lr", "0.02",
+                "--check")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert r.summary["check"]["result"] == "PASS"
+    assert r.summary["strategy_details"]["1"]["memory"]["predicted"]["strategy"] == "zero-3"
+
+
+@pytest.mark.parametrize("args, message", [(["--accumulate", "2"], "--accumulate"),
+                                           (["--zero-stage", "4"], "--zero-stage")])
+def test_bad_fsdp_options_are_refused_before_workers_start(paralab, args, message):
+    r = paralab("train", "fsdp", "--workers", "2", *args)
+    assert r.returncode == 2 and message in r.stderr

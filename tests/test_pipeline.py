@@ -1,0 +1,114 @@
+"""``model`` and ``pipeline``: the per-unit backward, refusals, and --check end to end."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paralab.config import RunConfig
+from paralab.errors import UsageError
+from paralab.models import build_model
+from paralab.strategies.base import Context
+from paralab.strategies.model_parallel import Stage
+
+
+def make_stage(model, a, b, first, last):
+    ctx = Context(rank=0, world=1, device=torch.device("cpu"), comm=None, recorder=None)
+    return Stage({i: model[i] for i in range(a, b)}, first=first, last=last, in_shape=(), out_shape=(), ctx=ctx)
+
+
+def test_stage_backward_is_one_autograd_call_per_unit_and_exact(monkeypatch):
+    torch.manual_seed(0)
+    model = build_model("vgg11", width=0.125)
+    ref = build_model("vgg11", width=0.125)
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 10, (6,))
+    F.cross_entropy(ref(x), y).backward()
+
+    calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    front, back = make_stage(model, 0, 5, True, False), make_stage(model, 5, 14, False, True)
+    h = front.forward(0, x)
+    out = back.forward(0, h.detach())
+    assert front.alive() == back.alive() == 1 and front.peak_bytes > 0
+    g = back.backward(0, loss=F.cross_entropy(out, y))
+    assert len(calls) == 9  # one per unit of the back stage
+    assert g.shape == h.shape
+    assert front.backward(0, grad_output=g) is None  # the first stage has no input gradient to send
+    assert len(calls) == 14
+    assert front.alive() == back.alive() == 0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0), name
+    assert set(front.state_dict()) | set(back.state_dict()) == set(model.state_dict())
+
+
+def config(strategy, **kw):
+    base = dict(strategy=strategy, dataset="synthetic", width=0.125, batch_size=32, workers=2, num_batches=1)
+    return RunConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("strategy,kw,message", [
+    ("pipeline", dict(microbatches=5), "--microbatches 5 does not divide the batch of 32"),
+    ("pipeline", dict(schedule="zigzag"), "--schedule must be one of"),
+    ("pipeline", dict(workers=15), "cannot split a model of 14 units over 15 stages"),
+    ("pipeline", dict(partition="3,4"), "adds up to 7 units"),
+    ("model", dict(partition="1,2,11"), "gives 3 stage(s) but there are 2 workers"),
+    ("model", dict(microbatches=4), "use 'pipeline --microbatches 4'"),
+    ("pipeline", dict(accumulate=2), "--accumulate is for data-parallel strategies"),
+])
+def test_refused_before_workers_start(strategy, kw, message):
+    with pytest.raises(UsageError) as err:
+        config(strategy, **kw).validate()
+    assert message in str(err.value)
+
+
+def test_accepted():
+    config("pipeline", microbatches=8, schedule="1f1b", workers=3).validate()
+    config("pipeline", microbatches=2, schedule="1f1b", workers=3, partition="params").validate()  # M < W
+    config("model", workers=3, partition="4,5,5").validate()
+
+
+CHECKS = [
+    ("model", 2, "batch", []),
+    ("model", 3, "none", []),
+    ("pipeline", 2, "none", ["--schedule", "gpipe", "--microbatches", "4"]),
+    ("pipeline", 3, "batch", ["--schedule", "gpipe", "--microbatches", "4"]),
+    ("pipeline", 2, "batch", ["--schedule", "1f1b", "--microbatches", "4"]),
+    ("pipeline", 3, "none", ["--schedule", "1f1b", "--microbatches", "2", "--partition", "params"]),  # M < W
+]
+
+
+@pytest.mark.parametrize("strategy,workers,norm,extra", CHECKS,
+                         ids=[f"{s}-w{w}-{n}-{'-'.join(e[1::2])}" for s, w, n, e in CHECKS])
+def test_check_end_to_end(paralab, strategy, workers, norm, extra):
+    r = paralab("train", strategy, "--workers", str(workers), "--norm", norm, "--num-batches", "2",
+                "--lr", "1e-3", "--check", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check: PASS" in r.stdout
+    s = r.summary
+    assert s["check"]["result"] == "PASS"
+    m = int(extra[extra.index("--microbatches") + 1]) if "--microbatches" in extra else 1
+    schedule = extra[extra.index("--schedule") + 1] if "--schedule" in extra else "naive"
+    details = s["strategy_details"]
+    assert sorted(details) == [str(r) for r in range(workers)]
+    ranges = details["0"]["ranges"]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 14 and len(ranges) == workers
+    for rank in range(workers):
+        d = details[str(rank)]
+        assert d["units"] == ranges[rank] and d["schedule"] == schedule and d["microbatches"] == m
+        assert d["bubble_theory"] == pytest.approx((workers - 1) / (m + workers - 1))
+        assert 0 <= d["bubble"] < 1
+        bound = min(m, workers - rank) if schedule == "1f1b" else m
+        assert d["peak_microbatches_alive"] == bound == d["in_flight_bound"]
+        assert d["peak_activation_bytes"] > 0
+    spans = r.rows("spans.jsonl")
+    train = [sp for sp in spans if sp["step"] >= 0]
+    for rank in range(workers):
+        for kind in ("forward", "backward"):
+            mbs = sorted(sp["args"]["mb"] for sp in train
+                         if sp["rank"] == rank and sp["step"] == 1 and sp["name"] == kind)
+            assert mbs == list(range(m)), (rank, kind)
+    idle = [sp for sp in train if sp["category"] == "idle"]
+    assert {sp["rank"] for sp in idle} == set(range(workers))  # every stage waits for a neighbour
+    assert all(sp["name"].startswith("wait:recv") for sp in idle)
