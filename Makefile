@@ -32,8 +32,10 @@ data:
 	  echo "data: not root or no apt-get; the demo uses synthetic data (see README for real data)"; \
 	fi
 
+# The main job: every strategy at 1 and 2 workers, checked against the
+# single-process reference, into reports/compare-<time>/report.html.
 demo: setup data
-	$(BIN)/paralab train single --width 0.25 --num-batches 100 --eval-batches 4
+	$(BIN)/paralab compare
 
 test: setup
 	$(BIN)/python -m pytest -q

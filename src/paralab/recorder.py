@@ -73,18 +73,32 @@ class Recorder:
         """Seconds by category in one step.
 
         Asynchronous communication (``args['async']``) overlaps other spans, so it
-        is reported apart as ``comm_async`` and never added to the step total.
-        ``forward`` and ``backward`` break ``compute`` down (they are part of it).
+        is reported apart as ``comm_async`` (the time during which at least one
+        operation was in flight: the union of their intervals) and never added to
+        the step total. ``forward`` and ``backward`` break ``compute`` down.
         """
         out = {c: 0.0 for c in CATEGORIES} | {"forward": 0.0, "backward": 0.0, "comm_async": 0.0}
+        in_flight = []
         for s in self.step_spans(step):
             if s.args.get("async"):
-                out["comm_async"] += s.seconds
+                in_flight.append((s.t0, s.t1))
                 continue
             out[s.category] += s.seconds
             if s.category == "compute" and s.name in ("forward", "backward"):
                 out[s.name] += s.seconds
+        out["comm_async"] = union_length(in_flight)
         return out
 
     def dump(self) -> list[dict]:
         return [asdict(s) for s in self.spans]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
