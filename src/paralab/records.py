@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .evaluate import format_report
-from .recorder import CATEGORIES
+from .recorder import CATEGORIES, union_length
 from .trace import chrome_trace
 
 SPLIT_KEYS = CATEGORIES + ("other",)
@@ -77,16 +77,6 @@ def bus_factor(op: str, world: int) -> float:
     return 1.0
 
 
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Time covered by the union of intervals (asynchronous calls overlap: count each moment once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, world: int,
               global_batch: int, evaluation: dict | None, check: dict | None, error: str | None,
               extra: dict | None = None) -> dict:
@@ -120,7 +110,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         entry.setdefault("_intervals", {}).setdefault(s["rank"], []).append((s["t0"], s["t1"]))
         entry["calls"] += 1
     for entry in by_op.values():  # per rank, the time this kind of call was in progress
-        entry["seconds"] = sum(busy_seconds(iv) for iv in entry.pop("_intervals").values())
+        entry["seconds"] = sum(union_length(iv) for iv in entry.pop("_intervals").values())
     for op, entry in by_op.items():
         entry["bytes_per_step"] = entry["bytes"] / max(len(measured), 1) / max(len(ranks), 1)
         entry["algbw_GBps"] = entry["bytes"] / entry["seconds"] / 1e9 if entry["seconds"] else None

@@ -99,8 +99,12 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_meth
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path):
     recorder = Recorder(rank, device)
     comm = Comm(recorder, rank, world)
-    if world > 1:  # a common time origin, so the ranks' timelines line up
-        dist.barrier()
+    if world > 1:
+        if cfg.out is None:
+            # without --out, each process (torchrun, --rank) named its own default
+            # directory from the clock; rank 0's name wins so they agree
+            run_dir = Path(comm.broadcast_object(str(run_dir)))
+        dist.barrier()  # a common time origin, so the ranks' timelines line up
         recorder.origin = time.perf_counter()
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)

@@ -70,6 +70,23 @@ def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int):
             if len(ys)]
 
 
+@torch.no_grad()
+def broadcast_buffers(comm: Comm, module: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm statistics) to every rank, one flat broadcast per dtype
+    (two dozen tiny broadcasts would cost more in latency than their bytes)."""
+    if comm.world == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        comm.broadcast(flat, 0, name="broadcast_buffers")
+        if comm.rank != 0:
+            for b, part in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(part.view_as(b))
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -173,10 +190,7 @@ class ReplicatedStrategy(Strategy):
                 self.comm.broadcast(t, 0, name="broadcast_params")
 
     def broadcast_buffers(self) -> None:
-        if self.ctx.world == 1:
-            return
-        for b in self.model.buffers():
-            self.comm.broadcast(b, 0, name="broadcast_buffers")
+        broadcast_buffers(self.comm, self.model)
 
     def synchronize(self) -> None:
         raise NotImplementedError

@@ -44,7 +44,9 @@ are authoritative and broadcast after each step.
 Measurement: each bucket's all-reduce is recorded as an in-flight span
 (launch to completion) and the wait after backward as an exposed ``wait``
 span; :meth:`DDP.extra_summary` reports per step how much communication was
-hidden under backward and how much was exposed after it.
+hidden under backward and how much was exposed after it. Exposed time also
+holds any wait for a slower peer: the last bucket completes only when every
+rank has finished its backward.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..records import busy_seconds
+from ..recorder import union_length
 from .base import ReplicatedStrategy, StepResult
 
 MiB = 1 << 20
@@ -199,22 +201,6 @@ class DDP(ReplicatedStrategy):
         for p, (_, view) in zip(self.params, self.slot):
             p.grad = view  # the mean gradient, in place in the bucket
 
-    @torch.no_grad()
-    def broadcast_buffers(self) -> None:
-        """Rank 0's BatchNorm statistics to every replica, as one flat broadcast per dtype
-        (a few dozen tiny broadcasts would cost more in latency than the bytes)."""
-        if self.ctx.world == 1:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in self.model.buffers():
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            self.comm.broadcast(flat, 0, name="broadcast_buffers")
-            if self.ctx.rank != 0:
-                for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-                    t.copy_(part.view_as(t))
-
     def train_step(self, x, y) -> StepResult:
         self.model.train()
         self._start_sync()
@@ -244,8 +230,8 @@ class DDP(ReplicatedStrategy):
         for step, end in sorted(self._backward_end.items()):
             spans = in_flight.get(step, [])
             steps.append({"step": step,
-                          "comm_in_flight_s": busy_seconds(spans),
-                          "hidden_s": busy_seconds([(a, min(b, end)) for a, b in spans if a < end]),
+                          "comm_in_flight_s": union_length(spans),
+                          "hidden_s": union_length([(a, min(b, end)) for a, b in spans if a < end]),
                           "exposed_s": exposed.get(step, 0.0)})
         warmup = int(self.ctx.option("warmup", 1) or 0)  # as summary.json: the first steps are warm-up
         measured = [s for s in steps if s["step"] >= steps[0]["step"] + warmup] if steps else []
@@ -257,8 +243,8 @@ class DDP(ReplicatedStrategy):
             "bucket_mb": self.bucket_mb,
             "buckets": [{"index": b.index, "MiB": round(b.nbytes / MiB, 3), "tensors": len(b.params),
                          "first": b.names[0], "last": b.names[-1]} for b in self.buckets],
-            "overlap": {"note": "per-step means over the steps after warm-up; hidden: in flight "
-                                "before backward ended; exposed: waited for after it",
+            "overlap": {"note": "per-step means over the steps after warm-up; hidden: in flight before "
+                                "backward ended; exposed: waited for after it (a slower peer included)",
                         **{f"mean_{k}": v for k, v in mean.items()},
                         "hidden_fraction": (mean["hidden_s"] / total) if total else None,
                         "steps": steps},

@@ -99,26 +99,9 @@ import torch.nn.functional as F
 
 from ..comm import nbytes
 from ..errors import UsageError
-from .base import StepResult, Strategy
+from .base import StepResult, Strategy, broadcast_buffers
 
 CATEGORIES = ("params", "grads", "optimizer")
-
-
-def broadcast_buffers(comm, module: nn.Module, world: int) -> None:
-    """Rank 0's buffers (BatchNorm statistics) are authoritative: one broadcast per dtype."""
-    if world == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for b in module.buffers():
-        by_dtype.setdefault(b.dtype, []).append(b)
-    with torch.no_grad():
-        for buffers in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            comm.broadcast(flat, 0, name="broadcast_buffers")
-            offset = 0
-            for b in buffers:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -416,7 +399,7 @@ class FSDP(Strategy):
                 fu = self.flat[i]
                 fu.pending = self.comm.all_gather_into(fu.full, fu.shard.detach(), name="all_gather_params",
                                                        async_op=True)
-        broadcast_buffers(self.comm, self.model, self.ctx.world)
+        broadcast_buffers(self.comm, self.model)
         return StepResult(loss.item(), len(y))
 
     def _reduce_scatter(self, fu: FlatUnit, flat_grad: torch.Tensor) -> None:

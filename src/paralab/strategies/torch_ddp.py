@@ -18,11 +18,10 @@ every other strategy's. ``--accumulate K`` runs K-1 microbatches under
 BatchNorm buffers: DDP broadcasts rank 0's buffers at the start of every
 training forward, so rank 0's are authoritative, as in the other replicated
 strategies; but after the last step each rank holds the statistics of its own
-last forward. ``full_state_dict()`` therefore broadcasts rank 0's buffers
-before reading them. ``predict()`` uses the wrapped module directly, so it
-issues no collective (``DDP.forward`` would broadcast buffers); as with plain
-PyTorch DDP, evaluation on rank r > 0 before any such sync uses rank r's own
-running statistics.
+last forward. ``full_state_dict()`` and ``predict()`` therefore first
+broadcast rank 0's buffers, as DDP's own next forward would, and then use the
+wrapped module directly (every rank calls ``predict`` equally often, so the
+broadcast pairs up).
 """
 from __future__ import annotations
 
@@ -60,7 +59,11 @@ class TorchDDP(ReplicatedStrategy):
         self.optimizer_step(self.optimizer)
         return StepResult(loss, len(y))
 
-    # predict(), state_dict(), load_state_dict(): the base class's, on self.model (the wrapped module)
+    # state_dict(), load_state_dict(): the base class's, on self.model (the wrapped module)
+
+    def predict(self, x):
+        self.broadcast_buffers()  # what DDP's next forward would do first
+        return super().predict(x)
 
     def full_state_dict(self):
         self.broadcast_buffers()  # rank 0's BatchNorm statistics are the model's

@@ -42,8 +42,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..comm import nbytes
-from .base import StepResult, Strategy
-from .fsdp import Ledger, broadcast_buffers, optimizer_kind
+from .base import StepResult, Strategy, broadcast_buffers
+from .fsdp import Ledger, optimizer_kind
 
 
 def _local(t):
@@ -111,7 +111,7 @@ class TorchFSDP(Strategy):
             self.ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.set("grads", 0)
-        broadcast_buffers(self.comm, self.model, self.ctx.world)
+        broadcast_buffers(self.comm, self.model)
         return StepResult(loss, len(y))
 
     @torch.no_grad()
