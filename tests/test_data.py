@@ -184,3 +184,33 @@ def test_test_shards_are_padded_to_equal_calls_and_cover_every_sample_once():
             seen += y[real].tolist()
     assert shapes[0] == shapes[1] == [500, 1]
     assert sorted(seen) == sorted(data.test_y.tolist())
+
+
+def test_download_offline_says_what_to_do(tmp_path):
+    from paralab.data.download import DownloadError, download_cifar10
+    from paralab.launch import free_port
+    url = f"http://127.0.0.1:{free_port()}/cifar-10-python.tar.gz"  # nothing listens there
+    with pytest.raises(DownloadError, match="offline.*fashion-mnist"):
+        download_cifar10(tmp_path, url=url, timeout=5, log=lambda *a: None)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+def test_download_rejects_a_bad_archive(tmp_path):
+    import http.server
+    import threading
+
+    from paralab.data.download import DownloadError, download_cifar10
+    served = tmp_path / "serve"
+    served.mkdir()
+    (served / "cifar-10-python.tar.gz").write_bytes(b"not the archive")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(served), **k)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = tmp_path / "data"
+        with pytest.raises(DownloadError, match="MD5"):
+            download_cifar10(target, url=f"http://127.0.0.1:{server.server_port}/cifar-10-python.tar.gz",
+                             timeout=5, log=lambda *a: None)
+        assert list(target.iterdir()) == []
+    finally:
+        server.shutdown()
