@@ -17,16 +17,15 @@ approach the link's (here: loopback memory copy) bandwidth. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
+from common import RESULTS, SRC, write_result
+
+sys.path.insert(0, str(SRC))
 
 TARGET_S = 0.4  # time to spend timing each size
 
@@ -37,7 +36,7 @@ def parse(argv):
     p.add_argument("--cores-per-worker", type=int, default=1, help="0: do not pin")
     p.add_argument("--min-kib", type=float, default=4)
     p.add_argument("--max-mib", type=float, default=64)
-    p.add_argument("--out", default=str(HERE / "results" / "allreduce.json"))
+    p.add_argument("--out", default=str(RESULTS / "allreduce.json"))
     return p.parse_args(argv)
 
 
@@ -114,9 +113,7 @@ def main(argv: list[str]) -> int:
               "cores_per_worker": args.cores_per_worker, "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows,
               "peak_busbw_GBps": max(r["busbw_GBps"] for r in rows)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(f"gloo all-reduce, {args.workers} ranks x {args.cores_per_worker or 'all'} core(s); "
           f"busbw = algbw x 2(N-1)/N")
     print(f"{'size':>10} {'reps':>5} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")

@@ -23,61 +23,34 @@ Writes ``bench/results/dp.json``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from common import interleaved, parse_runs, selected, step_seconds, train, training_options, write_result
+
 STRATEGIES = ("single", "gather-scatter", "allreduce", "ddp", "torch-ddp")
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="bench/dp.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="vgg11")
-    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (0.25 for a quick run)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, the same for every strategy")
-    p.add_argument("--steps", type=int, default=5, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the average")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cores-per-worker", type=int, default=1)
+    p = training_options("bench/dp.py", __doc__, each="strategy", warmup_help="steps left out of the average")
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--repeats", type=int, default=1, help="run every strategy R times, keep the best")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--out", default=str(HERE / "results" / "dp.json"))
-    return p.parse_args(argv)
+    return parse_runs(p, argv, "dp", repeats=1, repeats_help="run every strategy R times, keep the best",
+                      select="--strategies", choices=STRATEGIES)
 
 
 def run_one(strategy: str, args, workdir: Path, tag: str) -> dict:
     workers = 1 if strategy == "single" else args.workers
     out = workdir / f"{strategy}-{tag}"
-    cmd = [sys.executable, "-m", "paralab", "train", strategy, "--workers", str(workers),
-           "--cores-per-worker", str(args.cores_per_worker), "--model", args.model, "--width", str(args.width),
-           "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-           "--bucket-mb", str(args.bucket_mb), "--dataset", "synthetic",
-           "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",
-           "--eval-batch-size", "100", "--no-progress", "--log-every", str(args.steps), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{strategy} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
+    s, rows = train(strategy, [strategy], args, out, workers=workers, options=["--bucket-mb", str(args.bucket_mb)])
     ranks = list(s["split"].values())
-    # the least disturbed step (the slowest rank's time): what the machine can do when nothing else runs
-    per_step: dict[int, float] = {}
-    for line in (out / "steps.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["step"] >= args.warmup:
-            per_step[row["step"]] = max(per_step.get(row["step"], 0.0), row["seconds"])
     details = s.get("strategy_details") or {}
     overlap = [d["overlap"] for d in details.values() if isinstance(d, dict) and "overlap" in d]
     return {
         "strategy": strategy, "workers": workers, "samples_per_s": s["samples_per_s"],
-        "samples_per_s_best_step": s["global_batch"] / min(per_step.values()),
+        # the least disturbed step (the slowest rank's time): what the machine can do when nothing else runs
+        "samples_per_s_best_step": s["global_batch"] / min(step_seconds(rows, args.warmup)),
         "load_average": os.getloadavg()[0],
         "seconds_per_iter": s["seconds_per_iter"],
         "compute_s": max(r["compute"] for r in ranks),
@@ -93,23 +66,14 @@ def run_one(strategy: str, args, workdir: Path, tag: str) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(STRATEGIES))
-    if unknown:
-        print(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}", file=sys.stderr)
+    names = selected(args.strategies, STRATEGIES, "strategies")
+    if names is None:
         return 2
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     load_before = os.getloadavg()
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="paralab-bench-dp-") as tmp:
-        for rep in range(args.repeats):
-            for name in names:
-                print(f"bench dp: {name} (run {rep + 1}/{args.repeats}) ...", flush=True)
-                try:
-                    runs[name].append(run_one(name, args, Path(tmp), str(rep)))
-                except RuntimeError as exc:
-                    print(exc, file=sys.stderr)
-                    return 1
+    runs = interleaved("dp", names, args.repeats, lambda name, workdir, tag: run_one(name, args, workdir, tag))
+    if runs is None:
+        return 1
     best = {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}
 
     def ratios_of(key):
@@ -131,9 +95,7 @@ def main(argv: list[str]) -> int:
               "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
               "best": best, "all_runs": runs, "ratios": ratios, "ratios_best_step": ratios_best_step,
               "targets": {"ddp_over_torch_ddp": 1.0, "scaling_efficiency_ddp": 0.9}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
 
     print(f"\n{args.model} width {args.width}, global batch {args.batch_size}, {args.workers} workers x "
           f"{args.cores_per_worker} core (single: 1 x {args.cores_per_worker}); best of {args.repeats}; "

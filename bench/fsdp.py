@@ -29,38 +29,26 @@ full parameters (the largest unit). Writes ``bench/results/fsdp.json``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from common import SRC, interleaved, parse_runs, selected, step_seconds, train, training_options, write_result
+
 VARIANTS = ("ddp", "fsdp1", "fsdp2", "fsdp3", "fsdp3-noprefetch", "torch-fsdp")
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="bench/fsdp.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="vgg11")
-    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (0.25 for a quick run)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, the same for every variant")
-    p.add_argument("--steps", type=int, default=5, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cores-per-worker", type=int, default=1)
+    p = training_options("bench/fsdp.py", __doc__, each="variant", warmup_help="steps left out of the timing")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) | adam")
-    p.add_argument("--repeats", type=int, default=2, help="run every variant R times, interleaved; keep the best")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--out", default=str(HERE / "results" / "fsdp.json"))
-    return p.parse_args(argv)
+    return parse_runs(p, argv, "fsdp", repeats=2, repeats_help="run every variant R times, interleaved; keep the best",
+                      select="--variants", choices=VARIANTS)
 
 
 def registered(name: str) -> bool:
-    sys.path.insert(0, str(HERE.parent / "src"))
+    sys.path.insert(0, str(SRC))
     from paralab.strategies import strategy_names
     return name in strategy_names()
 
@@ -79,22 +67,8 @@ def command(variant: str, ddp_name: str) -> tuple[list[str], dict]:
 def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
     out = workdir / f"{variant}-{tag}"
     strategy, extra_env = command(variant, ddp_name)
-    cmd = [sys.executable, "-m", "paralab", "train", *strategy, "--workers", str(args.workers),
-           "--cores-per-worker", str(args.cores_per_worker), "--model", args.model, "--width", str(args.width),
-           "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-           "--optimizer", args.optimizer, "--dataset", "synthetic",
-           "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",
-           "--eval-batch-size", "100", "--no-progress", "--log-every", str(args.steps), "--out", str(out)]
-    env = {**os.environ, **extra_env,
-           "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{variant} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    steps = sorted({r["step"] for r in rows})
-    measured = [st for st in steps if st >= steps[0] + args.warmup] or steps
-    step_s = [max(r["seconds"] for r in rows if r["step"] == st) for st in measured]
+    s, rows = train(variant, strategy, args, out, options=["--optimizer", args.optimizer], env=extra_env)
+    step_s = step_seconds(rows, args.warmup)
     ranks = list(s["split"].values())
     details = s.get("strategy_details") or {}
     memory = [d["memory"] for d in details.values() if isinstance(d, dict) and "memory" in d]
@@ -125,7 +99,7 @@ def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
 
 def replica_bytes(args) -> dict:
     """Parameters, gradients and optimizer state of one full replica, counted after one step."""
-    sys.path.insert(0, str(HERE.parent / "src"))
+    sys.path.insert(0, str(SRC))
     import torch
     import torch.nn.functional as F
     from paralab.models import build_model
@@ -148,27 +122,19 @@ def replica_bytes(args) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(VARIANTS))
-    if unknown:
-        print(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+    names = selected(args.variants, VARIANTS, "variants")
+    if names is None:
         return 2
     ddp_name = "ddp" if registered("ddp") else "allreduce"
     if ddp_name != "ddp":
         print("bench fsdp: strategy 'ddp' is not registered; using 'allreduce' (same memory)", flush=True)
     ddp_memory = replica_bytes(args)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     load_before = os.getloadavg()
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="paralab-bench-fsdp-") as tmp:
-        for rep in range(args.repeats):
-            for name in names:
-                print(f"bench fsdp: {name} (run {rep + 1}/{args.repeats}) ...", flush=True)
-                try:
-                    runs[name].append(run_one(name, args, Path(tmp), str(rep), ddp_name))
-                except RuntimeError as exc:
-                    print(exc, file=sys.stderr)
-                    return 1
+    runs = interleaved("fsdp", names, args.repeats,
+                       lambda name, workdir, tag: run_one(name, args, workdir, tag, ddp_name))
+    if runs is None:
+        return 1
     best = {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}
     if "ddp" in best:
         best["ddp"]["memory"] = {"resident_peak_bytes": ddp_memory["total"], "peak_bytes": {
@@ -195,9 +161,7 @@ def main(argv: list[str]) -> int:
               "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
               "ddp_replica_bytes": ddp_memory, "best": best, "all_runs": runs, "ratios": ratios,
               "targets": checks}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
 
     mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "-"  # noqa: E731
     print(f"\n{args.model} width {args.width}, global batch {args.batch_size}, {args.workers} workers x "

@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "src"))
+from common import RESULTS, ROOT, SRC, paralab_train, write_result
+
+sys.path.insert(0, str(SRC))
 
 from paralab.models import build_model  # noqa: E402
 from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
@@ -71,10 +70,9 @@ def measured_bubble(by_step: dict[str, float], warmup: int) -> float:
     return sum(kept) / len(kept)
 
 
-def run_one(label: str, args: list[str], common: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "paralab", "train", *args, *common, "--out", str(out)]
+def run_one(label: str, args: list[str], shared: list[str], out: Path) -> dict:
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    p = paralab_train([*args, *shared], out, cwd=ROOT)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         print(f"{label}: failed (exit {p.returncode})\n{p.stderr[-2000:]}", file=sys.stderr)
@@ -111,14 +109,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-batches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", default="1,2,4,8", help="comma-separated M values")
-    p.add_argument("--output", default=str(HERE / "results" / "pipeline.json"))
+    p.add_argument("--output", default=str(RESULTS / "pipeline.json"))
     args = p.parse_args(argv)
     ms = [int(m) for m in args.microbatches.split(",")]
     model = build_model(args.model, width=args.width)
     times = measure_unit_times(model, sample_batch(max(1, args.batch_size // 4)), repeats=5)
     ranges = split_costs(times, args.workers)
     counts = ",".join(str(b - a) for a, b in ranges)
-    common = ["--workers", str(args.workers), "--model", args.model, "--width", str(args.width),
+    shared = ["--workers", str(args.workers), "--model", args.model, "--width", str(args.width),
               "--batch-size", str(args.batch_size), "--num-batches", str(args.num_batches),
               "--warmup", str(args.warmup), "--partition", counts, "--dataset", "synthetic",
               "--lr", "0.01", "--no-progress", "--eval-batches", "1", "--eval-batch-size", "64",
@@ -128,7 +126,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="paralab-bench-pipeline-") as tmp:
         for i, (label, targs) in enumerate(configurations(ms)):
             print(f"  running {label} ...", flush=True)
-            results.append(run_one(label, targs, common, Path(tmp) / f"run{i}"))
+            results.append(run_one(label, targs, shared, Path(tmp) / f"run{i}"))
     load_after = os.getloadavg()
 
     base = next((r["samples_per_s"] for r in results if r["label"] == "model" and "error" not in r), None)
@@ -151,12 +149,10 @@ def main(argv: list[str]) -> int:
         peak = "/".join(str(x) for x in r["peak_microbatches_alive"])
         print(f"{r['label']:<12}{r['samples_per_s']:>10.1f}{speed:>9}  {meas:<{8 * w}}"
               f"{r['bubble_theory']:>7.2f}  {sim:<{8 * w}}{peak:>{4 * w + 2}}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "pipeline", "settings": vars(args), "partition": counts,
-                               "unit_seconds": times, "cpu_count": os.cpu_count(),
-                               "load_average_before": load_before, "load_average_after": load_after,
-                               "results": results}, indent=2) + "\n")
+    out = write_result(args.output, {"benchmark": "pipeline", "settings": vars(args), "partition": counts,
+                                     "unit_seconds": times, "cpu_count": os.cpu_count(),
+                                     "load_average_before": load_before, "load_average_after": load_after,
+                                     "results": results})
     print(f"\nwritten {out}")
     return 0 if ok else 1
 
