@@ -165,18 +165,31 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
         if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:  # ranks on other hosts
             cfg.master_addr = os.environ.get("MASTER_ADDR", cfg.master_addr)
             choose_gloo_interface(cfg, rank)
-        return _run_here(cfg, rank, world, local, None, run_dir)
+        _leave(_run_here(cfg, rank, world, local, None, run_dir))
     if cfg.world_size is not None:
         cfg.launched_by = "manual"
         pin(0, cfg, 1)
         choose_gloo_interface(cfg, cfg.rank)
-        return _run_here(cfg, cfg.rank, cfg.world_size, 0, tcp_url(cfg.master_addr, cfg.master_port or 29500),
-                         run_dir)
+        _leave(_run_here(cfg, cfg.rank, cfg.world_size, 0, tcp_url(cfg.master_addr, cfg.master_port or 29500),
+                         run_dir))
     init_method = tcp_url("127.0.0.1", cfg.master_port or free_port())
     if cfg.workers == 1:
         pin(0, cfg, 1)
         return _run_here(cfg, 0, 1, 0, init_method, run_dir)
     return _run_local(cfg, init_method, run_dir)
+
+
+def _leave(code: int):
+    """End a torchrun or manual rank once its work is done and written.
+
+    It skips the interpreter's shutdown, as spawned ranks do: tearing down
+    gloo's background threads in static destructors occasionally aborts the
+    process ("terminate called without an active exception") after a run that
+    succeeded, which would turn a good run into a failed exit code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
