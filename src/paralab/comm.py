@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .recorder import Recorder, Span
+from .recorder import Recorder
 
 SUM = dist.ReduceOp.SUM
 
@@ -71,11 +71,9 @@ class Comm:
 
         def finished(_fut):
             pending.done_at = rec.now() if not rec.cuda else time.perf_counter() - rec.origin
-            # runs on the backend's thread: build the span with its own step rather than
-            # swapping rec.step, which the training thread may be changing at this moment
-            if rec.enabled:
-                rec.spans.append(Span(rec.rank, pending.step, "comm", name, t0, pending.done_at, size,
-                                      {"op": kind, "async": True}))
+            # runs on the backend's thread: the span carries the step it was launched in,
+            # whatever step the training thread has reached by now
+            rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind, **{"async": True})
             return None
 
         try:

@@ -44,6 +44,7 @@ class Recorder:
         self.enabled = enabled
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.by_step: dict[int, list[Span]] = {}  # the same spans, indexed for the per-step split
         self.step = -1  # set by the training loop; -1 = outside training
 
     def now(self) -> float:
@@ -51,10 +52,14 @@ class Recorder:
             torch.cuda.synchronize()
         return time.perf_counter() - self.origin
 
-    def add(self, category: str, name: str, t0: float, t1: float, nbytes: int = 0, **args) -> Span:
-        span = Span(self.rank, self.step, category, name, t0, t1, int(nbytes), args)
+    def add(self, category: str, name: str, t0: float, t1: float, nbytes: int = 0, *, step: int | None = None,
+            **args) -> Span:
+        """Record a span in ``step`` (default: the current one). Safe to call from a
+        backend's completion thread: list appends are atomic in CPython."""
+        span = Span(self.rank, self.step if step is None else step, category, name, t0, t1, int(nbytes), args)
         if self.enabled:
             self.spans.append(span)
+            self.by_step.setdefault(span.step, []).append(span)
         return span
 
     @contextmanager
@@ -67,7 +72,7 @@ class Recorder:
             self.add(category, name, t0, self.now(), nbytes, **args)
 
     def step_spans(self, step: int) -> list[Span]:
-        return [s for s in self.spans if s.step == step]
+        return list(self.by_step.get(step, ()))
 
     def split(self, step: int) -> dict[str, float]:
         """Seconds by category in one step.
