@@ -34,8 +34,8 @@ def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, ti
                 fast: bool = True) -> Result:
     cmd = [sys.executable, "-m", "paralab", *args]
     if args and args[0] == "train":
-        if fast:
-            cmd += FAST
+        if fast:  # before the test's own options, so a test can override any of them
+            cmd = cmd[:5] + FAST + cmd[5:]
         if out is not None:
             cmd += ["--out", str(out)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -102,3 +102,13 @@ def test_help_for_every_command(capsys):
             main(argv)
         assert exc.value.code == 0
     assert "--batch-size" in capsys.readouterr().out
+
+
+def test_resume_with_other_batches_or_no_more_steps(capsys, tmp_path):
+    assert main(["train", "single", *FAST, "--no-progress", "--eval-batches", "1", "--batch-size", "32",
+                 "--out", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    err = refused(capsys, tmp_path, "single", *FAST, "--batch-size", "64", "--resume", str(tmp_path / "base"))
+    assert "batch_size" in err  # a different batch would read other samples at each step
+    err = refused(capsys, tmp_path, "single", *FAST, "--batch-size", "32", "--resume", str(tmp_path / "base"))
+    assert "already trained 1 steps" in err

@@ -214,3 +214,12 @@ def test_download_rejects_a_bad_archive(tmp_path):
         assert list(target.iterdir()) == []
     finally:
         server.shutdown()
+
+
+def test_eval_bound_is_on_the_total_whatever_the_ranks():
+    data = make_synthetic(train_size=64, test_size=300)
+    for replicas in (1, 2, 3):
+        real = sum(int(r.sum()) for rank in range(replicas)
+                   for _, _, r in BatchSource(data, per_rank_batch=8, replicas=replicas, rank=rank)
+                   .test_batches(50, max_batches=2))
+        assert real == 100

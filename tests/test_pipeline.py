@@ -112,3 +112,14 @@ def test_check_end_to_end(paralab, strategy, workers, norm, extra):
     idle = [sp for sp in train if sp["category"] == "idle"]
     assert {sp["rank"] for sp in idle} == set(range(workers))  # every stage waits for a neighbour
     assert all(sp["name"].startswith("wait:recv") for sp in idle)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_short_last_batch_with_fewer_samples_than_microbatches(paralab, schedule):
+    # 40 samples, batch 32, 16 microbatches: the epoch's second batch has 8 samples, so 8 microbatches
+    r = paralab("train", "pipeline", "--workers", "2", "--schedule", schedule, "--microbatches", "16",
+                "--synthetic-size", "40", "--num-batches", "2", "--lr", "1e-3", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.summary["check"]["result"] == "PASS"
+    steps = [row for row in r.rows("steps.jsonl") if row["rank"] == 1]
+    assert [row["samples"] for row in steps] == [32, 8]

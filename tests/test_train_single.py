@@ -1,6 +1,8 @@
 """End-to-end single-process training: learning, records, determinism, resume."""
 import json
 
+import pytest
+
 import torch
 
 from paralab.checkpoint import load
@@ -80,3 +82,12 @@ def test_non_finite_loss_stops_and_keeps_records(paralab):
     steps = r.rows("steps.jsonl")
     assert 0 < len(steps) < 30
     assert r.summary["error"].startswith("loss became non-finite at step")
+
+
+def test_throughput_counts_the_short_last_batch(paralab):
+    # 100 samples, batch 32: the epoch's fourth step has 4 samples
+    r = paralab("train", "single", "--synthetic-size", "100", "--num-batches", "4", "--warmup", "0")
+    assert r.returncode == 0, r.stderr
+    rows = r.rows("steps.jsonl")
+    assert [row["samples"] for row in rows] == [32, 32, 32, 4]
+    assert r.summary["samples_per_s"] == pytest.approx(100 / sum(row["seconds"] for row in rows))

@@ -27,7 +27,7 @@ def run_check(cfg, strategy, source, model_fn, optim_fn, lr_for, steps: int, com
     results.append(compare_tensors("weights", mine, ref.state_dict(), WEIGHT_ATOL))
 
     x, _ = source.batch(steps)
-    out = strategy.predict(x)
+    out = strategy.predict(x.to(strategy.ctx.device))
     if out is not None:
         ref.eval()
         with torch.no_grad():

@@ -15,7 +15,11 @@ import torch
 
 from .errors import UsageError
 
-IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "zero_stage", "partition")
+# What must match for a resumed run to continue the same arithmetic: the model and
+# strategy, and everything that decides which samples each step reads.
+IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "zero_stage", "partition",
+                 "batch_size", "per_worker_batch", "dataset", "synthetic_size", "augment", "microbatches",
+                 "accumulate")
 
 
 def checkpoint_path(run_dir: Path, rank: int) -> Path:
@@ -62,6 +66,10 @@ def check_resumable(run_dir: Path, cfg) -> None:
         mine = identity(cfg)
         diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run {mine[k]!r}"
                  for k in mine if saved.get(k) != mine[k]]
+        step = load(run_dir, rank)["step"]
+        if not diffs and cfg.num_batches is not None and cfg.num_batches <= step:
+            raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
+                             f"ask for more than that with --num-batches (got {cfg.num_batches})")
         if diffs:
             raise UsageError(f"--resume {run_dir}: the checkpoint is from a different run "
                              f"({'; '.join(diffs)}); use the same options")

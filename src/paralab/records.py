@@ -79,7 +79,7 @@ def bus_factor(op: str, world: int) -> float:
 
 def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, world: int,
               global_batch: int, evaluation: dict | None, check: dict | None, error: str | None,
-              extra: dict | None = None) -> dict:
+              replicas: int = 1, extra: dict | None = None) -> dict:
     timed = sorted({r["step"] for r in steps})
     measured = [s for s in timed if s >= timed[0] + cfg.warmup] if timed else []
     if not measured:
@@ -125,10 +125,13 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         secs = sum(e["seconds"] for e in bus)
         bus_bandwidth = moved / secs / 1e9 if secs else None
 
-    losses = [r["loss"] for r in steps if r["loss"] is not None]
-    last_step = max(timed) if timed else None
-    last_losses = [r["loss"] for r in by_step.get(last_step, []) if r["loss"] is not None]
-    global_samples = sum(global_batch for _ in measured)
+    def mean_loss(step):
+        values = [r["loss"] for r in by_step.get(step, []) if r["loss"] is not None]
+        return sum(values) / len(values) if values else None
+
+    # samples each step really trained (an epoch's last batch can be short): the ranks'
+    # own counts add up over data-parallel replicas; model/pipeline stages all see one batch
+    global_samples = sum(sum(r["samples"] for r in by_step[s]) * replicas / len(by_step[s]) for s in measured)
     summary = {
         "strategy": cfg.strategy, "workers": world, "model": cfg.model, "width": cfg.width, "norm": cfg.norm,
         "dataset": cfg.dataset, "parameters": parameters, "global_batch": global_batch,
@@ -138,8 +141,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "split": split,
         "comm_bytes": comm_bytes, "comm_ops": by_op, "bus_bandwidth": bus_bandwidth,
         "bus_bandwidth_unit": "GB/s",
-        "first_loss": losses[0] if losses else None,
-        "final_loss": sum(last_losses) / len(last_losses) if last_losses else None,
+        "first_loss": mean_loss(timed[0]) if timed else None,
+        "final_loss": mean_loss(timed[-1]) if timed else None,
         "test_loss": evaluation["loss"] if evaluation else None,
         "test_accuracy": evaluation["accuracy"] if evaluation else None,
         "check": None if check is None else {k: check[k] for k in
@@ -168,7 +171,8 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     write_jsonl(run_dir / "steps.jsonl", steps)
     write_jsonl(run_dir / "spans.jsonl", spans)
     summary = summarize(cfg, steps, spans, parameters=parameters, world=world, global_batch=global_batch,
-                        evaluation=evaluation, check=check, error=error, extra=extras)
+                        evaluation=evaluation, check=check, error=error, replicas=strategy.replicas()[0],
+                        extra=extras)
     summary["dataset"] = dataset.name
     write_json(run_dir / "summary.json", summary)
     if evaluation is not None:

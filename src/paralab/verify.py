@@ -110,7 +110,7 @@ def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, tor
         return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol)
     worst, worst_name = 0.0, "-"
     for name, r in ref.items():
-        m = mine[name]
+        m, r = mine[name].detach().cpu(), r.detach().cpu()
         if m.shape != r.shape:
             return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol)
         if not r.is_floating_point():

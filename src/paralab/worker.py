@@ -133,6 +133,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         saved = checkpoint.load(Path(cfg.resume), rank)
         strategy.load_state_dict(saved["state"])
         start_step = saved["step"]
+        if start_step >= total_steps:  # every rank reads the same step: the same decision everywhere
+            raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
+                               f"run asks for {total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {cfg.resume} at step {start_step}")
 
     step_rows: list[dict] = []

@@ -46,16 +46,18 @@ class BatchSource:
         Rank r takes samples r, r+N, ...; shares are padded to equal length (as
         DistributedSampler does) so every rank makes the same number of equally
         sized predict calls, which sharded strategies need (their predict is a
-        collective). ``real`` marks the rows that are not padding.
+        collective). ``real`` marks the rows that are not padding. ``max_batches``
+        bounds the total to the first ``max_batches * batch_size`` test samples
+        whatever the number of ranks.
         """
         n = len(self.data.test_y)
+        if max_batches is not None:  # a bound on the *total*, so every strategy sees the same samples
+            n = min(n, max_batches * batch_size)
         per_rank = math.ceil(n / self.replicas)
         positions = torch.arange(self.rank, per_rank * self.replicas, self.replicas)
         real = positions < n
         idx = torch.where(real, positions, positions % n)
-        for count, start in enumerate(range(0, per_rank, batch_size)):
-            if max_batches is not None and count >= max_batches:
-                return
+        for start in range(0, per_rank, batch_size):
             sel = idx[start:start + batch_size]
             yield (normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel],
                    real[start:start + batch_size])

@@ -63,6 +63,11 @@ class Pipeline(StagedStrategy):
         self.check_input(x)
         self.stage.train()
         chunks = split_microbatches(x, y, self.microbatches)
-        loss = self.executor.run(self.stage, self.actions, chunks)
+        actions = self.actions
+        if len(chunks) < self.microbatches:
+            # an epoch's last batch can hold fewer samples than microbatches: plan the
+            # schedule for the chunks there are (every stage sees the same batch size)
+            actions = build_schedule(self.schedule, self.ctx.world, len(chunks))[self.ctx.rank]
+        loss = self.executor.run(self.stage, actions, chunks)
         self.optimizer_step(self.optimizer)
         return StepResult(loss, len(y))
