@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
@@ -73,9 +73,8 @@ class RunConfig:
     schedule: str = "gpipe"           #: pipeline: gpipe | 1f1b
     partition: str = "balanced"       #: model/pipeline: balanced | params | counts "2,3,8"
     zero_stage: int = 3               #: fsdp: 1 | 2 | 3
-    # extra, filled in by the launcher for the record
+    # filled in by the launcher, for the record
     launched_by: str = "local"
-    extras: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- derived
     @property

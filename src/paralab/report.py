@@ -429,8 +429,7 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
               "paralab compare settings")
     if first:
         sec.table(["", ""], environment_rows(first), "environment (from the first run's config.json)")
-        keep = {k: v for k, v in first.config.items() if k not in ("environment", "strategy", "workers", "out",
-                                                                     "extras")}
+        keep = {k: v for k, v in first.config.items() if k not in ("environment", "strategy", "workers", "out")}
         sec.code(json.dumps(keep, indent=1, default=str))
     page, md = rep.write(out_dir)
     return rep

@@ -1,7 +1,7 @@
 """Data: in-memory datasets, DistributedSampler-style sharding, batched transforms."""
 from .datasets import DATASETS, Dataset, check_dataset, load_dataset, resolve_dataset
 from .loader import BatchSource
-from .sharding import batch_indices, shard_indices, steps_per_epoch
+from .sharding import shard_indices, steps_per_epoch
 
 __all__ = ["DATASETS", "Dataset", "BatchSource", "check_dataset", "load_dataset",
-           "resolve_dataset", "batch_indices", "shard_indices", "steps_per_epoch"]
+           "resolve_dataset", "shard_indices", "steps_per_epoch"]

@@ -6,7 +6,7 @@ import math
 import torch
 
 from .datasets import Dataset
-from .sharding import batch_indices, steps_per_epoch
+from .sharding import shard_indices, steps_per_epoch
 from .transforms import Augmenter, normalize
 
 
@@ -24,15 +24,27 @@ class BatchSource:
         self.per_rank_batch = per_rank_batch
         self.replicas, self.rank, self.seed = replicas, rank, seed
         self.augmenter = Augmenter(len(data.train_y), seed, augment)
+        self._orders: dict[int, torch.Tensor] = {}  # rank -> this epoch's shard order
+        self._orders_epoch: int | None = None
 
     @property
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(len(self.data.train_y), self.replicas, self.per_rank_batch)
 
     def indices(self, step: int, rank: int | None = None) -> tuple[int, torch.Tensor]:
-        return batch_indices(len(self.data.train_y), self.replicas,
-                             self.rank if rank is None else rank, self.per_rank_batch, step,
-                             seed=self.seed)
+        """(epoch, indices) of ``rank``'s batch at global ``step``.
+
+        Each rank's order for an epoch is computed once and kept while that
+        epoch lasts (a full shuffle per step would sit in the training loop).
+        """
+        rank = self.rank if rank is None else rank
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if self._orders_epoch != epoch:
+            self._orders, self._orders_epoch = {}, epoch
+        if rank not in self._orders:
+            self._orders[rank] = shard_indices(len(self.data.train_y), self.replicas, rank,
+                                               seed=self.seed, epoch=epoch)
+        return epoch, self._orders[rank][i * self.per_rank_batch:(i + 1) * self.per_rank_batch]
 
     def batch(self, step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (or ``rank``'s) training batch at ``step``: normalised float images, labels."""

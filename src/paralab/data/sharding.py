@@ -43,12 +43,3 @@ def shard_indices(n: int, num_replicas: int, rank: int, *, seed: int = 0, epoch:
 def steps_per_epoch(n: int, num_replicas: int, per_rank_batch: int) -> int:
     """Steps in one epoch; the last batch may be smaller (it is kept)."""
     return math.ceil(math.ceil(n / num_replicas) / per_rank_batch)
-
-
-def batch_indices(n: int, num_replicas: int, rank: int, per_rank_batch: int, step: int, *,
-                  seed: int = 0, shuffle: bool = True) -> tuple[int, torch.Tensor]:
-    """(epoch, indices) of this rank's batch at global step ``step``."""
-    per_epoch = steps_per_epoch(n, num_replicas, per_rank_batch)
-    epoch, i = divmod(step, per_epoch)
-    order = shard_indices(n, num_replicas, rank, seed=seed, epoch=epoch, shuffle=shuffle)
-    return epoch, order[i * per_rank_batch:(i + 1) * per_rank_batch]

@@ -161,6 +161,13 @@ class Strategy:
             total += loss.item() * weight
         return total
 
+    @torch.no_grad()
+    def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole (local or sharded-module) model in eval mode, as fp32."""
+        model.eval()
+        with self.ctx.autocast():
+            return model(x).float()
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         with self.rec.span("optimizer", "step"):
             optimizer.step()
@@ -203,11 +210,8 @@ class ReplicatedStrategy(Strategy):
         self.broadcast_buffers()
         return StepResult(loss, len(y))
 
-    @torch.no_grad()
     def predict(self, x):
-        self.model.eval()
-        with self.ctx.autocast():
-            return self.model(x).float()
+        return self.eval_logits(self.model, x)
 
     def full_state_dict(self):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -114,11 +114,8 @@ class TorchFSDP(Strategy):
         broadcast_buffers(self.comm, self.model)
         return StepResult(loss, len(y))
 
-    @torch.no_grad()
     def predict(self, x):
-        self.model.eval()
-        with self.ctx.autocast():
-            return self.model(x).float()
+        return self.eval_logits(self.model, x)
 
     @torch.no_grad()
     def full_state_dict(self):
