@@ -40,7 +40,20 @@ def test_memory_prints_formula_substitution_and_result(capsys):
     assert f"{12 * 9231114 / 4 / 1e6:.4g} MB" in out and "zero-1" not in out
 
 
+def test_memory_with_a_model_shows_the_largest_units_working_set_and_peak(capsys):
+    code, out, _ = calc(capsys, "memory", "--model", "vgg11", "--workers", "2", "--stage", "3",
+                        "--step-in-backward")
+    assert code == 0
+    # VGG-11's largest unit: a 512 -> 512 3x3 convolution with bias and BatchNorm = 2,360,832 parameters;
+    # stepped in backward: (p + K) Psi / N + g Psi_unit / N + (p + g) Psi_unit, what bench/fsdp.py measures
+    assert "(p + K) x Psi / N + g x Psi_unit / N" in out and "(4 + 4) x 2_360_832" in out
+    peak = 8 * 9231114 / 2 + 4 * 2360832 / 2 + 8 * 2360832
+    assert f"{peak / 1e6:.4g} MB" in out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["memory", "--parameters", "1e9", "--workers", "8", "--step-in-backward"], "--step-in-backward"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--unit-parameters", "2e9"], "--unit-parameters"),
     (["memory", "--parameters", "1e9", "--workers", "0"], "--workers"),
     (["memory", "--parameters", "1e9", "--workers", "8", "--optimizer", "lamb"], "--optimizer"),
     (["memory", "--parameters", "1e9", "--workers", "8", "--precision", "fp8"], "--precision"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 from datetime import timedelta
 
 import pytest
@@ -59,7 +58,10 @@ def test_flat_unit_flattens_pads_shards_and_rebinds():
 
 
 # ---------------------------------------------------------------- the check matrix, in-process ranks
+# (strategy, stage, norm, optimizer); fsdp stages 2-3 step each unit's shard in backward by default,
+# stage "3-end" / "2-end" is the same stage with --no-step-in-backward (one step after backward)
 COMBOS = [("fsdp", stage, norm, "sgd") for stage in (1, 2, 3) for norm in ("batch", "none")] + [
+    ("fsdp", "3-end", "batch", "sgd"), ("fsdp", "2-end", "none", "adam"),
     ("torch-fsdp", 3, "batch", "sgd"), ("torch-fsdp", 3, "none", "sgd"),
     ("fsdp", 3, "none", "adam"), ("fsdp", 1, "none", "adam"), ("torch-fsdp", 3, "none", "adam")]
 
@@ -75,7 +77,9 @@ def _run_combo(rank, world, combo, data):
     from paralab.worker import build_model_factory, build_optimizer_factory
 
     name, stage, norm, optimizer = combo
-    cfg = RunConfig(strategy=name, zero_stage=stage, norm=norm, optimizer=optimizer, workers=world,
+    stage, _, when = str(stage).partition("-")
+    cfg = RunConfig(strategy=name, zero_stage=int(stage), step_in_backward=when != "end", norm=norm,
+                    optimizer=optimizer, workers=world,
                     dataset="synthetic", width=0.125, per_worker_batch=BATCH, num_batches=2,
                     lr=0.02 if optimizer == "sgd" else 1e-3)
     rec = Recorder(rank)
@@ -121,10 +125,11 @@ def _run_combo(rank, world, combo, data):
             "replicated": strategy.replicated, "extra": strategy.extra_summary()}
 
 
-def _matrix_rank(rank, world, port, out_dir):
+def _matrix_rank(rank, world, out_dir):
     from paralab.data import load_dataset
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # a file store: no port to pick, so no race with other processes for one
+    dist.init_process_group("gloo", init_method=f"file://{out_dir / 'store'}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         data = load_dataset("synthetic", None, synthetic_size=256, seed=0)
@@ -134,17 +139,11 @@ def _matrix_rank(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
 def matrix(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"fsdp{world}")
-    mp.spawn(_matrix_rank, args=(world, _free_port(), out), nprocs=world)
+    mp.spawn(_matrix_rank, args=(world, out), nprocs=world)
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -162,6 +161,7 @@ def test_check_passes_and_resume_is_exact(matrix, combo):
 def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
     world, ranks = matrix
     name, stage, _, optimizer = combo.split("/")
+    stage = stage.split("-")[0]
     keys = ["exp_avg", "exp_avg_sq"] if optimizer == "adam" else ["momentum_buffer"]
     for rank, results in enumerate(ranks):
         r = results[combo]
@@ -194,6 +194,30 @@ def test_stage3_holds_a_shard_plus_gathered_units(matrix):
     assert stage1["params"] == world * shard_bytes  # a full (padded) replica
     assert measured["resident_peak_bytes"] < ranks[0]["fsdp/1/batch/sgd"]["extra"]["memory"]["measured"][
         "resident_peak_bytes"]
+
+
+def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
+    world, ranks = matrix
+    for rank, results in enumerate(ranks):
+        for combo in ("fsdp/3/batch/sgd", "fsdp/3-end/batch/sgd", "fsdp/2/none/sgd", "fsdp/2-end/none/adam",
+                      "fsdp/1/batch/sgd", "fsdp/3/none/adam"):
+            r = results[combo]["extra"]
+            measured = r["memory"]["measured"]
+            predicted = r["memory"]["predicted"]["bytes"]
+            # padding: a few elements per unit in every sharded state
+            slack = 3 * 4 * world * r["units_sharded"]
+            assert measured["resident_peak_bytes"] <= predicted["peak"] + slack, (rank, combo)
+            assert r["step_in_backward"] == ("-end" not in combo and r["zero_stage"] > 1)
+        sib, end = results["fsdp/3/batch/sgd"]["extra"], results["fsdp/3-end/batch/sgd"]["extra"]
+        unit = sib["largest_unit"]["bytes"]
+        # stepped in backward, gradient shards never pile up: at most one unit's gradient and its flat copy
+        assert sib["memory"]["measured"]["peak_bytes"]["grads"] <= 2 * unit
+        assert end["memory"]["measured"]["peak_bytes"]["grads"] >= 4 * end["shard_elements"]
+        assert sib["memory"]["measured"]["resident_peak_bytes"] < end["memory"]["measured"]["resident_peak_bytes"]
+        if world == 2:
+            # the issue's target: <= a replica's parameters + gradients + momentum over N, + one unit
+            replica = 12 * sib["memory"]["predicted"]["parameters"]
+            assert sib["memory"]["measured"]["resident_peak_bytes"] <= replica / world + unit
 
 
 # ---------------------------------------------------------------- the command line

@@ -37,9 +37,23 @@ def test_each_stage_shards_one_more_state(optimizer, precision, pgk):
 
 
 def test_working_set_line_and_bad_input():
-    e = memory_per_worker(10_000, 2, stage=3, unit_parameters=2_500)
-    assert e.working.value == 10_000 and e.components()["working_unit_params"] == 10_000
-    assert memory_per_worker(10_000, 2, stage=1, unit_parameters=2_500).working is None
+    e = memory_per_worker(10_000, 2, stage=3, unit_parameters=2_500)  # fp32 sgd-momentum: p = g = K = 4
+    assert e.working.value == (4 + 4) * 2_500 and e.components()["working"] == 20_000
+    assert e.components()["peak"] == 12 * 10_000 / 2 + 20_000
+    assert memory_per_worker(10_000, 2, stage=2, unit_parameters=2_500).working.value == 2 * 4 * 2_500
+    assert memory_per_worker(10_000, 2, stage=1, unit_parameters=2_500).working.value == 4 * 2_500
+    assert memory_per_worker(10_000, 2, stage=0, unit_parameters=2_500).working is None
+
+
+def test_step_in_backward_holds_one_gradient_shard():
+    e = memory_per_worker(10_000, 4, stage=3, optimizer="adam", unit_parameters=2_000, step_in_backward=True)
+    assert e.grads.value == 4 * 2_000 / 4 and e.total == (4 + 8) * 10_000 / 4 + 4 * 2_000 / 4
+    assert e.total_formula.formula == "(p + K) x Psi / N + g x Psi_unit / N"
+    s2 = memory_per_worker(10_000, 4, stage=2, unit_parameters=2_000, step_in_backward=True)
+    assert s2.total == 4 * 10_000 + 4 * 2_000 / 4 + 4 * 10_000 / 4
+    for bad in ({"stage": 1, "unit_parameters": 10}, {"stage": 3}):
+        with pytest.raises(ValueError):
+            memory_per_worker(10_000, 4, step_in_backward=True, **bad)
     with pytest.raises(ValueError):
         memory_per_worker(10, 2, stage=4)
     with pytest.raises(ValueError):

@@ -72,6 +72,10 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", default=d.schedule, help="pipeline: gpipe | 1f1b")
     g.add_argument("--partition", default=d.partition, help="model/pipeline: balanced | params | 2,3,8")
     g.add_argument("--zero-stage", type=int, default=d.zero_stage, help="fsdp: 1 | 2 | 3")
+    g.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=d.step_in_backward,
+                   help="fsdp stages 2-3: step each unit's shard as soon as its gradient is reduced, "
+                        "so gradient shards never pile up (default on; --no-step-in-backward steps once "
+                        "after backward)")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -73,6 +73,7 @@ class RunConfig:
     schedule: str = "gpipe"           #: pipeline: gpipe | 1f1b
     partition: str = "balanced"       #: model/pipeline: balanced | params | counts "2,3,8"
     zero_stage: int = 3               #: fsdp: 1 | 2 | 3
+    step_in_backward: bool = True     #: fsdp stages 2-3: step each unit's shard as soon as it is reduced
     # filled in by the launcher, for the record
     launched_by: str = "local"
 
@@ -88,7 +89,7 @@ class RunConfig:
     def strategy_options(self) -> dict:
         return {k: getattr(self, k) for k in
                 ("bucket_mb", "accumulate", "microbatches", "schedule", "partition", "zero_stage",
-                 "model", "width", "norm", "batch_size", "warmup")}
+                 "step_in_backward", "model", "width", "norm", "batch_size", "warmup")}
 
     def default_out(self) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -36,8 +36,24 @@ The paper's example (7.5B parameters, N = 64, mixed-precision Adam) gives
 Activations, temporary buffers (a ZeRO-3 worker's gathered unit, a unit's
 full gradient before it is reduce-scattered, communication buffers) and
 fragmentation are *not* model states and are not in these formulas; pass
-``unit_parameters`` to :func:`memory_per_worker` to add the working set of
-ZeRO-3 (one unit's parameters gathered at a time) as a separate line.
+``unit_parameters`` (the largest unit's parameter count, Psi_unit) to
+:func:`memory_per_worker` to add, as a separate *working* line, what a
+unit-by-unit implementation holds beside them while the largest unit runs
+backward: at stage 3 its gathered parameters and its full gradient,
+``(p + g) x Psi_unit`` (the parameters are freed before the gradient is
+copied into one flat tensor for the reduce-scatter, so the copy takes their
+place); at stage 2 the parameters stay, so the gradient and its flat copy,
+``2g x Psi_unit``; at stage 1, whose full gradients are already counted,
+the flat copy, ``g x Psi_unit``. The model states plus the working
+line bound the resident peak from above: they count every gradient shard as
+held, although the shards of the units before the running one do not exist
+yet.
+
+``step_in_backward=True`` (stages 2-3) models an optimizer that steps each
+unit's shard as soon as its gradient is reduce-scattered, in backward, and
+drops that gradient: gradient shards no longer pile up, and the gradient
+line becomes one unit's shard, ``g x Psi_unit / N``. (The update is the same:
+SGD and Adam keep their state per parameter.)
 
 Use::
 
@@ -115,12 +131,18 @@ class MemoryEstimate:
         out = {"params": self.params.value, "grads": self.grads.value,
                "optimizer": self.optimizer_state.value, "total": self.total}
         if self.working is not None:
-            out["working_unit_params"] = self.working.value
+            out["working"] = self.working.value
+        out["peak"] = self.peak
         return out
+
+    @property
+    def peak(self) -> float:
+        """Model states plus the working set (if any): the resident peak of a unit-by-unit implementation."""
+        return self.total + (self.working.value if self.working is not None else 0.0)
 
     def to_dict(self) -> dict:
         parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer_state),
-                 ("total", self.total_formula)] + ([("working_unit_params", self.working)] if self.working else [])
+                 ("total", self.total_formula)] + ([("working", self.working)] if self.working else [])
         return {"strategy": self.name, "stage": self.stage, "parameters": self.parameters,
                 "workers": self.workers, "optimizer": self.optimizer, "precision": self.precision,
                 "bytes_per_parameter": {"p": self.per_parameter.params, "g": self.per_parameter.grads,
@@ -150,14 +172,16 @@ def _component(title: str, coeff: int, symbol: str, parameters: int, workers: in
 
 
 def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: str = "sgd-momentum",
-                      precision: str = "fp32", unit_parameters: int | None = None) -> MemoryEstimate:
+                      precision: str = "fp32", unit_parameters: int | None = None,
+                      step_in_backward: bool = False) -> MemoryEstimate:
     """Model-state bytes per worker for DDP (``stage=0``) or ZeRO ``stage`` 1, 2, 3.
 
     ``parameters``: Psi, the model's parameter count; ``workers``: N, the
     data-parallel workers; ``optimizer``: "sgd", "sgd-momentum" or "adam";
-    ``precision``: "fp32" or "mixed". ``unit_parameters`` (optional, ZeRO-3):
-    the largest unit's parameter count, added as a separate *working* line
-    (the one unit gathered in full while it runs).
+    ``precision``: "fp32" or "mixed". ``unit_parameters`` (optional): the
+    largest unit's parameter count; at stages 1-3 it adds the *working* line
+    (see the module's docstring). ``step_in_backward`` (stages 2-3, needs
+    ``unit_parameters``): gradients are one unit's shard at a time.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (got {stage!r})")
@@ -174,14 +198,30 @@ def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: 
             1: f"({b.params} + {b.grads}) x {g(psi)} + {b.optimizer} x {g(psi)} / {n}",
             2: f"{b.params} x {g(psi)} + ({b.grads} + {b.optimizer}) x {g(psi)} / {n}",
             3: f"({b.params} + {b.grads} + {b.optimizer}) x {g(psi)} / {n}"}
+    if step_in_backward:
+        if stage < 2 or unit_parameters is None:
+            raise ValueError("step_in_backward models stages 2-3 and needs unit_parameters")
+        grads = Formula("gradients", "g x Psi_unit / N", f"{b.grads} x {g(unit_parameters)} / {n}",
+                        b.grads * unit_parameters / n, "B", parts={"sharded": True, "step_in_backward": True},
+                        note="each unit's shard is stepped in backward and dropped")
+        formulas = {2: "p x Psi + g x Psi_unit / N + K x Psi / N", 3: "(p + K) x Psi / N + g x Psi_unit / N"}
+        subs = {stage: " + ".join(f.substituted for f in (params, grads, state))}
     value = params.value + grads.value + state.value
     total = Formula(f"{STAGE_NAMES[stage]}: model states per worker", formulas[stage],
                     f"{subs[stage]} = {fmt_bytes(value)}", value, "B",
                     note="1 GB = 10^9 B; activations and temporary buffers not included")
     working = None
     if unit_parameters is not None and stage >= 3:
-        working = Formula("working set: one unit gathered in full", "p x Psi_unit",
-                          f"{b.params} x {g(unit_parameters)}", float(b.params * unit_parameters), "B",
+        working = Formula("working set: one unit gathered, and its full gradient", "(p + g) x Psi_unit",
+                          f"({b.params} + {b.grads}) x {g(unit_parameters)}",
+                          float((b.params + b.grads) * unit_parameters), "B", note="transient, beside the model states")
+    elif unit_parameters is not None and stage == 2:
+        working = Formula("working set: one unit's full gradient and its flat copy", "2g x Psi_unit",
+                          f"2 x {b.grads} x {g(unit_parameters)}", float(2 * b.grads * unit_parameters), "B",
+                          note="transient, beside the model states")
+    elif unit_parameters is not None and stage == 1:
+        working = Formula("working set: one unit's gradient copied flat", "g x Psi_unit",
+                          f"{b.grads} x {g(unit_parameters)}", float(b.grads * unit_parameters), "B",
                           note="transient, beside the model states")
     return MemoryEstimate(stage, psi, n, optimizer, precision, b, params, grads, state, total, working)
 

@@ -48,6 +48,12 @@ def add_arguments(p) -> None:
                    help="fp32 | mixed (fp16/bf16 parameters and gradients, fp32 optimizer state and master "
                         "weights) (default %(default)s)")
     q.add_argument("--stage", help="only these stages, e.g. 0,3 (0 = DDP; default all)")
+    q.add_argument("--unit-parameters", type=float,
+                   help="the largest unit's parameter count, for the working set and peak of stages 2-3 "
+                        "(default with --model: its largest unit)")
+    q.add_argument("--step-in-backward", action="store_true",
+                   help="stages 2-3 step each unit's shard in backward (paralab fsdp's default): one "
+                        "gradient shard held at a time")
     q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
 
     q = sub.add_parser("allreduce", help="gradient synchronisation time: ring and gather/scatter",
@@ -159,7 +165,16 @@ def calc_memory(args) -> int:
         if any(s not in STAGE_NAMES for s in stages):
             raise UsageError("--stage: stages are 0 (DDP), 1, 2, 3")
     psi, source, _ = _parameters(args)
-    estimates = [memory_per_worker(psi, args.workers, s, args.optimizer, args.precision) for s in stages]
+    unit = args.unit_parameters
+    if unit is None and args.model:
+        unit = max(sum(p.numel() for p in u.parameters()) for u in _model_size(args.model, args.width))
+    elif unit is not None and not (0 < unit <= psi):
+        raise UsageError(f"--unit-parameters must be positive and at most the model's {psi:,} parameters")
+    if args.step_in_backward and unit is None:
+        raise UsageError("--step-in-backward needs the largest unit: pass --model or --unit-parameters")
+    unit = None if unit is None else int(unit)
+    estimates = [memory_per_worker(psi, args.workers, s, args.optimizer, args.precision, unit_parameters=unit,
+                                   step_in_backward=args.step_in_backward and s >= 2) for s in stages]
     if args.json:
         print(json.dumps([e.to_dict() for e in estimates], indent=2))
         return 0
@@ -168,9 +183,14 @@ def calc_memory(args) -> int:
         print(e.text())
         print()
     from ..report import text_table
-    print(text_table(["strategy", "parameters", "gradients", "optimizer state", "total per worker"],
-                     [[e.name, _gb(e.params.value), _gb(e.grads.value), _gb(e.optimizer_state.value), _gb(e.total)]
-                      for e in estimates]))
+    header = ["strategy", "parameters", "gradients", "optimizer state", "total per worker"]
+    rows = [[e.name, _gb(e.params.value), _gb(e.grads.value), _gb(e.optimizer_state.value), _gb(e.total)]
+            for e in estimates]
+    if unit is not None:  # the working set of the largest unit, and the resident peak it gives
+        header += ["working set", "peak"]
+        for row, e in zip(rows, estimates):
+            row += [_gb(e.working.value) if e.working is not None else "-", _gb(e.peak)]
+    print(text_table(header, rows))
     return 0
 
 

@@ -20,6 +20,18 @@ stage        parameters                  gradients                           aft
              per unit, freed after use                                       forward gathers)
 ==========  =========================  ==================================  =====================
 
+Step in backward (stages 2-3, on by default; ``--no-step-in-backward``
+turns it off): as soon as a unit's gradient shard is reduced, the optimizer
+steps that unit's shard and the gradient shard is dropped, so gradient
+shards never pile up (the step at the end would hold all of them at once).
+The update is the same as one step after backward: ``torch.optim`` skips
+parameters without a gradient and keeps its state (Adam's step count too)
+per parameter, so stepping one unit's shard at a time computes exactly the
+same thing. (Gradient clipping by the global norm would need every gradient
+first; paralab has none.) At stage 2 the unit's all-gather of the updated
+shards is launched right after its step, so it overlaps the rest of
+backward.
+
 At stages 1 and 2 the shard is a view into the full flat tensor, so the
 optimizer updates it in place and an in-place all-gather (input = this
 rank's slice of the output) completes the other ranks' slices. Those gathers
@@ -44,8 +56,9 @@ The step at stage 3 (stages 1-2 have nothing to gather or free):
   all-reduce then slice where it has none; which one ran is in
   ``extra_summary``: gloo in torch 2.13 has the native one), keeping only
   this rank's gradient shard, divided by N.
-- optimizer step on the shards; gradients are dropped; BatchNorm buffers
-  broadcast.
+- the optimizer step on that unit's shard (step in backward), or on all
+  shards after backward; gradients are dropped; BatchNorm buffers
+  broadcast after the step.
 
 The autograd views of the gathered storage carry their own version counter
 (they are taken from ``flat.data``), so refilling the storage for backward
@@ -81,11 +94,22 @@ each category's peak and the peak of their sum (``resident_peak_bytes``);
 (analysis/memory.py) for the same stage, workers, optimizer and precision
 (autocast keeps all three in fp32), and on CUDA also
 ``torch.cuda.max_memory_allocated`` (which includes activations). At stage 3
-the resident peak is in the backward of a large unit: its gathered
-parameters and its full gradient (two units' worth) sit beside the shards,
-the optimizer state and the gradient shards of the units after it. VGG-11,
-2 workers, SGD with momentum: 65.27 MB, against 55.39 MB of sharded model
-states (the cost model) + 9.44 MB for one gathered unit = 64.83 MB.
+the resident peak is in the backward of a large unit: a gathered unit and a
+full gradient (two units' worth: a unit's parameters and its gradient must
+coexist, as the convolution's backward reads the weight while it writes the
+weight's gradient) sit beside the parameter and optimizer-state shards. At
+the step at the end, the gradient shards of every unit after the running one
+are held too. VGG-11, 2 workers, SGD with momentum (bench/fsdp.py): 60.53 MB
+stepping in backward, exactly the cost model's peak (41.65 MB of model
+states + 18.89 MB working set), and 65.27 MB with the step at the end (the
+model's 74.27 MB bound counts every gradient shard as held). The issue's
+target, a replica's 110.77 MB / 2 + the largest unit's 9.44 MB = 64.83 MB,
+is met stepping in backward. It can only be met for small N: stepping in
+backward the peak is about 2 Psi x 4 B / N + (2 + 1/N) units, the target
+3 Psi x 4 B / N + 1 unit, so it needs a largest unit under Psi / (N + 1)
+(VGG-11's is 0.26 Psi: N = 2 is fine, N = 3 misses by a hair). Going lower
+would take computing a unit's input gradient, freeing its parameters, then
+its weight gradient.
 
 Not supported: ``--accumulate`` (refused), parameters shared between units.
 """
@@ -235,6 +259,9 @@ class FSDP(Strategy):
         self.shard_params = self.stage >= 3
         self.shard_grads = self.stage >= 2
         self.replicated = not self.shard_params  # stages 1-2 keep a full replica on every rank
+        # stages 2-3 reduce each unit's gradient as soon as its backward is done, so its shard can be
+        # stepped there and then (stage 1 has no reduced gradient before backward ends)
+        self.step_in_backward = self.shard_grads and bool(ctx.option("step_in_backward", True))
         self.prefetch = os.environ.get("PARALAB_FSDP_PREFETCH", "1") != "0"
         self.ledger = Ledger()
         self.reduce_scatter_kind: str | None = None
@@ -375,32 +402,44 @@ class FSDP(Strategy):
             # the previous unit's gather overlaps this reduce-scatter (launched only now: launching it
             # before this unit's backward would hold three units' worth of full tensors at once)
             self._prefetch(self._neighbour(i, -1))
-            if self.shard_grads:
-                self._reduce_scatter(fu, flat_grad)
-            else:
+            if not self.shard_grads:
                 fu.grad = flat_grad  # stage 1: full gradients stay until backward is over
+                continue
+            self._reduce_scatter(fu, flat_grad)
             del flat_grad
+            if self.step_in_backward:
+                self._step([fu], unit=i)  # this unit's shard only; its gradient shard goes at once
         if not self.shard_grads:
             for i in self.param_units:
                 fu = self.flat[i]
                 self._reduce_scatter(fu, fu.grad)
                 fu.grad = None
-
-        # optimizer on the shards only, then make the full parameters current again (stages 1-2)
-        with rec.span("optimizer", "step"):
-            self.optimizer.step()
-            ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
-            self.optimizer.zero_grad(set_to_none=True)
-            ledger.sub("grads", sum(self.flat[i].shard_bytes for i in self.param_units))
-        if not self.shard_params:
-            # every rank completes the others' slices; launched asynchronously, each unit's gather is
-            # waited for only when the next forward (or a read of the weights) reaches that unit
-            for i in self.param_units:
-                fu = self.flat[i]
-                fu.pending = self.comm.all_gather_into(fu.full, fu.shard.detach(), name="all_gather_params",
-                                                       async_op=True)
+        if not self.step_in_backward:
+            self._step([self.flat[i] for i in self.param_units], unit="all")
         broadcast_buffers(self.comm, self.model)
         return StepResult(loss.item(), len(y))
+
+    def _step(self, units: list[FlatUnit], unit) -> None:
+        """Optimizer step on the shards of ``units`` (the only ones with a gradient), then drop the gradients.
+
+        ``torch.optim`` skips parameters whose ``.grad`` is None and keeps its
+        state per parameter (Adam's step count too), so stepping unit by unit
+        in backward updates every shard exactly as one step at the end would.
+        Stages 1-2 then make the unit's full parameters current again: every
+        rank completes the others' slices with an in-place all-gather,
+        launched asynchronously and waited for only when the next forward (or
+        a read of the weights) reaches the unit.
+        """
+        with self.rec.span("optimizer", "step", unit=unit):
+            self.optimizer.step()
+            self.ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
+            for fu in units:
+                fu.shard.grad = None
+                self.ledger.sub("grads", fu.shard_bytes)
+        if not self.shard_params:
+            for fu in units:
+                fu.pending = self.comm.all_gather_into(fu.full, fu.shard.detach(), name="all_gather_params",
+                                                       async_op=True)
 
     def _reduce_scatter(self, fu: FlatUnit, flat_grad: torch.Tensor) -> None:
         """Sum ``flat_grad`` over ranks, keep this rank's shard / N as the shard's gradient."""
@@ -482,7 +521,7 @@ class FSDP(Strategy):
         largest = max((fu.numel for fu in self.flat.values()), default=0)
         # autocast (bf16) keeps parameters, gradients and state in fp32: the fp32 model applies
         return memory_per_worker(self.parameters, self.ctx.world, self.stage, kind, "fp32",
-                                 unit_parameters=largest)
+                                 unit_parameters=largest, step_in_backward=self.step_in_backward)
 
     def extra_summary(self):
         measured = self.ledger.report()
@@ -494,6 +533,7 @@ class FSDP(Strategy):
             "zero_stage": self.stage,
             "reduce_scatter": self.reduce_scatter_kind,
             "prefetch": self.prefetch and self.shard_params,
+            "step_in_backward": self.step_in_backward,
             "units_sharded": len(self.flat),
             "padding_elements": sum(fu.padded - fu.numel for fu in self.flat.values()),
             "shard_elements": sum(fu.shard_numel for fu in self.flat.values()),
