@@ -229,7 +229,10 @@ def test_cli_fsdp_stage3_three_workers(paralab):
     assert s["check"]["result"] == "PASS"
     assert {"all_gather", "reduce_scatter"} <= set(s["comm_ops"])
     details = s["strategy_details"]["0"]
-    assert details["zero_stage"] == 3 and details["prefetch"] is True
+    assert details["zero_stage"] == 3 and details["prefetch"] is True and details["step_in_backward"] is True
+    # the optimizer steps inside backward: one step span per unit with parameters, before the step ends
+    steps = [sp for sp in r.rows("spans.jsonl") if sp["category"] == "optimizer" and sp["rank"] == 0]
+    assert len(steps) == 2 * details["units_sharded"]
     assert details["memory"]["predicted"]["strategy"] == "zero-3"
     assert details["memory"]["measured"]["resident_peak_bytes"] > 0
     assert any(sp["args"].get("async") for sp in r.rows("spans.jsonl") if sp["category"] == "comm")
