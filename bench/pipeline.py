@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-batches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", default="1,2,4,8", help="comma-separated M values")
-    p.add_argument("--output", default=str(RESULTS / "pipeline.json"))
+    p.add_argument("--out", "--output", dest="output", default=str(RESULTS / "pipeline.json"),
+                   help="where to write the JSON result")
     args = p.parse_args(argv)
     ms = [int(m) for m in args.microbatches.split(",")]
     model = build_model(args.model, width=args.width)
