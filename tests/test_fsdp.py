@@ -244,6 +244,16 @@ def test_cli_torch_fsdp_two_workers_bn_free(paralab):
     assert r.returncode == 0, r.stderr + r.stdout
     assert r.summary["check"]["result"] == "PASS"
     assert r.summary["strategy_details"]["1"]["memory"]["predicted"]["strategy"] == "zero-3"
+    # FSDP2's collectives go through comm.py: timed, counted, nested in the compute spans
+    assert r.summary["strategy_details"]["0"]["collectives_timed"] is True
+    assert {"all_gather", "reduce_scatter"} <= set(r.summary["comm_ops"])
+    spans = [sp for sp in r.rows("spans.jsonl") if sp["rank"] == 0 and sp["step"] == 1]
+    gathers = [sp for sp in spans if sp["name"] == "fsdp2_all_gather"]
+    forward = next(sp for sp in spans if sp["category"] == "compute" and sp["name"] == "forward")
+    assert gathers and any(forward["t0"] <= g["t0"] and g["t1"] <= forward["t1"] for g in gathers)
+    step = next(row for row in r.rows("steps.jsonl") if row["rank"] == 0 and row["step"] == 1)
+    split = step["split"] if "split" in step else step
+    assert split["comm"] > 0
 
 
 @pytest.mark.parametrize("args, message", [(["--accumulate", "2"], "--accumulate"),

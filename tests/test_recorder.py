@@ -21,3 +21,18 @@ def test_split_by_category_keeps_async_apart():
     assert split["compute"] == 3.0 and split["forward"] == 1.0 and split["backward"] == 2.0
     assert split["comm"] == 0.5 and split["optimizer"] == 0.0
     assert abs(split["comm_async"] - 1.7) < 1e-12  # union of [1.5, 2.5] and [2.0, 3.2]
+
+
+def test_nested_spans_count_each_moment_once_in_the_innermost():
+    rec = Recorder()
+    rec.step = 0
+    rec.add("compute", "forward", 0.0, 4.0)       # a library's all-gathers run inside the forward
+    rec.add("comm", "all_gather", 0.5, 1.0, 10)
+    rec.add("comm", "all_gather", 2.0, 3.0, 10)
+    rec.add("compute", "backward", 4.0, 8.0)
+    rec.add("comm", "reduce_scatter", 7.0, 8.0, 10)  # ends with its parent
+    rec.add("optimizer", "step", 8.0, 9.0)
+    split = rec.split(0)
+    assert split["comm"] == 2.5 and split["compute"] == 5.5
+    assert split["forward"] == 2.5 and split["backward"] == 3.0
+    assert split["comm"] + split["compute"] + split["optimizer"] == 9.0  # the step, once

@@ -102,29 +102,34 @@ class Comm:
                            group=self.group)
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, name: str = "all_gather",
-                        async_op: bool = False):
+                        async_op: bool = False, group=None):
+        """Every rank's ``shard`` concatenated into ``out`` (``group``: this Comm's unless given)."""
+        group = self.group if group is None else group
         if async_op:
-            return self._launch(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=self.group)
-        return self._timed(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=self.group)
+            return self._launch(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=group)
+        return self._timed(name, "all_gather", nbytes(out), _all_gather_single, out, shard, group=group)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str = "reduce_scatter") -> str:
-        """Sum ``full`` over ranks and keep this rank's slice in ``out``.
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str = "reduce_scatter",
+                       op=SUM, group=None) -> str:
+        """Reduce ``full`` over ranks (a sum unless ``op`` says otherwise); keep this rank's slice in ``out``.
 
         Uses the backend's native reduce-scatter when it has one; otherwise an
         all-reduce followed by slicing. Returns which one ran.
         """
+        group = self.group if group is None else group
         if self.native_reduce_scatter is not False:
             try:
                 self._timed(name, "reduce_scatter", nbytes(full), _reduce_scatter_single, out, full,
-                            op=SUM, group=self.group)
+                            op=op, group=group)
                 self.native_reduce_scatter = True
                 return "reduce_scatter"
             except (RuntimeError, NotImplementedError, ValueError):
                 if self.native_reduce_scatter:
                     raise
                 self.native_reduce_scatter = False
-        self._timed(name, "all_reduce", nbytes(full), dist.all_reduce, full, op=SUM, group=self.group)
-        out.copy_(full.view(self.world, -1)[self.rank].view_as(out))
+        self._timed(name, "all_reduce", nbytes(full), dist.all_reduce, full, op=op, group=group)
+        rank = dist.get_rank(group) if group is not None else self.rank
+        out.copy_(full.view(-1, out.numel())[rank].view_as(out))
         return "all_reduce+slice"
 
     def send(self, t: torch.Tensor, dst: int, name: str = "send"):

@@ -277,7 +277,7 @@ def _legend(ax, kinds):
 def _run_boxes(run: Run, step: int | None):
     st, t0, spans = timeline_spans(run, step)
     boxes = []
-    for s in spans:
+    for s in sorted(spans, key=lambda s: (s["t0"], -s["t1"])):  # outer spans first: nested ones draw on top
         kind = _span_kind(s)
         mb = s.get("args", {}).get("mb")
         letter = {"forward": "F", "backward": "B"}.get(kind, "")

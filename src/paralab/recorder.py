@@ -83,19 +83,36 @@ class Recorder:
         the step total. ``forward`` and ``backward`` break ``compute`` down.
         """
         out = {c: 0.0 for c in CATEGORIES} | {"forward": 0.0, "backward": 0.0, "comm_async": 0.0}
-        in_flight = []
-        for s in self.step_spans(step):
-            if s.args.get("async"):
-                in_flight.append((s.t0, s.t1))
-                continue
-            out[s.category] += s.seconds
+        spans = self.step_spans(step)
+        for s, seconds in exclusive_seconds([s for s in spans if not s.args.get("async")]):
+            out[s.category] += seconds
             if s.category == "compute" and s.name in ("forward", "backward"):
-                out[s.name] += s.seconds
-        out["comm_async"] = union_length(in_flight)
+                out[s.name] += seconds
+        out["comm_async"] = union_length([(s.t0, s.t1) for s in spans if s.args.get("async")])
         return out
 
     def dump(self) -> list[dict]:
         return [asdict(s) for s in self.spans]
+
+
+def exclusive_seconds(spans: list[Span]) -> list[tuple[Span, float]]:
+    """Each span with its own time: its length less that of the spans nested directly inside it.
+
+    Spans of one thread either follow each other or nest (a collective that a
+    library issues inside a ``compute`` span, such as FSDP2's all-gathers, is a
+    ``comm`` span within it); counting each moment once, in the innermost span,
+    keeps the categories adding up to the step.
+    """
+    own = {}
+    stack: list[Span] = []
+    for s in sorted(spans, key=lambda s: (s.t0, -s.t1)):
+        while stack and stack[-1].t1 <= s.t0:
+            stack.pop()
+        own[id(s)] = s.seconds
+        if stack and s.t1 <= stack[-1].t1:
+            own[id(stack[-1])] -= s.seconds
+        stack.append(s)
+    return [(s, own[id(s)]) for s in spans]
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

@@ -9,9 +9,17 @@ gradients reduce-scattered and averaged over ranks). Parameters become
 tensor per unit); the optimizer built from the run's factory therefore holds
 state for the local shard only. It runs on CPU with gloo in torch 2.13.
 
-Its collectives are issued inside PyTorch, not through ``comm.py``, so their
-time is part of the ``compute`` spans (forward/backward) of this strategy,
-not ``comm`` spans: compare throughput, not the split, with ``fsdp``.
+Its all-gathers and reduce-scatters go through ``comm.py`` all the same:
+FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks (the
+interface it offers for custom communication) are given two small classes
+that call ``comm.all_gather_into`` / ``comm.reduce_scatter`` with the buffers,
+process group and reduce op FSDP chose, so each collective is timed and its
+bytes counted like every other strategy's. FSDP issues them from inside the
+unit's forward and backward, so they are ``comm`` spans nested in the
+``compute`` spans; the recorder counts each moment once, in the innermost
+span. (On CPU FSDP2 calls them synchronously: there are no streams to
+overlap on. On CUDA it runs them on side streams, so a span there is the
+launch, not the transfer.)
 
 BatchNorm buffers are not sharded by FSDP; as everywhere else rank 0's are
 authoritative and broadcast after every step (``first-replica``).
@@ -41,6 +49,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+try:  # FSDP2's custom-communication interface (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch: FSDP's collectives stay untimed, inside compute
+    AllGather = ReduceScatter = None
+
 from ..comm import nbytes
 from .base import StepResult, Strategy, broadcast_buffers
 from .fsdp import Ledger, optimizer_kind
@@ -48,6 +61,39 @@ from .fsdp import Ledger, optimizer_kind
 
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+if AllGather is not None:
+    class TimedAllGather(AllGather):
+        """FSDP2's all-gather of a unit's parameter shards, issued through comm.py."""
+
+        def __init__(self, comm):
+            self.comm = comm
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if async_op:  # FSDP waits on the work itself, so hand it the backend's Work
+                return self.comm.all_gather_into(output_tensor, input_tensor, name="fsdp2_all_gather",
+                                                 async_op=True, group=group).work
+            self.comm.all_gather_into(output_tensor, input_tensor, name="fsdp2_all_gather", group=group)
+            return None
+
+    class TimedReduceScatter(ReduceScatter):
+        """FSDP2's reduce-scatter of a unit's gradients, issued through comm.py (synchronously)."""
+
+        def __init__(self, comm):
+            self.comm = comm
+            self.kind = None  # "reduce_scatter" or "all_reduce+slice", as comm.py reports
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.kind = self.comm.reduce_scatter(output_tensor, input_tensor, name="fsdp2_reduce_scatter",
+                                                 op=op, group=group)
+            return None
 
 
 class TorchFSDP(Strategy):
@@ -65,6 +111,13 @@ class TorchFSDP(Strategy):
         for unit in self.units:
             fully_shard(unit, mesh=self.mesh)
         fully_shard(self.model, mesh=self.mesh)
+        self.reduce_scatter = None
+        if AllGather is not None:
+            self.reduce_scatter = TimedReduceScatter(self.comm)
+            gather = TimedAllGather(self.comm)
+            for unit in self.units:
+                unit.set_custom_all_gather(gather)
+                unit.set_custom_reduce_scatter(self.reduce_scatter)
         self.params = list(self.model.parameters())
         self.parameters = sum(p.numel() for p in self.params)
         self.optimizer = optim_fn(self.params)
@@ -155,4 +208,6 @@ class TorchFSDP(Strategy):
         kind = optimizer_kind(self.optimizer)
         largest = max(sum(p.numel() for p in u.parameters()) for u in self.units)
         predicted = memory_per_worker(self.parameters, self.ctx.world, 3, kind, "fp32", unit_parameters=largest)
-        return {"zero_stage": 3, "memory": {"measured": measured, "predicted": predicted.to_dict()}}
+        return {"zero_stage": 3, "collectives_timed": self.reduce_scatter is not None,
+                "reduce_scatter": self.reduce_scatter.kind if self.reduce_scatter else None,
+                "memory": {"measured": measured, "predicted": predicted.to_dict()}}
