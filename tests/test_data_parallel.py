@@ -255,3 +255,26 @@ def test_ddp_unused_parameters_do_not_hang(matrix):
         assert r["replicas_equal"] and r["grads_equal"]
         assert r["never_grad_zero"] and r["sometimes_grad_nonzero"]
         assert r["buckets"] > 1 and r["launched"] == r["buckets"]
+
+
+def test_biases_cancelled_by_batchnorm_are_found():
+    from paralab.check import cancelled_by_batchnorm
+    from paralab.models import build_model
+    model = build_model("vgg11", width=0.125, norm="batch")
+    vgg = cancelled_by_batchnorm(model)
+    classifier = f"{len(model) - 1}."
+    assert len(vgg) == 8 and "0.0.bias" in vgg and not any(n.startswith(classifier) for n in vgg)
+    assert cancelled_by_batchnorm(build_model("vgg11", width=0.125, norm="none")) == set()
+
+
+def test_adam_batchnorm_check_failure_explains_itself(paralab):
+    # Adam turns the rounding noise in a BatchNorm-cancelled bias's zero gradient into steps of ~lr: with 3
+    # workers the sums round differently from the reference, the weights differ, the outputs do not
+    r = paralab("train", "ddp", "--workers", "3", "--optimizer", "adam", "--lr", "1e-3", "--num-batches", "3",
+                "--batch-size", "48", "--check")
+    out = r.stdout + r.stderr
+    if r.returncode == 0:  # a machine whose rounding happens to agree: nothing to explain
+        assert "hint" not in out
+        return
+    assert r.returncode == 1 and "feeds a BatchNorm" in out and "--norm none" in out
+    assert r.summary["check"]["max_output_dev"] <= 1e-4

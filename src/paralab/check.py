@@ -9,8 +9,22 @@ the next batch, and (for replicated strategies) its parameters against rank
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from .verify import OUTPUT_ATOL, WEIGHT_ATOL, Comparison, compare_tensors, reference_train
+
+
+def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
+    """Names of the biases that feed a BatchNorm directly (in training it subtracts them right back)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        for (name, a), (_, b) in zip(children, children[1:]):
+            if isinstance(b, nn.modules.batchnorm._BatchNorm) and getattr(a, "bias", None) is not None:
+                names.add(f"{prefix}.{name}.bias" if prefix else f"{name}.bias")
+    return names
 
 
 def run_check(cfg, strategy, source, model_fn, optim_fn, lr_for, steps: int, comm, say) -> dict:
@@ -52,6 +66,11 @@ def run_check(cfg, strategy, source, model_fn, optim_fn, lr_for, steps: int, com
         say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
     passed = all(v["passed"] for v in verdicts)
     say(f"check: {'PASS' if passed else 'FAIL'}")
+    worst = results[0].worst
+    if not passed and cfg.optimizer == "adam" and not results[0].ok and worst in cancelled_by_batchnorm(ref):
+        say(f"check: hint: {worst} feeds a BatchNorm, which subtracts it again, so its gradient is zero but for "
+            "rounding noise, and Adam scales that noise up to steps of about --lr; the two runs' noise differs. "
+            "Check Adam runs with --norm none (the outputs comparison above is the meaningful one here)")
     outputs = [v["max_output_dev"] for v in verdicts if v["max_output_dev"] is not None]
     return {"passed": passed, "result": "PASS" if passed else "FAIL",
             "max_weight_dev": max(v["max_weight_dev"] for v in verdicts),
