@@ -236,6 +236,14 @@ def test_cli_fsdp_stage3_three_workers(paralab):
     assert details["memory"]["predicted"]["strategy"] == "zero-3"
     assert details["memory"]["measured"]["resident_peak_bytes"] > 0
     assert any(sp["args"].get("async") for sp in r.rows("spans.jsonl") if sp["category"] == "comm")
+    # the memory figure and table: measured resident peak beside the model's states and peak
+    from paralab import plots
+    from paralab.analysis.runs import load_run
+    for rank, m in plots.memory_by_rank(load_run(r.out)).items():
+        measured = sum(v for v, _ in m["parts"].values())
+        assert m["predicted"] < measured <= m["predicted_peak"] + 3 * 4 * 3 * details["units_sharded"]
+    headers, rows = plots.memory_table([load_run(r.out)])
+    assert "predicted peak MB" in headers and len(rows) == 3
 
 
 def test_cli_torch_fsdp_two_workers_bn_free(paralab):

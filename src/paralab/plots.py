@@ -435,7 +435,7 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
         det = det if isinstance(det, dict) else {}
         mem = det.get("memory")
         parts: dict[str, tuple[float, bool]] = {}
-        predicted = None
+        predicted = predicted_peak = None
         if isinstance(mem, dict):
             measured = mem.get("measured")
             split = _numeric_dict(measured.get("resident_peak_split")) if isinstance(measured, dict) else {}
@@ -450,6 +450,8 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
                 if isinstance(pb, dict):
                     predicted = pb.get("total") if isinstance(pb.get("total"), (int, float)) else (
                         sum(_numeric_dict(pb).values()) or None)
+                    if isinstance(pb.get("peak"), (int, float)) and pb["peak"] != predicted:
+                        predicted_peak = pb["peak"]  # model states + the largest unit's working set
         if not parts:
             held = next((det[k] for k in PARAMETER_KEYS if isinstance(det.get(k), (int, float))), None)
             parts = {k: (v, True) for k, v in estimate_model_state(run, held).items()}
@@ -457,7 +459,7 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
             if k.endswith("_bytes") and isinstance(v, (int, float)) and not k.startswith("total"):
                 parts[_component(k)] = (float(v), False)
         if parts:
-            out[rank] = {"parts": parts, "predicted": predicted}
+            out[rank] = {"parts": parts, "predicted": predicted, "predicted_peak": predicted_peak}
     return out
 
 
@@ -481,9 +483,11 @@ def memory_table(runs: list[Run]):
             est = [k for k, (_, e) in parts.items() if e]
             rows.append([r.label, rank, f"{sum(v for v, _ in parts.values()) / 1e6:.3f}",
                          _fmt(None if m["predicted"] is None else m["predicted"] / 1e6, ".3f"),
+                         _fmt(None if m.get("predicted_peak") is None else m["predicted_peak"] / 1e6, ".3f"),
                          ", ".join(f"{k} {v / 1e6:.3f}" for k, (v, _) in parts.items()),
                          ("estimated: " + ", ".join(est)) if est else "measured / reported"])
-    return ["run", "rank", "total MB", "predicted MB", "components (MB)", "source"], rows
+    return ["run", "rank", "total MB", "predicted model states MB", "predicted peak MB", "components (MB)",
+            "source"], rows
 
 
 def plot_memory(runs: list[Run], path) -> Path:
@@ -509,11 +513,12 @@ def plot_memory(runs: list[Run], path) -> Path:
                    hatch=".." if est else None, label=comp if comp not in ax.get_legend_handles_labels()[1] else None)
             bottom[x] += v / 1e6
     for x, (_, _, m) in enumerate(bars):
-        if m["predicted"]:
-            any_pred = True
-            ax.plot([x - 0.42, x + 0.42], [m["predicted"] / 1e6] * 2, color="black", linewidth=1.6,
-                    label="predicted model states (cost model)"
-                    if "predicted model states (cost model)" not in ax.get_legend_handles_labels()[1] else None)
+        for key, style, label in (("predicted", "-", "predicted model states (cost model)"),
+                                  ("predicted_peak", "--", "predicted peak: + largest unit's working set")):
+            if m.get(key):
+                any_pred = True
+                ax.plot([x - 0.42, x + 0.42], [m[key] / 1e6] * 2, color="black", linewidth=1.6, linestyle=style,
+                        label=label if label not in ax.get_legend_handles_labels()[1] else None)
     ax.set_xticks(range(len(bars)), [f"{r.label}\nrank {k}" for r, k, _ in bars],
                   rotation=90 if len(bars) > 5 else 0, fontsize=7)
     ax.set_ylabel("memory per rank (MB, 1 MB = 10^6 B)")
