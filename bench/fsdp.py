@@ -155,10 +155,11 @@ def main(argv: list[str]) -> int:
         ratios["step_in_backward_speedup"] = (best["fsdp3"]["samples_per_s"]
                                               / best["fsdp3-step-at-end"]["samples_per_s"])
     limit = ddp_memory["total"] / args.workers + ddp_memory["largest_unit_bytes"]
-    for n in ("fsdp3", "fsdp3-step-at-end"):  # the target is fsdp3's (the default); the other for contrast
+    contrast = {}
+    for n, where in (("fsdp3", checks), ("fsdp3-step-at-end", contrast)):  # the target is the default's
         if n in best:
             measured = best[n]["memory"]["resident_peak_bytes"]
-            checks[f"{n}_resident_bytes"] = {
+            where[f"{n}_resident_bytes"] = {
                 "value": measured, "limit": limit, "met": measured <= limit, "over_by_bytes": max(0, measured - limit),
                 "limit_formula": f"ddp {ddp_memory['total']} B / {args.workers} + "
                                  f"largest unit {ddp_memory['largest_unit_bytes']} B"}
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> int:
               "ddp_strategy": ddp_name, "cpu_count": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
               "ddp_replica_bytes": ddp_memory, "best": best, "all_runs": runs, "ratios": ratios,
-              "targets": checks}
+              "targets": checks, "contrast": contrast}
     out = write_result(args.out, result)
 
     mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "-"  # noqa: E731
@@ -196,6 +197,9 @@ def main(argv: list[str]) -> int:
         print(f"prefetch: fsdp3 / fsdp3-noprefetch throughput = {ratios['prefetch_speedup']:.3f}")
     if "step_in_backward_speedup" in ratios:
         print(f"step in backward: fsdp3 / fsdp3-step-at-end throughput = {ratios['step_in_backward_speedup']:.3f}")
+    for key, c in contrast.items():
+        print(f"(for contrast, not a target) {key} = {mb(c['value'])} MB  (<= {mb(c['limit'])} MB: "
+              f"{'yes' if c['met'] else 'no'})")
     for key, c in checks.items():
         if "limit" in c:
             print(f"{key} = {mb(c['value'])} MB  (target <= {mb(c['limit'])} MB = {c['limit_formula']}: "

@@ -36,3 +36,12 @@ def test_nested_spans_count_each_moment_once_in_the_innermost():
     assert split["comm"] == 2.5 and split["compute"] == 5.5
     assert split["forward"] == 2.5 and split["backward"] == 3.0
     assert split["comm"] + split["compute"] + split["optimizer"] == 9.0  # the step, once
+
+
+def test_equal_intervals_count_once_in_the_span_recorded_first():
+    rec = Recorder()
+    rec.step = 0
+    rec.add("comm", "all_gather", 1.0, 2.0, 10)  # inner: recorded first (spans are recorded at exit)
+    rec.add("compute", "forward", 1.0, 2.0)
+    split = rec.split(0)
+    assert split["comm"] == 1.0 and split["compute"] == 0.0

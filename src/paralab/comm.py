@@ -126,7 +126,8 @@ class Comm:
             except (RuntimeError, NotImplementedError, ValueError):
                 if self.native_reduce_scatter:
                     raise
-                self.native_reduce_scatter = False
+                if op == SUM:  # only a plain sum says the backend has no reduce-scatter (not just not this op)
+                    self.native_reduce_scatter = False
         self._timed(name, "all_reduce", nbytes(full), dist.all_reduce, full, op=op, group=group)
         rank = dist.get_rank(group) if group is not None else self.rank
         out.copy_(full.view(-1, out.numel())[rank].view_as(out))

@@ -105,14 +105,16 @@ def exclusive_seconds(spans: list[Span]) -> list[tuple[Span, float]]:
     """
     own = {}
     stack: list[Span] = []
-    for s in sorted(spans, key=lambda s: (s.t0, -s.t1)):
+    # outer before inner; for equal intervals the one recorded later is the outer (spans are recorded at exit)
+    order = sorted(range(len(spans)), key=lambda i: (spans[i].t0, -spans[i].t1, -i))
+    for s in (spans[i] for i in order):
         while stack and stack[-1].t1 <= s.t0:
             stack.pop()
         own[id(s)] = s.seconds
         if stack and s.t1 <= stack[-1].t1:
             own[id(stack[-1])] -= s.seconds
         stack.append(s)
-    return [(s, own[id(s)]) for s in spans]
+    return [(s, max(0.0, own[id(s)])) for s in spans]
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

@@ -45,9 +45,10 @@ copied into one flat tensor for the reduce-scatter, so the copy takes their
 place); at stage 2 the parameters stay, so the gradient and its flat copy,
 ``2g x Psi_unit``; at stage 1, whose full gradients are already counted,
 the flat copy, ``g x Psi_unit``. The model states plus the working
-line bound the resident peak from above: they count every gradient shard as
-held, although the shards of the units before the running one do not exist
-yet.
+line bound the resident peak from above, up to padding (a sharded
+implementation pads each unit to a multiple of N) and a few bytes of
+optimizer scalars: they count every gradient shard as held, although the
+shards of the units before the running one do not exist yet.
 
 ``step_in_backward=True`` (stages 2-3) models an optimizer that steps each
 unit's shard as soon as its gradient is reduce-scattered, in backward, and
@@ -114,7 +115,7 @@ class MemoryEstimate:
     grads: Formula
     optimizer_state: Formula
     total_formula: Formula
-    working: Formula | None = None  # ZeRO-3: one gathered unit (not a model state), if asked for
+    working: Formula | None = None  # stages 1-3: the largest unit's transient tensors, if asked for
     extra: dict = field(default_factory=dict)
 
     @property

@@ -49,7 +49,7 @@ def add_arguments(p) -> None:
                         "weights) (default %(default)s)")
     q.add_argument("--stage", help="only these stages, e.g. 0,3 (0 = DDP; default all)")
     q.add_argument("--unit-parameters", type=float,
-                   help="the largest unit's parameter count, for the working set and peak of stages 2-3 "
+                   help="the largest unit's parameter count, for the working set and peak of stages 1-3 "
                         "(default with --model: its largest unit)")
     q.add_argument("--step-in-backward", action="store_true",
                    help="stages 2-3 step each unit's shard in backward (paralab fsdp's default): one "

@@ -9,17 +9,20 @@ gradients reduce-scattered and averaged over ranks). Parameters become
 tensor per unit); the optimizer built from the run's factory therefore holds
 state for the local shard only. It runs on CPU with gloo in torch 2.13.
 
-Its all-gathers and reduce-scatters go through ``comm.py`` all the same:
-FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks (the
-interface it offers for custom communication) are given two small classes
-that call ``comm.all_gather_into`` / ``comm.reduce_scatter`` with the buffers,
-process group and reduce op FSDP chose, so each collective is timed and its
-bytes counted like every other strategy's. FSDP issues them from inside the
-unit's forward and backward, so they are ``comm`` spans nested in the
-``compute`` spans; the recorder counts each moment once, in the innermost
-span. (On CPU FSDP2 calls them synchronously: there are no streams to
-overlap on. On CUDA it runs them on side streams, so a span there is the
-launch, not the transfer.)
+On CPU its all-gathers and reduce-scatters go through ``comm.py`` all the
+same: FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks
+(the interface it offers for custom communication) are given two small
+classes that call ``comm.all_gather_into`` / ``comm.reduce_scatter`` with the
+buffers, process group and reduce op FSDP chose, so each collective is timed
+and its bytes counted like every other strategy's. FSDP issues them from
+inside the unit's forward and backward (synchronously on CPU: there are no
+streams to overlap on), so they are ``comm`` spans nested in the ``compute``
+spans; the recorder counts each moment once, in the innermost span. On CUDA
+the hooks are not installed: FSDP2 runs its collectives on side streams to
+overlap them with compute, and the recorder's clock synchronises the device
+at every reading, which would serialise exactly that overlap; there its
+communication stays inside the ``compute`` spans (``collectives_timed``:
+false in summary.json).
 
 BatchNorm buffers are not sharded by FSDP; as everywhere else rank 0's are
 authoritative and broadcast after every step (``first-replica``).
@@ -112,7 +115,7 @@ class TorchFSDP(Strategy):
             fully_shard(unit, mesh=self.mesh)
         fully_shard(self.model, mesh=self.mesh)
         self.reduce_scatter = None
-        if AllGather is not None:
+        if AllGather is not None and ctx.device.type == "cpu":  # see the module docstring for CUDA
             self.reduce_scatter = TimedReduceScatter(self.comm)
             gather = TimedAllGather(self.comm)
             for unit in self.units:
