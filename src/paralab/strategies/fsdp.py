@@ -73,8 +73,8 @@ parameters freed, so it overlaps the reduce-scatter and the parameter-free
 units' backward instead: launching it before the unit's backward would
 hold three units' full tensors at once (for VGG-11 on 2 workers, stepping
 at the end, it raised the resident peak from 65.3 MB to 70.0 MB). On a
-quiet machine (bench/fsdp.py, best of 2) fsdp3 / fsdp3-noprefetch was 1.02
-in one run and 1.00 in the next: a tie. What it bought earlier, VGG-11,
+quiet machine (bench/fsdp.py) fsdp3 / fsdp3-noprefetch was between 0.98
+and 1.02 over four runs: a tie. What it bought earlier, VGG-11,
 2 workers x 1 core (gloo; a shared 2-core machine under load from other
 jobs, so +-10 % noise), 16 interleaved steps each: the exposed
 communication per step fell from 0.39 s to 0.28 s, but compute rose from
