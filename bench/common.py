@@ -100,12 +100,14 @@ def train(label: str, strategy: list[str], args: argparse.Namespace, out: Path, 
           options: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
     """One run of ``strategy`` (its name and its own options) with the values of :func:`training_options`.
 
-    ``workers`` overrides ``args.workers``; ``options`` are further ``paralab train`` options. Synthetic data
+    ``workers`` overrides ``args.workers``; ``options`` are further ``paralab train`` options; with
+    ``args.cores_per_worker`` None the workers are not pinned (they share the cores). Synthetic data
     of max(1024, batch x steps) samples, evaluation on one batch of 100, no progress bar, one log line.
     Returns (summary.json, the rows of steps.jsonl); raises RuntimeError with the end of stderr if it fails.
     """
+    cores = ["--cores-per-worker", str(args.cores_per_worker)] if args.cores_per_worker else []
     argv = [*strategy, "--workers", str(args.workers if workers is None else workers),
-            "--cores-per-worker", str(args.cores_per_worker), "--model", args.model, "--width", str(args.width),
+            *cores, "--model", args.model, "--width", str(args.width),
             "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
             *options, "--dataset", "synthetic",
             "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",

@@ -9,7 +9,7 @@ registered: the same memory), ``fsdp`` at ``--zero-stage`` 1, 2 and 3
 (stages 2-3 step each unit's shard in backward, the default),
 ``fsdp3-step-at-end`` (stage 3 with ``--no-step-in-backward``: one optimizer
 step after backward, so every gradient shard is held at once), ``fsdp`` stage
-3 with prefetch off (``PARALAB_FSDP_PREFETCH=0``: what the prefetch buys) and
+3 with prefetch off (``--no-prefetch``: what the prefetch buys) and
 ``torch-fsdp``.
 
 Throughput: global batch / the median step time (slowest rank per step, from
@@ -56,22 +56,20 @@ def registered(name: str) -> bool:
     return name in strategy_names()
 
 
-def command(variant: str, ddp_name: str) -> tuple[list[str], dict]:
-    env = {}
+def command(variant: str, ddp_name: str) -> list[str]:
     if variant == "ddp":
-        return [ddp_name], env
+        return [ddp_name]
     if variant.startswith("fsdp"):
-        if variant.endswith("noprefetch"):
-            env["PARALAB_FSDP_PREFETCH"] = "0"
         at_end = ["--no-step-in-backward"] if variant.endswith("step-at-end") else []
-        return ["fsdp", "--zero-stage", variant[4], *at_end], env
-    return [variant], env
+        no_prefetch = ["--no-prefetch"] if variant.endswith("noprefetch") else []
+        return ["fsdp", "--zero-stage", variant[4], *at_end, *no_prefetch]
+    return [variant]
 
 
 def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
     out = workdir / f"{variant}-{tag}"
-    strategy, extra_env = command(variant, ddp_name)
-    s, rows = train(variant, strategy, args, out, options=["--optimizer", args.optimizer], env=extra_env)
+    strategy = command(variant, ddp_name)
+    s, rows = train(variant, strategy, args, out, options=["--optimizer", args.optimizer])
     step_s = step_seconds(rows, args.warmup)
     ranks = list(s["split"].values())
     details = s.get("strategy_details") or {}

@@ -54,3 +54,9 @@ def test_fsdp_bench_memory_figures(tmp_path):
     # the cost model's peak is exact for stage 3 stepping in backward (a toy width adds no padding at N = 2)
     m = d["best"]["fsdp3"]["memory"]
     assert m["resident_peak_bytes"] == pytest.approx(m["predicted_bytes"]["peak"], rel=1e-3)
+
+
+def test_mesh_bench(tmp_path):
+    d = bench(tmp_path, "mesh", "--width", "0.125", "--batch-size", "16", "--steps", "2", "--microbatches", "2",
+              "--layouts", "pipeline-pp2,ddp-dp2xpp2")
+    assert d["best"]["ddp-dp2xpp2"]["workers"] == 4 and d["ratios"]["dp2xpp2_over_pp2"] > 0

@@ -18,20 +18,23 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from paralab.config import RunConfig
-from paralab.strategies.allreduce import AllReduce
+from paralab.strategies.allreduce import AllReduce, AllReduceReplicas
 
 STRATEGIES = ("allreduce", "gather-scatter", "ddp", "torch-ddp")
 BATCH = 48  # divides over 2 and 3 workers
 
 
+class NoAverageReplicas(AllReduceReplicas):
+    @torch.no_grad()
+    def finish(self):
+        for p in self.params:
+            self.comm.all_reduce(p.grad, name="all_reduce")
+
+
 class NoAverage(AllReduce):
     """A broken strategy (sums gradients, forgets to divide): --check must catch it."""
     name = "test-no-average"
-
-    @torch.no_grad()
-    def synchronize(self):
-        for p in self.model.parameters():
-            self.comm.all_reduce(p.grad, name="all_reduce")
+    replicas_cls = NoAverageReplicas
 
 
 def job_config(world: int, out: Path, strategy: str, norm: str, **extra) -> RunConfig:
@@ -92,7 +95,7 @@ def _unused_parameter_check(rank: int, world: int, init: str, root: Path) -> Non
     try:
         rec = Recorder(rank)
         ctx = Context(rank, world, torch.device("cpu"), Comm(rec, rank, world), rec,
-                      options={"bucket_mb": 1e-4, "accumulate": 1})
+                      options=RunConfig(bucket_mb=1e-4).strategy_options())
         ddp = DDP(ctx, lambda: PartlyUsed(rank), lambda ps: torch.optim.SGD(ps, lr=0.1))
         g = torch.Generator().manual_seed(rank)
         for step in range(2):
@@ -100,9 +103,10 @@ def _unused_parameter_check(rank: int, world: int, init: str, root: Path) -> Non
             ddp.train_step(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
         # after the last step's optimizer (set_to_none) grads are gone: run the sync once more by hand
         rec.step = 2
-        ddp._start_sync()
-        ddp.forward_backward(ddp.model, torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
-        ddp._finish_sync()
+        ddp.dp.start()
+        ddp.forward_backward(ddp.model, torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g),
+                             last=ddp.dp.last_backward)
+        ddp.dp.finish()
         flat = torch.cat([p.detach().flatten() for p in ddp.model.parameters()])
         grads = {n: p.grad.clone() for n, p in ddp.model.named_parameters()}
         every = [None] * world
@@ -112,7 +116,7 @@ def _unused_parameter_check(rank: int, world: int, init: str, root: Path) -> Non
                   "grads_equal": all(torch.equal(every[0][1][n], gr[n]) for _, gr in every for n in grads),
                   "never_grad_zero": bool((grads["never.weight"] == 0).all() and (grads["never.bias"] == 0).all()),
                   "sometimes_grad_nonzero": bool(grads["sometimes.weight"].abs().sum() > 0),
-                  "buckets": len(ddp.buckets), "launched": len(launched)}
+                  "buckets": len(ddp.dp.buckets), "launched": len(launched)}
         (root / f"unused{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

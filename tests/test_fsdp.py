@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from paralab.strategies.fsdp import FlatUnit
+from paralab.records import predicted_memory
+
+from paralab.strategies.fsdp import FlatUnit, Ledger
 
 BATCH = 8  # per worker
 
@@ -30,9 +33,9 @@ def test_flat_unit_flattens_pads_shards_and_rebinds():
     expected = unit(x)
 
     world = 7
-    fu = FlatUnit(0, unit, world, rank=0, device=torch.device("cpu"))
+    fu = FlatUnit(0, unit, SimpleNamespace(world=world, rank=0), Ledger(), device=torch.device("cpu"))
     assert fu.numel == 60 and fu.padded == 63 and fu.shard_numel == 9
-    flat = fu.flat_cpu
+    flat = fu.initial
     assert torch.equal(flat[:60], torch.cat([v.reshape(-1) for v in original.values()]))
     assert torch.count_nonzero(flat[60:]) == 0  # the padding is zeros
     shards = [flat[r * 9:(r + 1) * 9] for r in range(world)]
@@ -57,11 +60,102 @@ def test_flat_unit_flattens_pads_shards_and_rebinds():
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, views), grads))
 
 
+# ---------------------------------------------------------------- ZeRO-1 as a data-parallel flavour
+def _toy_model():
+    torch.manual_seed(0)  # units of 15 (padded at 2 ranks), no, 24 and 2 parameters
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), nn.ReLU(), nn.Linear(3, 6),
+                         nn.Sequential(nn.Linear(6, 1, bias=False), nn.Flatten(0)))
+
+
+def _toy_batch(step, rank=None, per_rank=4, world=2):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(per_rank * world, 4, generator=g), torch.randn(per_rank * world, generator=g)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank) if rank is not None else slice(None)
+    return x[mine], y[mine]
+
+
+def _zero1_rank(rank, world, out_dir):
+    from paralab.comm import Comm
+    from paralab.recorder import Recorder
+    from paralab.strategies.base import Context
+    from paralab.strategies.fsdp import ZeroOneReplicas
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir / 'store'}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        rec = Recorder(rank)
+        comm = Comm(rec, rank, world)
+        ctx = Context(rank, world, torch.device("cpu"), comm, rec)
+        optim_fn = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)  # noqa: E731
+
+        def make():
+            model = _toy_model()
+            return model, ZeroOneReplicas(model, optim_fn, comm, ctx)
+
+        def train(model, dp, step):
+            dp.start()
+            x, y = _toy_batch(step, rank, world=world)
+            with dp.last_backward():
+                nn.functional.mse_loss(model(x), y).backward()
+            dp.finish()
+            dp.step()
+            dp.sync_buffers()
+
+        model, dp = make()
+        for step in range(2):
+            train(model, dp, step)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), **dp.state_dict()}, buf)  # as a checkpoint does
+        train(model, dp, 2)
+        resumed_model, resumed = make()
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        resumed_model.load_state_dict(saved["model"])
+        resumed.load_state_dict(saved)
+        train(resumed_model, resumed, 2)
+        dp.sync_buffers(after_step=False)
+        weights = dp.weights()
+        result = {"weights": {k: v.tolist() for k, v in weights.items()},
+                  "resume_equal": all(torch.equal(weights[k], v) for k, v in resumed.weights().items()),
+                  "momentum": [list(dp.optimizer.state[fu.shard]["momentum_buffer"].shape) for fu in dp.units],
+                  "shards": [fu.shard_numel for fu in dp.units],
+                  "real_parameters": all(isinstance(p, nn.Parameter) for p in model.parameters()),
+                  "summary": dp.summary()}
+        (out_dir / f"zero1-rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_replicas_equal_one_process_on_the_whole_batch(tmp_path):
+    world = 2
+    mp.spawn(_zero1_rank, args=(world, tmp_path), nprocs=world)
+    model = _toy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    for step in range(3):
+        x, y = _toy_batch(step, world=world)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    expected = model.state_dict()
+    for rank in range(world):
+        r = json.loads((tmp_path / f"zero1-rank{rank}.json").read_text())
+        assert list(r["weights"]) == list(expected)  # the module's own keys, unpadded
+        for k, v in expected.items():
+            assert torch.allclose(torch.tensor(r["weights"][k]), v, atol=1e-6, rtol=0), (rank, k)
+        assert r["resume_equal"] and r["real_parameters"]
+        assert r["shards"] == [8, 12, 3] and r["momentum"] == [[8], [12], [3]]  # the shard's only
+        s = r["summary"]
+        assert s["zero_stage"] == 1 and s["units_sharded"] == 3 and s["shard_elements"] == 23
+        assert s["padding_elements"] == 1 and s["reduce_scatter"] in ("reduce_scatter", "all_reduce+slice")
+        assert s["memory"]["measured"]["peak_bytes"]["optimizer"] == 4 * 23
+
+
 # ---------------------------------------------------------------- the check matrix, in-process ranks
 # (strategy, stage, norm, optimizer); fsdp stages 2-3 step each unit's shard in backward by default,
-# stage "3-end" / "2-end" is the same stage with --no-step-in-backward (one step after backward)
+# stage "3-end" / "2-end" is the same stage with --no-step-in-backward (one step after backward),
+# "3-noprefetch" stage 3 with --no-prefetch
 COMBOS = [("fsdp", stage, norm, "sgd") for stage in (1, 2, 3) for norm in ("batch", "none")] + [
-    ("fsdp", "3-end", "batch", "sgd"), ("fsdp", "2-end", "none", "adam"),
+    ("fsdp", "3-end", "batch", "sgd"), ("fsdp", "2-end", "none", "adam"), ("fsdp", "3-noprefetch", "batch", "sgd"),
     ("torch-fsdp", 3, "batch", "sgd"), ("torch-fsdp", 3, "none", "sgd"),
     ("fsdp", 3, "none", "adam"), ("fsdp", 1, "none", "adam"), ("torch-fsdp", 3, "none", "adam")]
 
@@ -78,7 +172,8 @@ def _run_combo(rank, world, combo, data):
 
     name, stage, norm, optimizer = combo
     stage, _, when = str(stage).partition("-")
-    cfg = RunConfig(strategy=name, zero_stage=int(stage), step_in_backward=when != "end", norm=norm,
+    cfg = RunConfig(strategy=name, zero_stage=int(stage), step_in_backward=when != "end",
+                    prefetch=when != "noprefetch", norm=norm,
                     optimizer=optimizer, workers=world,
                     dataset="synthetic", width=0.125, per_worker_batch=BATCH, num_batches=2,
                     lr=0.02 if optimizer == "sgd" else 1e-3)
@@ -168,7 +263,7 @@ def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
         for shard, state in zip(r["shard_sizes"], r["state_sizes"]):
             assert state == [[k, shard] for k in keys]
         total = sum(r["shard_sizes"])
-        parameters = r["extra"]["memory"]["predicted"]["parameters"]
+        parameters = r["extra"]["memory"]["model"]["parameters"]
         assert total < 1.25 * parameters / world  # about a 1/N share, not the model
         if name == "fsdp":
             assert total * world == parameters + r["extra"]["padding_elements"]
@@ -184,7 +279,7 @@ def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
 def test_stage3_holds_a_shard_plus_gathered_units(matrix):
     world, ranks = matrix
     r = ranks[0]["fsdp/3/batch/sgd"]["extra"]
-    measured, predicted = r["memory"]["measured"], r["memory"]["predicted"]["bytes"]
+    measured, predicted = r["memory"]["measured"], predicted_memory(r["memory"]["model"])["bytes"]
     unit = r["largest_unit"]["bytes"]
     shard_bytes = 4 * r["shard_elements"]
     # parameters: the shards plus at most two gathered units (the running one and the prefetched one)
@@ -196,6 +291,24 @@ def test_stage3_holds_a_shard_plus_gathered_units(matrix):
         "resident_peak_bytes"]
 
 
+def test_prefetch_off_gathers_each_unit_when_reached(matrix):
+    world, ranks = matrix
+    for results in ranks:
+        on, off = results["fsdp/3/batch/sgd"]["extra"], results["fsdp/3-noprefetch/batch/sgd"]["extra"]
+        assert on["prefetch"] is True and off["prefetch"] is False
+        # without prefetch at most one unit is gathered at a time (the running one)
+        unit, shards = off["largest_unit"]["bytes"], 4 * off["shard_elements"]
+        assert off["memory"]["measured"]["peak_bytes"]["params"] <= shards + unit
+        assert off["memory"]["measured"]["resident_peak_bytes"] <= on["memory"]["measured"]["resident_peak_bytes"]
+
+
+def test_prefetch_is_a_command_line_option():
+    from paralab.cli import build_parser, config_from_args
+    parser = build_parser()
+    options = lambda *argv: config_from_args(parser.parse_args(["train", "fsdp", *argv])).strategy_options()  # noqa: E731
+    assert options().prefetch is True and options("--no-prefetch").prefetch is False
+
+
 def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
     world, ranks = matrix
     for rank, results in enumerate(ranks):
@@ -203,7 +316,7 @@ def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
                       "fsdp/1/batch/sgd", "fsdp/3/none/adam"):
             r = results[combo]["extra"]
             measured = r["memory"]["measured"]
-            predicted = r["memory"]["predicted"]["bytes"]
+            predicted = predicted_memory(r["memory"]["model"])["bytes"]
             # padding: a few elements per unit in every sharded state
             slack = 3 * 4 * world * r["units_sharded"]
             assert measured["resident_peak_bytes"] <= predicted["peak"] + slack, (rank, combo)
@@ -216,7 +329,7 @@ def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
         assert sib["memory"]["measured"]["resident_peak_bytes"] < end["memory"]["measured"]["resident_peak_bytes"]
         if world == 2:
             # the issue's target: <= a replica's parameters + gradients + momentum over N, + one unit
-            replica = 12 * sib["memory"]["predicted"]["parameters"]
+            replica = 12 * sib["memory"]["model"]["parameters"]
             assert sib["memory"]["measured"]["resident_peak_bytes"] <= replica / world + unit
 
 

@@ -73,7 +73,7 @@ def run_ranks(cmds: list[list[str]], env: dict | None = None, timeout: float = 1
 def test_global_batch_must_divide_over_workers(capsys, tmp_path):
     with pytest.raises(UsageError, match="--batch-size 32 must divide evenly over 3"):
         RunConfig(strategy="ddp", workers=3, batch_size=32, dataset="synthetic").validate()
-    with pytest.raises(UsageError, match="over 3 data-parallel workers"):  # the manual form counts ranks
+    with pytest.raises(UsageError, match="over 3 data-parallel replicas"):  # the manual form counts ranks
         RunConfig(strategy="allreduce", world_size=3, rank=1, batch_size=100, dataset="synthetic").validate()
     cfg = RunConfig(strategy="ddp", workers=3, batch_size=32, per_worker_batch=16, dataset="synthetic").validate()
     from paralab.strategies import get_strategy

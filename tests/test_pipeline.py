@@ -9,7 +9,7 @@ from paralab.config import RunConfig
 from paralab.errors import UsageError
 from paralab.models import build_model
 from paralab.strategies.base import Context
-from paralab.strategies.model_parallel import Stage
+from paralab.strategies.pipeline.stage import Stage
 
 
 def make_stage(model, a, b, first, last):
@@ -26,8 +26,8 @@ def test_stage_backward_is_one_autograd_call_per_unit_and_exact(monkeypatch):
     F.cross_entropy(ref(x), y).backward()
 
     calls = []
-    real_grad = torch.autograd.grad
-    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    real_backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(1) or real_backward(*a, **k))
     front, back = make_stage(model, 0, 5, True, False), make_stage(model, 5, 14, False, True)
     h = front.forward(0, x)
     out = back.forward(0, h.detach())
@@ -55,7 +55,12 @@ def config(strategy, **kw):
     ("pipeline", dict(partition="3,4"), "adds up to 7 units"),
     ("model", dict(partition="1,2,11"), "gives 3 stage(s) but there are 2 workers"),
     ("model", dict(microbatches=4), "use 'pipeline --microbatches 4'"),
-    ("pipeline", dict(accumulate=2), "--accumulate is for data-parallel strategies"),
+    ("pipeline", dict(accumulate=2), "--accumulate does not apply to a pipeline"),
+    ("pipeline", dict(workers=4, pp=2), "name the data-parallel flavour instead"),
+    ("ddp", dict(workers=4, pp=2, microbatches=3), "does not divide the batch of 16 per data-parallel replica"),
+    ("ddp", dict(workers=3, pp=2), "must be a multiple of 2"),
+    ("single", dict(workers=2, pp=2), "cannot be composed with pipeline stages"),
+    ("ddp", dict(workers=4, pp=2, accumulate=2), "--accumulate does not apply to a pipeline"),
 ])
 def test_refused_before_workers_start(strategy, kw, message):
     with pytest.raises(UsageError) as err:

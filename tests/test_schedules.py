@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from paralab.analysis.cost import bubble_fraction
 from paralab.strategies.pipeline.schedules import (Action, ScheduleError, build_schedule, check_local, in_flight,
-                                                   peak_in_flight, simulate, simulated_bubble, theoretical_bubble)
+                                                   peak_in_flight, simulate, simulated_bubble)
 
 CASES = [(name, w, m) for name in ("gpipe", "1f1b") for w in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
 
@@ -48,7 +49,7 @@ def test_memory_bound_1f1b_vs_gpipe(world, mbs):
 @pytest.mark.parametrize("name,world,mbs", CASES)
 def test_ideal_bubble_matches_theory(name, world, mbs):
     bubbles = simulated_bubble(simulate(build_schedule(name, world, mbs), forward_time=1.0, backward_time=2.0))
-    assert bubbles == pytest.approx([theoretical_bubble(world, mbs)] * world)
+    assert bubbles == pytest.approx([bubble_fraction(world, mbs).parts["fraction"]] * world)
 
 
 def test_simulation_catches_out_of_order_messages():

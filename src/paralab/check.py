@@ -70,9 +70,8 @@ def run_check(cfg, strategy, source, model_fn, optim_fn, lr_for, steps: int, com
     # Adam + BatchNorm: explain a failure only when the weights alone failed, on every rank that failed,
     # at a bias that BatchNorm cancels (a wrong output or replica is a real bug, never explained away)
     failing = [v for v in verdicts if not v["passed"]]
-    cancelled = cancelled_by_batchnorm(ref)
-    if cfg.optimizer == "adam" and failing and all(v["failed"] == ["weights"] and v["worst_weight"] in cancelled
-                                                   for v in failing):
+    cancelled = cancelled_by_batchnorm(ref) if cfg.optimizer == "adam" and failing else set()
+    if failing and all(v["failed"] == ["weights"] and v["worst_weight"] in cancelled for v in failing):
         worst = failing[0]["worst_weight"]
         say(f"check: hint: {worst} feeds a BatchNorm, which subtracts it again, so its gradient is zero but for "
             "rounding noise, and Adam scales that noise up to steps of about --lr; the two runs' noise differs. "

@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+from .options import identity_fields
+from .strategies.options import StrategyOptions
 
 # What must match for a resumed run to continue the same arithmetic: the model and
-# strategy, and everything that decides which samples each step reads.
-IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "zero_stage", "partition",
-                 "batch_size", "per_worker_batch", "dataset", "synthetic_size", "augment", "microbatches",
-                 "accumulate")
+# strategy, everything that decides which samples each step reads, and the strategy
+# options declared with identity=True (the layout: pp, zero_stage, microbatches...).
+IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "batch_size", "per_worker_batch",
+                 "dataset", "synthetic_size", "augment", *identity_fields(StrategyOptions))
 
 
 def checkpoint_path(run_dir: Path, rank: int) -> Path:

@@ -9,6 +9,8 @@ from pathlib import Path
 from .commands import COMMANDS
 from .config import RunConfig
 from .errors import UsageError
+from .options import add_flags
+from .strategies.options import OPTION_CLASSES
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,17 +67,9 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda")
     g.add_argument("--timeout", type=float, default=d.timeout, help="seconds before a stuck collective fails")
-    g = p.add_argument_group("strategy options")
-    g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="ddp: bucket size in MiB")
-    g.add_argument("--accumulate", type=int, default=d.accumulate, help="ddp: microsteps per step (no_sync)")
-    g.add_argument("--microbatches", type=int, default=d.microbatches, help="pipeline: microbatches per step")
-    g.add_argument("--schedule", default=d.schedule, help="pipeline: gpipe | 1f1b")
-    g.add_argument("--partition", default=d.partition, help="model/pipeline: balanced | params | 2,3,8")
-    g.add_argument("--zero-stage", type=int, default=d.zero_stage, help="fsdp: 1 | 2 | 3")
-    g.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=d.step_in_backward,
-                   help="fsdp stages 2-3: step each unit's shard as soon as its gradient is reduced, "
-                        "so gradient shards never pile up (default on; --no-step-in-backward steps once "
-                        "after backward)")
+    # the strategies' options: one group per declaring class, flags generated from the declarations
+    for cls in OPTION_CLASSES:
+        add_flags(p.add_argument_group(cls.__doc__.strip()), cls)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -54,9 +54,21 @@ class Pending:
 
 
 class Comm:
-    def __init__(self, recorder: Recorder, rank: int, world: int, group=None):
+    """Collectives over one process group: the whole world, or one dimension of the mesh.
+
+    ``rank`` and ``world`` are this process's place in the group and the
+    group's size; every rank argument (``src``, ``dst``, a peer) is a rank
+    *in the group*. ``ranks`` lists the group's members as global ranks (the
+    identity for the world group), which is what torch.distributed is given.
+    """
+
+    def __init__(self, recorder: Recorder, rank: int, world: int, group=None, ranks: list[int] | None = None):
         self.recorder, self.rank, self.world, self.group = recorder, rank, world, group
+        self.ranks = list(ranks) if ranks is not None else list(range(world))
         self.native_reduce_scatter: bool | None = None  # decided on first use
+
+    def _global(self, rank: int) -> int:
+        return self.ranks[rank]
 
     # ------------------------------------------------------------ helpers
     def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
@@ -89,17 +101,18 @@ class Comm:
         return self._timed(name, "all_reduce", nbytes(t), dist.all_reduce, t, op=SUM, group=self.group)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, name: str = "broadcast"):
-        return self._timed(name, "broadcast", nbytes(t), dist.broadcast, t, src=src, group=self.group)
+        return self._timed(name, "broadcast", nbytes(t), dist.broadcast, t, src=self._global(src),
+                           group=self.group)
 
     def gather(self, t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0,
                name: str = "gather"):
-        return self._timed(name, "gather", nbytes(t), dist.gather, t, gather_list=gather_list, dst=dst,
-                           group=self.group)
+        return self._timed(name, "gather", nbytes(t), dist.gather, t, gather_list=gather_list,
+                           dst=self._global(dst), group=self.group)
 
     def scatter(self, t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0,
                 name: str = "scatter"):
-        return self._timed(name, "scatter", nbytes(t), dist.scatter, t, scatter_list=scatter_list, src=src,
-                           group=self.group)
+        return self._timed(name, "scatter", nbytes(t), dist.scatter, t, scatter_list=scatter_list,
+                           src=self._global(src), group=self.group)
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, name: str = "all_gather",
                         async_op: bool = False, group=None):
@@ -129,23 +142,23 @@ class Comm:
                 if op == SUM:  # only a plain sum says the backend has no reduce-scatter (not just not this op)
                     self.native_reduce_scatter = False
         self._timed(name, "all_reduce", nbytes(full), dist.all_reduce, full, op=op, group=group)
-        rank = dist.get_rank(group) if group is not None else self.rank
+        rank = dist.get_rank(group) if group is not None else dist.get_rank()
         out.copy_(full.view(-1, out.numel())[rank].view_as(out))
         return "all_reduce+slice"
 
     def send(self, t: torch.Tensor, dst: int, name: str = "send"):
-        return self._timed(name, "send", nbytes(t), dist.send, t, dst=dst, group=self.group)
+        return self._timed(name, "send", nbytes(t), dist.send, t, dst=self._global(dst), group=self.group)
 
     def recv(self, t: torch.Tensor, src: int, name: str = "recv"):
-        return self._timed(name, "recv", nbytes(t), dist.recv, t, src=src, group=self.group)
+        return self._timed(name, "recv", nbytes(t), dist.recv, t, src=self._global(src), group=self.group)
 
     def isend(self, t: torch.Tensor, dst: int, name: str = "send") -> Pending:
         return self._launch(name, "send", nbytes(t), lambda *a, async_op, **k: dist.isend(*a, **k),
-                            t, dst=dst, group=self.group)
+                            t, dst=self._global(dst), group=self.group)
 
     def irecv(self, t: torch.Tensor, src: int, name: str = "recv") -> Pending:
         return self._launch(name, "recv", nbytes(t), lambda *a, async_op, **k: dist.irecv(*a, **k),
-                            t, src=src, group=self.group)
+                            t, src=self._global(src), group=self.group)
 
     def barrier(self, name: str = "barrier"):
         return self._timed(name, "barrier", 0, dist.barrier, group=self.group)
@@ -156,7 +169,7 @@ class Comm:
         if self.world == 1:
             return [obj]
         out = [None] * self.world if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.group)
+        dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
         return out
 
     def all_gather_objects(self, obj) -> list:
@@ -170,5 +183,5 @@ class Comm:
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]

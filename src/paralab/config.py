@@ -1,8 +1,11 @@
 """RunConfig: every option of a run, documented once, validated before any worker starts.
 
-The CLI builds a RunConfig from its flags; ``validate()`` raises UsageError
-(exit code 2) with a message saying what to change. Workers receive the
-validated config and never re-check it.
+The run's own options are fields here; the strategies' options are declared
+in the strategies' files and come in by inheritance
+(``strategies.options.StrategyOptions``), so each is written once. The CLI
+builds a RunConfig from its flags; ``validate()`` raises UsageError (exit
+code 2) with a message saying what to change. Workers receive the validated
+config and never re-check it.
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import options
 from .errors import UsageError
+from .strategies.options import OPTION_CLASSES, StrategyOptions
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16")
@@ -21,7 +26,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
-class RunConfig:
+class RunConfig(StrategyOptions):
     # what to train
     strategy: str = "single"          #: strategy name (see `paralab train --help`)
     model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18
@@ -66,14 +71,7 @@ class RunConfig:
     backend: str = "auto"             #: auto | gloo | nccl
     device: str = "auto"              #: auto | cpu | cuda
     timeout: float = 60.0             #: seconds before a stuck collective fails the run
-    # strategy options (each strategy reads what it needs)
-    bucket_mb: float = 25.0           #: ddp: gradient bucket size in MiB
-    accumulate: int = 1               #: ddp-style strategies: microsteps per step (no_sync)
-    microbatches: int = 1             #: pipeline: microbatches per step
-    schedule: str = "gpipe"           #: pipeline: gpipe | 1f1b
-    partition: str = "balanced"       #: model/pipeline: balanced | params | counts "2,3,8"
-    zero_stage: int = 3               #: fsdp: 1 | 2 | 3
-    step_in_backward: bool = True     #: fsdp stages 2-3: step each unit's shard as soon as it is reduced
+    # the strategies' options: inherited from StrategyOptions (pp, microbatches, bucket_mb, zero_stage...)
     # filled in by the launcher, for the record
     launched_by: str = "local"
 
@@ -86,10 +84,9 @@ class RunConfig:
             return int(os.environ["WORLD_SIZE"])
         return self.workers
 
-    def strategy_options(self) -> dict:
-        return {k: getattr(self, k) for k in
-                ("bucket_mb", "accumulate", "microbatches", "schedule", "partition", "zero_stage",
-                 "step_in_backward", "model", "width", "norm", "batch_size", "warmup")}
+    def strategy_options(self) -> StrategyOptions:
+        """The strategies' options alone, typed: what a strategy receives as ``ctx.options``."""
+        return options.project(self, StrategyOptions)
 
     def default_out(self) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -100,6 +97,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
+        """The inverse of :meth:`to_dict` (how ``paralab.runner`` hands a config to its child);
+        keys that are not fields (e.g. config.json's environment) are left out."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -107,7 +106,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         from .data import check_dataset
         from .models import MODELS
-        from .strategies import get_strategy
+        from .strategies import get_strategy, plan
 
         def positive(name, value, allow_none=False):
             if value is None and allow_none:
@@ -115,11 +114,13 @@ class RunConfig:
             if value is None or value <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive (got {value})")
 
-        strategy_cls = get_strategy(self.strategy)
+        named_cls = get_strategy(self.strategy)
+        for cls in OPTION_CLASSES:
+            options.check(self, cls)
         if self.model not in MODELS:
             raise UsageError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         for name in ("width", "batch_size", "epochs", "lr", "log_every", "eval_batch_size",
-                     "synthetic_size", "workers", "timeout", "bucket_mb", "accumulate", "microbatches"):
+                     "synthetic_size", "workers", "timeout"):
             positive(name, getattr(self, name))
         for name in ("num_batches", "per_worker_batch", "eval_batches", "cores_per_worker", "world_size"):
             positive(name, getattr(self, name), allow_none=True)
@@ -156,22 +157,30 @@ class RunConfig:
             if not torch.cuda.is_available():
                 raise UsageError("CUDA/NCCL asked for but no GPU is visible; use --device cpu (gloo)")
         world = self.world
-        if self.per_worker_batch is None and self.batch_size % self._data_replicas(strategy_cls, world):
+        shape, strategy_cls, _ = plan(self, world)
+        if self.per_worker_batch is None and self.batch_size % shape.dp:
             raise UsageError(f"--batch-size {self.batch_size} must divide evenly over "
-                             f"{self._data_replicas(strategy_cls, world)} data-parallel workers; "
-                             "change it or use --per-worker-batch")
-        strategy_cls.validate(self, world)
+                             f"{shape.dp} data-parallel replicas; change it or use --per-worker-batch")
+        named_cls.validate(self, world)
+        if strategy_cls is not named_cls:
+            strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None)
         if self.resume:
             from .checkpoint import check_resumable
             check_resumable(Path(self.resume), self)
         return self
 
-    @staticmethod
-    def _data_replicas(strategy_cls, world: int) -> int:
-        return world if getattr(strategy_cls, "data_parallel", True) else 1
+    def data_replicas(self, strategy_cls=None) -> int:
+        """How many data-parallel replicas share the global batch: the mesh's dp size."""
+        strategy_cls = strategy_cls or _registered(self.strategy)
+        return strategy_cls.mesh_shape(self, self.world).dp
 
-    def global_batch(self, strategy_cls) -> int:
+    def global_batch(self, strategy_cls=None) -> int:
         if self.per_worker_batch is not None:
-            return self.per_worker_batch * self._data_replicas(strategy_cls, self.world)
+            return self.per_worker_batch * self.data_replicas(strategy_cls)
         return self.batch_size
+
+
+def _registered(name: str):
+    from .strategies import get_strategy
+    return get_strategy(name)

@@ -45,6 +45,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .config import RunConfig
+from .progress import emit
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
@@ -200,10 +201,17 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         return 0
     except SystemExit as exc:  # an orderly non-zero exit (check FAIL, diverged loss)
         return int(exc.code or 0)
-    except Exception:  # noqa: BLE001 - report the traceback, exit non-zero
+    except Exception as exc:  # noqa: BLE001 - report the traceback, exit non-zero
         traceback.print_exc()
         print(f"paralab: rank {rank} failed", file=sys.stderr, flush=True)
+        emit("error", rank=rank, message=describe(exc))
         return 1
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, as the last line of a traceback says it (bounded)."""
+    lines = str(exc).strip().splitlines()
+    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:300]
 
 
 # ---------------------------------------------------------------------------- local workers
@@ -232,8 +240,9 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # noqa: BLE001
-        errors.put((rank, time.time(), traceback.format_exc()[-20000:]))  # bounded: a pipe holds 64 KiB
+    except BaseException as exc:  # noqa: BLE001
+        # bounded: a pipe holds 64 KiB
+        errors.put((rank, time.time(), traceback.format_exc()[-20000:], describe(exc)))
         code = 1
     # Everything is written and the process group is gone; skip the interpreter's teardown
     # of torch, which takes about a second per rank and has nothing left to do.
@@ -286,9 +295,10 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
         reports.append(errors.get())
     if reports:
         # the cause: the earliest error that is not a consequence of losing a peer
-        rank, _, text = min(reports, key=lambda e: (_is_peer_loss(e[2]), e[1]))
+        rank, _, text, summary = min(reports, key=lambda e: (_is_peer_loss(e[2]), e[1]))
         print(f"paralab: rank {rank} failed; all ranks stopped.\n{text.rstrip()}", file=sys.stderr)
-        for other, _, other_text in sorted(reports):
+        emit("error", rank=rank, message=summary)
+        for other, _, other_text, _ in sorted(reports):
             if other != rank:
                 last = other_text.strip().splitlines()[-1][:200] if other_text.strip() else ""
                 print(f"paralab: rank {other} failed after it: {last}", file=sys.stderr)
@@ -296,6 +306,8 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
         code = codes[first_crash]
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         print(f"paralab: rank {first_crash} died ({how}); all ranks stopped.", file=sys.stderr)
+        emit("error", rank=first_crash, message=f"rank {first_crash} died ({how})",
+             signal=-code if code < 0 else None)
     return 1
 
 

@@ -12,10 +12,17 @@ Each kind has a table function (``*_table(runs) -> (headers, rows)``, what
   the ideal T1/N line (CS744 figures 2-4);
 - ``timeline``: one step of each run, one row per rank: forward and backward
   with microbatch numbers, communication, idle; asynchronous communication on
-  its own thin row under its rank; for pipelines the ideal timeline of the
-  same schedule is drawn beside it;
+  its own thin row under its rank; where the ranks report pipeline stages and
+  their schedule, the ideal timeline of that schedule is drawn beside it;
 - ``memory``: bytes per rank, from ``strategy_details`` in summary.json where
   the strategy reports them, else the cost model's estimate (hatched).
+
+What is drawn follows from what the records hold (``Run.stages``,
+``Run.pipeline``, asynchronous communication, memory figures), never from a
+strategy's name. Speed-ups are measured against a strategy's own 1-worker
+run, else the single-process baseline's (``paralab.runner.strategy_for``).
+
+Sweeps draw with :func:`plot_epoch_time` and :func:`plot_speedup`.
 """
 from __future__ import annotations
 
@@ -138,13 +145,24 @@ def plot_split_time(runs: list[Run], path) -> Path:
 
 
 # ======================================================================== scaling
-def scaling_rows(runs: list[Run]):
+def baseline_strategy() -> str | None:
+    """The single-process strategy speed-ups fall back on (``single``), or None."""
+    try:
+        from .runner import strategy_for
+        return strategy_for("baseline")
+    except Exception:  # noqa: BLE001 - without a registry: no baseline, each run against its own
+        return None
+
+
+def scaling_rows(runs: list[Run], baseline: str | None = None):
     """Per strategy and worker count: s/iter, the ideal T1/N, speedup and efficiency.
 
-    T1 is the strategy's own 1-worker run, else ``single``'s (the baseline named in the row).
+    T1 is the strategy's own 1-worker run, else the 1-worker run of ``baseline`` (default: the
+    single-process strategy), named in the row.
     """
     runs = sort_runs(runs)
-    single = [r for r in runs if r.strategy == "single" and r.seconds_per_iter]
+    baseline = baseline or baseline_strategy()
+    single = [r for r in runs if baseline and r.strategy == baseline and r.workers == 1 and r.seconds_per_iter]
     out = []
     for s in dict.fromkeys(r.strategy for r in runs):
         mine = sorted((r for r in runs if r.strategy == s and r.seconds_per_iter), key=lambda r: r.workers)
@@ -160,16 +178,17 @@ def scaling_rows(runs: list[Run]):
     return out
 
 
-def scaling_table(runs: list[Run]):
+def scaling_table(runs: list[Run], baseline: str | None = None):
     rows = [[e["strategy"], e["workers"], _fmt(e["seconds_per_iter"], ".4f"), _fmt(e["ideal"], ".4f"),
              _fmt(e["speedup"], ".2f"), _fmt(None if e["efficiency"] is None else 100 * e["efficiency"], ".0f"),
-             e["baseline"] or "-"] for e in scaling_rows(runs)]
+             e["baseline"] or "-"] for e in scaling_rows(runs, baseline)]
     return ["strategy", "workers", "s/iter", "ideal T1/N", "speedup", "efficiency %", "T1 from"], rows
 
 
-def plot_scaling(runs: list[Run], path) -> Path:
+def plot_scaling(runs: list[Run], path, baseline: str | None = None) -> Path:
     plt = _plt()
-    entries = scaling_rows(runs)
+    baseline = baseline or baseline_strategy()
+    entries = scaling_rows(runs, baseline)
     strategies = list(dict.fromkeys(e["strategy"] for e in entries))
     if not strategies:
         raise ValueError("no run with a measured time per iteration")
@@ -177,7 +196,7 @@ def plot_scaling(runs: list[Run], path) -> Path:
     nrows = (len(strategies) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(3.3 * cols + 0.5, 2.9 * nrows + 0.6), squeeze=False)
     all_w = sorted({e["workers"] for e in entries} | {1})
-    single = next((e for e in entries if e["strategy"] == "single"), None)
+    single = next((e for e in entries if e["strategy"] == baseline and e["workers"] == 1), None)
     for i, s in enumerate(strategies):
         ax = axes[i // cols][i % cols]
         mine = [e for e in entries if e["strategy"] == s]
@@ -193,9 +212,9 @@ def plot_scaling(runs: list[Run], path) -> Path:
             grid = [w for w in all_w if w <= max(ws)]
             ax.plot(grid, [t1 / w for w in grid], "--", color="#888888", label=f"ideal T1/N (T1: {base['baseline']})")
             top = max(top, t1)
-        if single and s != "single":
+        if single and s != baseline:
             ax.axhline(single["seconds_per_iter"], color="#c44e52", linestyle=":", linewidth=1,
-                       label="single (1 worker)")
+                       label=f"{baseline} (1 worker)")
             top = max(top, single["seconds_per_iter"])
         ax.set_title(s, fontsize=10)
         ax.set_xticks(all_w)
@@ -292,40 +311,51 @@ def _run_boxes(run: Run, step: int | None):
 
 
 def ideal_schedule_boxes(run: Run):
-    """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason)."""
-    if run.strategy not in ("pipeline", "model"):
-        return None, "not a pipeline run"
+    """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason).
+
+    For runs whose ranks report pipeline stages and a schedule (``Run.pipeline``); a stage's
+    forward and backward times are the means over the measured steps of the ranks holding it.
+    A schedule the simulator does not know (a stage that runs each batch whole) is drawn as
+    GPipe over its microbatches, which is what it is.
+    """
+    pipe = run.pipeline
+    if pipe is None:
+        return None, "no pipeline stages recorded"
     try:
-        from .strategies.pipeline.schedules import build_schedule, simulate
+        from .strategies.pipeline.schedules import SCHEDULES, build_schedule, simulate
     except ImportError as exc:
         return None, f"paralab.strategies.pipeline.schedules not importable ({exc})"
-    schedule = run.config.get("schedule", "gpipe") if run.strategy == "pipeline" else "gpipe"
-    m = int(run.config.get("microbatches", 1) or 1) if run.strategy == "pipeline" else 1
-    w = run.workers
+    m, schedule = pipe["microbatches"], pipe["schedule"]
+    known = schedule in SCHEDULES
+    simulated = schedule if known else SCHEDULES[0]
+    stage_of = run.stages
+    stages = sorted(set(stage_of.values()))
     measured = set(run.measured_steps())
     fwd, bwd = [], []
-    for rank in range(w):
-        mine = [s for s in run.spans if s["rank"] == rank and s["step"] in measured and s["category"] == "compute"]
+    for stage in stages:
+        ranks = {r for r, s in stage_of.items() if s == stage}
+        mine = [s for s in run.spans if s["rank"] in ranks and s["step"] in measured and s["category"] == "compute"]
         f = [s["t1"] - s["t0"] for s in mine if s["name"] == "forward"]
         b = [s["t1"] - s["t0"] for s in mine if s["name"] == "backward"]
         if not f or not b:
-            return None, f"rank {rank} recorded no forward/backward spans"
+            return None, f"stage {stage} recorded no forward/backward spans"
         fwd.append(1000 * sum(f) / len(f))
         bwd.append(1000 * sum(b) / len(b))
     try:
-        timed = simulate(build_schedule(schedule, w, m), fwd, bwd, 0.0)
+        timed = simulate(build_schedule(simulated, len(stages), m), fwd, bwd, 0.0)
     except Exception as exc:  # noqa: BLE001 - drawn without the ideal panel, and said why
         return None, f"schedule simulation failed: {exc}"
     boxes = []
     for row in timed:
         for t in row:
-            kind = t.action.kind
+            kind = str(getattr(t.action.kind, "value", t.action.kind))
             if kind in ("forward", "backward"):
                 boxes.append((t.rank, t.t0, t.t1, kind, f"{kind[0].upper()}{t.action.microbatch}", False))
             elif kind.startswith("recv") and t.t1 > t.t0:
                 boxes.append((t.rank, t.t0, t.t1, "idle", "", False))
-    desc = (f"model parallelism, {w} stages, whole batch (no pipelining)" if run.strategy == "model"
-            else f"{schedule}, {w} stages, {m} microbatch{'es' if m > 1 else ''}")
+    n = len(stages)
+    desc = (f"{schedule}, {n} stages, {m} microbatch{'es' if m > 1 else ''}" if known or m > 1
+            else f"model parallelism, {n} stages, whole batch (no pipelining)")
     return (boxes, desc), None
 
 
@@ -337,7 +367,7 @@ def plot_timeline(runs: list[Run], path, step: int | None = None, ideal: bool = 
     for r in runs:
         st, boxes = _run_boxes(r, step)
         ideal_panel, why = ideal_schedule_boxes(r) if ideal else (None, None)
-        if ideal and why and r.strategy in ("pipeline", "model"):
+        if ideal and why and r.pipeline is not None:
             notes.append(f"{r.label}: no ideal timeline ({why})")
         panels.append((r, st, boxes, ideal_panel))
     with_ideal = any(p[3] for p in panels)
@@ -380,9 +410,9 @@ def plot_timeline(runs: list[Run], path, step: int | None = None, ideal: bool = 
                 itotal = max(b[2] for b in iboxes)
                 _draw_boxes(ax2, iboxes, itotal, lambda k, a: k, lambda a: 0.76)
                 kinds_seen |= {b[3] for b in iboxes}
-                ax2.set_yticks([k + 0.38 for k in range(r.workers)], [f"stage {k}" for k in range(r.workers)],
-                               fontsize=7)
-                ax2.set_ylim(-0.15, r.workers - 0.1)
+                n = r.num_stages
+                ax2.set_yticks([k + 0.38 for k in range(n)], [f"stage {k}" for k in range(n)], fontsize=7)
+                ax2.set_ylim(-0.15, n - 0.1)
                 ax2.invert_yaxis()
                 ax2.set_xlim(0, itotal * 1.01)
                 ax2.set_xlabel("ideal time (ms): measured compute, free communication")
@@ -502,7 +532,7 @@ def plot_memory(runs: list[Run], path) -> Path:
     colors = dict(zip(comps_all, WORKER_COLORS * 3))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(bars) + 2.5), 4.6))
     bottom = [0.0] * len(bars)
-    any_est = any_pred = False
+    any_est = False
     for comp in comps_all:
         for x, (_, _, m) in enumerate(bars):
             v, est = m["parts"].get(comp, (0.0, False))
@@ -516,7 +546,6 @@ def plot_memory(runs: list[Run], path) -> Path:
         for key, style, label in (("predicted", "-", "predicted model states (cost model)"),
                                   ("predicted_peak", "--", "predicted peak: + largest unit's working set")):
             if m.get(key):
-                any_pred = True
                 ax.plot([x - 0.42, x + 0.42], [m[key] / 1e6] * 2, color="black", linewidth=1.6, linestyle=style,
                         label=label if label not in ax.get_legend_handles_labels()[1] else None)
     ax.set_xticks(range(len(bars)), [f"{r.label}\nrank {k}" for r, k, _ in bars],
@@ -530,6 +559,43 @@ def plot_memory(runs: list[Run], path) -> Path:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+# ======================================================================== sweeps
+def plot_epoch_time(points, path) -> Path:
+    """Epoch time vs per-device batch size: ``points`` is [(batch, {"epoch_s", "epoch_no_data_s"})]."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [b for b, _ in points]
+    ax.plot(xs, [t["epoch_no_data_s"] for _, t in points], "o-", label="without data loading")
+    ax.plot(xs, [t["epoch_s"] for _, t in points], "s--", label="with data loading")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("batch size per device (samples)")
+    ax.set_ylabel("epoch time (s)")
+    ax.set_title("Second-epoch training time vs batch size")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_speedup(curves, workers: list[int], title: str, ylabel: str, path) -> Path:
+    """Speedup vs workers with the ideal linear line: ``curves`` is [(label, matplotlib style,
+    [(workers, speedup)])], drawn in turn in the worker colours."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, style, pts) in enumerate(curves):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=WORKER_COLORS[i % len(WORKER_COLORS)],
+                label=label)
+    ax.plot(workers, [w / workers[0] for w in workers], ":", color="#888888", label="ideal (linear)")
+    ax.set_xticks(workers)
+    ax.set_xlabel("workers")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 

@@ -1,10 +1,9 @@
 """Where time goes: every measured interval is a *span* on one rank.
 
-A span is (rank, step, category, name, t0, t1, bytes). Categories:
-``data``, ``compute`` (names ``forward``/``backward``/...), ``comm`` (one per
-collective or send/recv, with bytes), ``optimizer``, ``idle`` (waiting on a
-peer with nothing else to do). Per-step splits, timelines, bubble fractions
-and bandwidths are all derived from these spans; nothing is timed twice.
+A span is (rank, step, category, name, t0, t1, bytes, args); its categories
+and the names and args the analysis reads are declared in ``paralab.kinds``.
+Per-step splits, timelines, bubble fractions and bandwidths are all derived
+from these spans (``paralab.analysis``); nothing is timed twice.
 
 Times are ``time.perf_counter()`` seconds relative to the recorder's start.
 On CUDA the device is synchronised before each clock read so a span covers
@@ -18,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-CATEGORIES = ("data", "compute", "comm", "optimizer", "idle")
+from .kinds import CATEGORIES  # noqa: F401  (re-exported: the span categories)
 
 
 @dataclass

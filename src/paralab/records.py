@@ -22,7 +22,11 @@ from pathlib import Path
 
 import torch
 
+from .analysis import timeline
+from .analysis.cost import bubble_fraction, in_flight
 from .evaluate import format_report
+from .analysis.memory import memory_per_worker
+from .kinds import MEMORY, STAGE
 from .recorder import CATEGORIES, union_length
 from .trace import chrome_trace
 
@@ -81,9 +85,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
               global_batch: int, evaluation: dict | None, check: dict | None, error: str | None,
               replicas: int = 1, extra: dict | None = None) -> dict:
     timed = sorted({r["step"] for r in steps})
-    measured = [s for s in timed if s >= timed[0] + cfg.warmup] if timed else []
-    if not measured:
-        measured = timed  # fewer steps than warm-up: report them rather than nothing
+    measured = timeline.measured_steps(timed, cfg.warmup)
     by_step: dict[int, list[dict]] = {}
     for r in steps:
         by_step.setdefault(r["step"], []).append(r)
@@ -153,6 +155,38 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
     return summary
 
 
+def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
+    """Add to each rank's details what the spans say about it (``analysis/timeline.py``), beside the theory:
+
+    - asynchronous all-reduces it waited for in spans of its own (``ddp``): ``overlap``;
+    - a pipeline stage (a ``stage`` detail record): its measured ``bubble`` against ``(P-1)/(M+P-1)``,
+      and the most microbatches alive at once against the schedule's bound;
+    - a memory ledger (a ``memory`` record with the ``model`` of what it holds): the cost model's
+      prediction beside it (``analysis/memory.py``).
+    """
+    for rank, details in enumerate(per_rank):
+        measured = timeline.overlap(spans, rank, cfg.warmup)
+        if measured is not None:
+            details["overlap"] = measured
+        if STAGE in details:
+            stages, m, k = details["stages"], details["microbatches"], details[STAGE]
+            schedule = "gpipe" if details["schedule"] == "naive" else details["schedule"]
+            details.update(timeline.bubble(spans, rank, cfg.warmup))
+            details["bubble_theory"] = bubble_fraction(stages, m).parts["fraction"]
+            details["peak_microbatches_alive"] = timeline.peak_in_flight(spans, rank)
+            details["in_flight_bound"] = in_flight(schedule, stages, m)[k]
+        memory = details.get(MEMORY)
+        if isinstance(memory, dict) and "model" in memory:
+            memory["predicted"] = predicted_memory(memory["model"])
+
+
+def predicted_memory(model: dict) -> dict:
+    """The cost model's figures for a memory ``model`` record (what a ledger's strategy holds)."""
+    return memory_per_worker(model["parameters"], model["workers"], model["zero_stage"], model["optimizer"],
+                             model["precision"], unit_parameters=model["unit_parameters"],
+                             step_in_backward=model.get("step_in_backward", False)).to_dict()
+
+
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
               dataset, evaluation, check, error, global_batch, is_main) -> None:
     gathered = comm.gather_objects((step_rows, recorder.dump(), strategy.extra_summary()))
@@ -161,11 +195,14 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     steps = sorted((r for rows, _, _ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))
     spans = sorted((s for _, ss, _ in gathered for s in ss), key=lambda s: (s["t0"], s["rank"]))
     extras = {}
-    per_rank = [e for _, _, e in gathered]
+    per_rank = [dict(e) for _, _, e in gathered]
+    derive_details(cfg, spans, per_rank)
     if any(per_rank):
         extras["strategy_details"] = {str(r): e for r, e in enumerate(per_rank)}
     run_dir.mkdir(parents=True, exist_ok=True)
+    mesh = strategy.ctx.mesh
     config = cfg.to_dict() | {"environment": environment(world, backend, device),
+                              "mesh": mesh.shape.to_dict() if mesh is not None else None,
                               "dataset_source": dataset.source, "resolved_dataset": dataset.name}
     write_json(run_dir / "config.json", config)
     write_jsonl(run_dir / "steps.jsonl", steps)

@@ -197,15 +197,17 @@ def check_text(summary: dict | None) -> str:
         f"PASS ({max(dev):.0e})" if dev else str(c.get("result")))
 
 
-def results_table(entries: list[dict], runs: dict[int, Run]):
+def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | None = None):
     """CS744 Table 1: one row per entry of the matrix (failed and skipped runs included).
 
     ``entries[i]`` has strategy, workers, status, error; ``runs[i]`` its Run when it finished.
-    Speedup is over ``single``'s time per iteration, else over the strategy's own
-    1-worker run (the column header says which applies).
+    Speedup is over the time per iteration of ``baseline`` (default: the single-process
+    strategy), else over the strategy's own 1-worker run (the column header says which applies).
     """
-    single = next((runs[i] for i, e in enumerate(entries) if e["strategy"] == "single" and i in runs
-                   and runs[i].seconds_per_iter), None)
+    from .plots import baseline_strategy
+    baseline = baseline or baseline_strategy()
+    single = next((runs[i] for i, e in enumerate(entries) if baseline and e["strategy"] == baseline
+                   and i in runs and runs[i].seconds_per_iter), None)
     rows = []
     base_note = set()
     for i, e in enumerate(entries):
@@ -231,7 +233,10 @@ def results_table(entries: list[dict], runs: dict[int, Run]):
                      fmt(speed, ".2f"), fmt(r.get("test_loss") if r else None, ".4f"),
                      fmt(None if acc is None else 100 * acc, ".2f"),
                      check_text(r.summary if r else None) if r else "-", note])
-    speed_head = "speedup over single" if single or not base_note else "speedup (over own 1-worker run)"
+    if base_note and not single:
+        speed_head = "speedup (over own 1-worker run)"
+    else:
+        speed_head = f"speedup over {baseline}" if baseline else "speedup"
     headers = ["strategy", "workers", "s/iter", "samples/s", speed_head, "test loss", "test acc %", "check",
                "note"]
     return headers, rows
@@ -286,20 +291,11 @@ def merge_traces(labelled: list[tuple[str, Path]]) -> dict:
 
 
 # ======================================================================== the comparison report
-TIMELINE_STRATEGIES = ("model", "pipeline")
-
-
 def timeline_runs(runs: list[Run]) -> list[Run]:
-    """Runs whose timeline tells a story: model/pipeline (who waits for whom) and any
-    multi-worker run that overlaps communication with computation (e.g. ddp under backward)."""
-    out = []
-    for r in runs:
-        if r.workers < 2:
-            continue
-        overlapped = any(r.split(k).get("comm_async", 0) > 0 for k in r.ranks)
-        if r.strategy in TIMELINE_STRATEGIES or overlapped:
-            out.append(r)
-    return out
+    """Runs whose timeline tells a story: those whose ranks are pipeline stages (who waits for
+    whom) and any multi-worker run that overlaps communication with computation (e.g. ddp's
+    buckets under backward)."""
+    return [r for r in runs if r.workers >= 2 and (r.stages or r.overlaps_communication)]
 
 
 def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str], command: str,
@@ -330,7 +326,8 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
             problems.append(f"{name}: not drawn ({type(exc).__name__}: {exc})")
             return None
 
-    headers, rows = results_table(entries, runs)
+    baseline = plots.baseline_strategy()
+    headers, rows = results_table(entries, runs, baseline)
     (out_dir / "results.json").write_text(json.dumps(
         {"command": command, "headers": headers, "rows": rows, "settings": settings,
          "wall_seconds": wall_seconds, "left_out": left_out,
@@ -351,7 +348,8 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
                f"dataset {c.get('resolved_dataset', c.get('dataset'))}, global batch {first.get('global_batch')}, "
                f"{first.get('steps')} steps per run of which the first {first.get('warmup')} are warm-up "
                f"(left out of averages). Times are per iteration of the slowest rank; samples/s counts the "
-               f"global batch; speedup divides single's time per iteration by each run's.")
+               f"global batch; speedup divides {baseline or 'the 1-worker run'}'s time per iteration by each "
+               f"run's.")
     else:
         s.para(f"{len(entries)} runs, none finished; see the errors below and the logs in logs/.")
     s.table(headers, rows, "Table 1 (as CS744's): time per iteration, throughput, speedup, test metrics, "
@@ -374,11 +372,11 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
         if p:
             sec.figure(p, "plots/throughput.png", "Global samples per second by strategy and worker count.")
         sec = rep.section("Scaling")
-        p = draw(plots.plot_scaling, "scaling.png", finished)
+        p = draw(plots.plot_scaling, "scaling.png", finished, baseline=baseline)
         if p:
             sec.figure(p, "plots/scaling.png", "Seconds per iteration vs workers for each strategy; dashed: "
-                       "ideal T1/N from the strategy's own 1-worker run (else single's).")
-        sec.table(*plots.scaling_table(finished))
+                       f"ideal T1/N from the strategy's own 1-worker run (else {baseline or 'none'}'s).")
+        sec.table(*plots.scaling_table(finished, baseline))
         sec = rep.section("Split time per rank")
         p = draw(plots.plot_split_time, "split_time.png", finished)
         if p:
@@ -388,14 +386,15 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
         sec = rep.section("Timelines")
         tl = timeline_runs(finished)
         if not tl:
-            sec.para("No multi-worker model, pipeline or overlapping run finished, so there is no timeline to show.")
+            sec.para("No multi-worker run with pipeline stages or overlapped communication finished, so there "
+                     "is no timeline to show.")
         for r in tl:
             name = f"timeline_{r.name}.png"
             p = draw(plots.plot_timeline, name, [r])
             if p:
                 what = ("forward (F) and backward (B) of each microbatch per stage, waits hatched; right: the "
                         "ideal timeline of the same schedule on the measured stage times"
-                        if r.strategy in TIMELINE_STRATEGIES else
+                        if r.stages else
                         "communication launched during backward runs on its own row (async) under each rank")
                 sec.figure(p, f"plots/{name}", f"{r.label}: one measured step; {what}.")
         sec = rep.section("Memory per rank")

@@ -27,7 +27,8 @@ from .models import build_model, count_parameters
 from .progress import Progress
 from .recorder import Recorder
 from .schedule import lr_at, set_lr
-from .strategies import get_strategy
+from .mesh import Mesh
+from .strategies import plan
 from .strategies.base import Context
 
 
@@ -111,14 +112,16 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
 
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
                         synthetic_size=cfg.synthetic_size, seed=cfg.seed)
-    strategy_cls = get_strategy(cfg.strategy)
+    shape, strategy_cls, composition = plan(cfg, world)
+    mesh = Mesh(shape, rank, comm, new_group=dist.new_group if world > 1 else None)
     model_fn = build_model_factory(cfg, len(data.classes))
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
-    ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options())
-    strategy = strategy_cls(ctx, model_fn, optim_fn)
+    ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
+                  batch_size=cfg.global_batch())
+    strategy = strategy_cls(ctx, model_fn, optim_fn, **composition)
     replicas, replica = strategy.replicas()
-    global_batch = cfg.global_batch(strategy_cls)
+    global_batch = cfg.global_batch()
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
                          rank=replica, seed=cfg.seed, augment=cfg.augment)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
@@ -127,6 +130,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     say(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
         f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
         f"global batch {global_batch}, {total_steps} steps")
+    say(f"paralab: {mesh.shape.describe()}"
+        + (f"; each of the {shape.pp} stages wrapped in {cfg.strategy}'s data-parallel flavour"
+           if composition else ""))
 
     start_step = 0
     if cfg.resume:
@@ -170,6 +176,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
                 losses = [loss for loss, _ in seen if loss is not None]
                 say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
+                progress.event("loss", step=step + 1, total=total_steps, loss=sum(losses) / len(losses))
         progress.update(step + 1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total_steps:
             checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost import GB, Formula, fmt_bytes, g
+from .cost import Formula, fmt_bytes, g
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
 PRECISIONS = ("fp32", "mixed")
@@ -238,7 +238,3 @@ def optimizer_kind(optimizer: str, momentum: float = 0.0) -> str:
     if optimizer == "adam":
         return "adam"
     return "sgd-momentum" if momentum else "sgd"
-
-
-def in_gb(nbytes: float) -> float:
-    return nbytes / GB

@@ -35,10 +35,12 @@ class Run:
 
     @property
     def label(self) -> str:
-        """``strategy wN``, plus the pipeline schedule / microbatches where they matter."""
+        """``strategy wN``, plus the schedule and microbatches of a pipeline that pipelines
+        (its stages report a schedule over more than one microbatch)."""
         extra = ""
-        if self.strategy == "pipeline":
-            extra = f" {self.config.get('schedule', '')} m{self.config.get('microbatches', '')}"
+        pipe = self.pipeline
+        if pipe and pipe["microbatches"] > 1:
+            extra = f" {pipe['schedule']} m{pipe['microbatches']}"
         return f"{self.strategy} w{self.workers}{extra}"
 
     @property
@@ -72,6 +74,61 @@ class Run:
     def details(self) -> dict:
         """``strategy_details`` of summary.json: per rank (string keys), strategy-specific figures."""
         return self.summary.get("strategy_details") or {}
+
+    def rank_details(self, rank: int) -> dict:
+        d = self.details.get(str(rank))
+        return d if isinstance(d, dict) else {}
+
+    # ------------------------------------------------------------ what the records hold
+    # Plots, reports and calculations choose what to show from these, never from the
+    # strategy's name: a new strategy that records the same things is drawn the same way.
+    @property
+    def stages(self) -> dict[int, int]:
+        """rank -> pipeline stage, for runs whose ranks report a ``stage`` (the model is split)."""
+        out = {}
+        for key, d in self.details.items():
+            if isinstance(d, dict) and isinstance(d.get("stage"), int) and not isinstance(d["stage"], bool):
+                out[int(key)] = d["stage"]
+        return dict(sorted(out.items()))
+
+    @property
+    def num_stages(self) -> int:
+        return len(set(self.stages.values()))
+
+    @property
+    def pipeline(self) -> dict | None:
+        """``{"schedule", "microbatches", "stages"}`` where the stages report their schedule, else None.
+
+        ``schedule`` is what the stages recorded (e.g. ``gpipe``, ``1f1b``; a stage that runs each
+        batch whole may say ``naive``); ``microbatches`` at least 1.
+        """
+        stages = self.stages
+        if not stages:
+            return None
+        d = self.rank_details(next(iter(stages)))
+        schedule = d.get("schedule")
+        if not isinstance(schedule, str):
+            return None
+        try:
+            m = max(1, int(d.get("microbatches") or 1))
+        except (TypeError, ValueError):
+            m = 1
+        return {"schedule": schedule, "microbatches": m, "stages": self.num_stages}
+
+    @property
+    def bubbles(self) -> dict[int, float]:
+        """rank -> measured bubble (idle / step time), where the ranks report one."""
+        out = {}
+        for key, d in self.details.items():
+            b = d.get("bubble") if isinstance(d, dict) else None
+            if isinstance(b, (int, float)) and not isinstance(b, bool):
+                out[int(key)] = float(b)
+        return dict(sorted(out.items()))
+
+    @property
+    def overlaps_communication(self) -> bool:
+        """Some rank ran communication asynchronously, overlapped with its computation."""
+        return any(self.split(k).get("comm_async", 0) > 0 for k in self.ranks)
 
     # ------------------------------------------------------------ records
     @property

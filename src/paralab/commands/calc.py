@@ -55,6 +55,7 @@ def add_arguments(p) -> None:
                    help="stages 2-3 step each unit's shard in backward (paralab fsdp's default): one "
                         "gradient shard held at a time")
     q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
+    q.set_defaults(calc=calc_memory)
 
     q = sub.add_parser("allreduce", help="gradient synchronisation time: ring and gather/scatter",
                        description="Time to average S bytes of gradients over N workers: ring all-reduce "
@@ -68,6 +69,7 @@ def add_arguments(p) -> None:
                    help="separate all-reduce calls (one per tensor or bucket), each paying the latency")
     q.add_argument("--per-tensor", action="store_true",
                    help="with --model: one call per parameter tensor (as the allreduce strategy does)")
+    q.set_defaults(calc=calc_allreduce)
 
     q = sub.add_parser("bubble", help="pipeline bubble and microbatches alive (GPipe, 1F1B)",
                        description="Idle fraction of a p-stage pipeline with m microbatches, (p-1)/(m+p-1), "
@@ -76,6 +78,7 @@ def add_arguments(p) -> None:
     q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
     q.add_argument("--forward-ms", type=float, help="one stage's forward of one microbatch (ms): adds the step time")
     q.add_argument("--backward-ms", type=float, help="one stage's backward of one microbatch (ms, default 2 x forward)")
+    q.set_defaults(calc=calc_bubble)
 
     q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
                        description="Cut the model as `paralab train model|pipeline` would and count the "
@@ -90,6 +93,7 @@ def add_arguments(p) -> None:
                    help="balanced (measures unit times here) | params | counts such as 2,3,8 "
                         "(default %(default)s: deterministic; a run's own cut is in its summary)")
     q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds the transfer time")
+    q.set_defaults(calc=calc_comm)
 
     q = sub.add_parser("run", help="bandwidth utilisation and predicted vs measured comm of a run",
                        description="From a run directory: bytes and time of each communication operation, "
@@ -98,6 +102,7 @@ def add_arguments(p) -> None:
     q.add_argument("run", help="run directory written by `paralab train`")
     q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds predictions and link share")
     q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
+    q.set_defaults(calc=calc_run)
 
 
 def _size_options(q, bytes_option: bool) -> None:
@@ -110,8 +115,7 @@ def _size_options(q, bytes_option: bool) -> None:
 
 
 def run(args) -> int:
-    return {"memory": calc_memory, "allreduce": calc_allreduce, "bubble": calc_bubble, "comm": calc_comm,
-            "run": calc_run}[args.what](args)
+    return args.calc(args)
 
 
 # ======================================================================== helpers
@@ -125,10 +129,13 @@ def _model_size(name: str, width: float):
     return model
 
 
-def _parameters(args) -> tuple[int, str, list[int]]:
-    """(parameter count, where it came from, per-tensor sizes if a model was named)."""
+def _parameters(args, model=None) -> tuple[int, str, list[int]]:
+    """(parameter count, where it came from, per-tensor sizes if a model was named).
+
+    ``model``: the model ``--model`` names, when the caller has built it already.
+    """
     if args.model:
-        model = _model_size(args.model, args.width)
+        model = model if model is not None else _model_size(args.model, args.width)
         sizes = [p.numel() for p in model.parameters()]
         return sum(sizes), f"{args.model} (width {args.width}): {sum(sizes):,} parameters in {len(sizes)} tensors", sizes
     if args.parameters is None or args.parameters <= 0 or not math.isfinite(args.parameters):
@@ -164,10 +171,11 @@ def calc_memory(args) -> int:
             raise UsageError(f"--stage takes stage numbers such as 0,3 (got {args.stage!r})") from None
         if any(s not in STAGE_NAMES for s in stages):
             raise UsageError("--stage: stages are 0 (DDP), 1, 2, 3")
-    psi, source, _ = _parameters(args)
+    model = _model_size(args.model, args.width) if args.model else None
+    psi, source, _ = _parameters(args, model)
     unit = args.unit_parameters
-    if unit is None and args.model:
-        unit = max(sum(p.numel() for p in u.parameters()) for u in _model_size(args.model, args.width))
+    if unit is None and model is not None:
+        unit = max(sum(p.numel() for p in u.parameters()) for u in model)
     elif unit is not None and not (0 < unit <= psi):
         raise UsageError(f"--unit-parameters must be positive and at most the model's {psi:,} parameters")
     if args.step_in_backward and unit is None:
@@ -379,11 +387,10 @@ def calc_run(args) -> int:
             print(f"  at {args.bandwidth:g} Gb/s that is {fmt_seconds(sent * n / bytes_per_second(args.bandwidth))} "
                   "of transfers per step")
         print()
-    bubbles = [d.get("bubble") for d in r.details.values() if isinstance(d, dict) and d.get("bubble") is not None]
-    if bubbles and r.strategy in ("model", "pipeline"):
-        m = int(r.config.get("microbatches", 1) or 1) if r.strategy == "pipeline" else 1
-        theory = bubble_fraction(n, m)
+    bubbles, pipe = r.bubbles, r.pipeline
+    if bubbles and pipe:  # ranks that are pipeline stages and measured their idle share
+        theory = bubble_fraction(pipe["stages"], pipe["microbatches"])
         _print(theory)
         print("measured bubble (idle / step time) per rank: "
-              + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in enumerate(bubbles)))
+              + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in bubbles.items()))
     return 0

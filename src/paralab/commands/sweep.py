@@ -17,9 +17,9 @@
 
 An "epoch" here is --epoch-samples samples (default 2048, small enough for a
 CPU); --epoch-samples 0 uses the whole training split (the real epoch).
-Every run is a `paralab train` process; the directory (default
-reports/sweep-<kind>-<time>) gets runs/, logs/, sweep.json, report.md,
-report.html and a figure.
+Every run is a run config handed to paralab's runner (a process of its own);
+the directory (default reports/sweep-<kind>-<time>) gets runs/, logs/,
+sweep.json, report.md, report.html and a figure.
 
 Large batches: --lr-scaling linear --warmup-epochs 1 apply Goyal et al.'s linear
 scaling rule and gradual warm-up to every run (`paralab train` options; the
@@ -32,21 +32,25 @@ examples:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
-import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from ..config import RunConfig
 from ..errors import UsageError
-from .compare import Display, cores_per_worker, parse_int_list, run_child, train_namespace
+from .compare import changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
 
 HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
 
+#: train options the sweep sets itself for every run (--train-args may not)
+OWNED = ("out", "workers", "num_batches", "batch_size", "per_worker_batch", "warmup", "epochs", "cores_per_worker",
+         "lr", "lr_scaling", "warmup_epochs")
 OOM_RE = re.compile(r"out of memory|can't allocate memory|MemoryError|Cannot allocate memory|OutOfMemory",
                     re.IGNORECASE)
 
@@ -56,7 +60,7 @@ def add_arguments(p) -> None:
     q = sub.add_parser("batch-size", help="epoch time vs per-device batch (HPML Q1)",
                        description="Per-device batch sizes growing by --factor from --start until a run runs "
                                    "out of memory or passes --max; second-epoch time without data loading.")
-    q.add_argument("--strategy", default="single", help="strategy (default %(default)s)")
+    q.add_argument("--strategy", help="strategy (default: the single-process baseline, single)")
     q.add_argument("--workers", type=int, default=1, help="workers (default %(default)s)")
     q.add_argument("--sizes", help="explicit per-device batch sizes, e.g. 32,128,512 (instead of --start/--factor)")
     q.add_argument("--start", type=int, default=32, help="first per-device batch (default %(default)s)")
@@ -68,7 +72,8 @@ def add_arguments(p) -> None:
                        description="Each batch size at each worker count, as weak scaling (per-worker batch) "
                                    "and/or strong scaling (global batch): epoch time, speedup, compute vs "
                                    "communication, bandwidth utilisation.")
-    q.add_argument("--strategy", default=None, help="strategy (default ddp, else allreduce)")
+    q.add_argument("--strategy", default=None,
+                   help="strategy (default: the data-parallel strategy registered for scaling studies, ddp)")
     q.add_argument("--workers", default="1,2", help="worker counts (default %(default)s)")
     q.add_argument("--batch-sizes", default="32,128",
                    help="per-worker batches (weak) / global batches (strong) (default %(default)s)")
@@ -99,13 +104,11 @@ def _common(q) -> None:
 
 
 # ======================================================================== epoch arithmetic
-def train_size(a) -> int:
-    """Training samples of the dataset the runs will use (for --epoch-samples 0)."""
+def train_size(cfg: RunConfig) -> int:
+    """Training samples of the dataset ``cfg`` trains on (for --epoch-samples 0)."""
     from ..data import load_dataset
-    ns = train_namespace(["single", "--dataset", a.dataset] + (["--data-dir", a.data_dir] if a.data_dir else [])
-                         + shlex.split(a.train_args or ""))
-    data = load_dataset(ns.dataset, Path(ns.data_dir) if ns.data_dir else None,
-                        synthetic_size=ns.synthetic_size, seed=ns.seed)
+    data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
+                        synthetic_size=cfg.synthetic_size, seed=cfg.seed)
     return len(data.train_y)
 
 
@@ -143,37 +146,29 @@ class Sweep:
             raise UsageError("--epoch-samples must be positive (or 0 for the whole training split)")
         if a.width <= 0 or a.lr <= 0 or a.run_timeout <= 0:
             raise UsageError("--width, --lr and --run-timeout must be positive")
-        try:
-            self.extra = shlex.split(a.train_args or "")
-        except ValueError as exc:
-            raise UsageError(f"--train-args: {exc}") from None
-        owned = {"--out", "--workers", "--num-batches", "--batch-size", "--per-worker-batch", "--warmup", "--epochs",
-                 "--cores-per-worker", "--lr", "--lr-scaling", "--warmup-epochs"}
-        clash = [x.split("=")[0] for x in self.extra if x.split("=")[0] in owned]
-        if clash:
-            raise UsageError(f"--train-args may not set {', '.join(clash)}: the sweep sets them")
-        self.display = Display(verbose=a.verbose)
+        self.extra = config_overrides(a.train_args, owned=OWNED, owner="the sweep")
+        from ..progress import StatusLine
+        self.display = StatusLine(verbose=a.verbose)
         self.pinned = None
         self.entries: list[dict] = []
         self.tmp: Path | None = None
 
-    def argv(self, strategy: str, workers: int, batch_flag: str, batch: int, steps: int) -> list[str]:
+    def base(self) -> RunConfig:
+        """What every run of the sweep shares: the data and model options, then --train-args."""
         a = self.a
-        argv = [strategy, "--workers", str(workers), batch_flag, str(batch), "--num-batches", str(2 * steps),
-                "--warmup", str(steps), "--model", a.model, "--width", str(a.width), "--dataset", a.dataset,
-                "--lr", str(a.lr), "--lr-scaling", a.lr_scaling, "--warmup-epochs", str(a.warmup_epochs),
-                "--eval-batches", "1", "--eval-batch-size", "100", "--log-every",
-                str(max(steps, 1))]
-        if a.data_dir:
-            argv += ["--data-dir", a.data_dir]
-        if self.pinned:
-            argv += ["--cores-per-worker", str(self.pinned)]
-        return argv + self.extra
+        cfg = RunConfig(model=a.model, width=a.width, dataset=a.dataset, data_dir=a.data_dir, lr=a.lr,
+                        lr_scaling=a.lr_scaling, warmup_epochs=a.warmup_epochs, eval_batches=1,
+                        eval_batch_size=100, cores_per_worker=self.pinned)
+        return dataclasses.replace(cfg, **self.extra)
 
-    def validate(self, argv: list[str]) -> None:
-        from ..cli import config_from_args
-        cfg = config_from_args(train_namespace(argv))
+    def config(self, strategy: str, workers: int, batch: int, steps: int, per_worker: bool) -> RunConfig:
+        """Two epochs of ``steps`` steps, the first left out as warm-up; ``batch`` per worker
+        (weak scaling) or global (strong scaling)."""
+        batch_field = {"per_worker_batch": batch} if per_worker else {"batch_size": batch}
+        cfg = dataclasses.replace(self.base(), strategy=strategy, workers=workers, num_batches=2 * steps,
+                                  warmup=steps, log_every=max(steps, 1), **batch_field)
         cfg.validate()
+        return cfg
 
     def start(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,24 +177,25 @@ class Sweep:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir()
 
-    def run(self, name: str, argv: list[str], index: str) -> dict:
-        from ..analysis.runs import is_run_dir, load_run
+    def run(self, name: str, cfg: RunConfig, index: str) -> dict:
+        from .. import runner
+        from ..analysis.runs import load_run
         run_dir = self.tmp / "runs" / name
-        cmd = [sys.executable, "-m", "paralab", "train"] + argv + ["--out", str(run_dir)]
-        res = run_child(cmd, f"[{index}] {name}", self.tmp / "logs" / f"{name}.log", self.a.run_timeout,
-                        self.display)
-        entry = {"name": name, "argv": argv, "seconds": res.seconds, "returncode": res.returncode,
-                 "command": shlex.join(["paralab", "train"] + argv + ["--out", str(self.out / "runs" / name)]),
-                 "log": f"logs/{name}.log"}
-        log_text = res.log.read_text() if res.log.exists() else ""
-        if is_run_dir(run_dir) and res.returncode == 0:
+        prefix = f"[{index}] {name}"
+        res = runner.run(cfg, run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
+                         timeout=self.a.run_timeout, on_output=self.display.passthrough)
+        entry = {"name": name, "config": changed_fields(cfg), "seconds": res.seconds, "returncode": res.returncode,
+                 "command": train_command(cfg, self.out / "runs" / name), "log": f"logs/{name}.log"}
+        if res.ok and res.returncode == 0:
             entry.update(status="ok", run_dir=f"runs/{name}", run=load_run(run_dir))
             verdict = f"ok, {entry['run'].seconds_per_iter:.3f} s/iter"
         else:
-            oom = res.returncode is not None and (OOM_RE.search(log_text) or res.returncode in (-9, 137))
-            entry.update(status="oom" if oom else "failed", error=res.error)
-            verdict = ("OUT OF MEMORY" if oom else "FAILED") + f" ({res.error})"
-        self.display.status(f"[{index}] {name}  {verdict}  {res.seconds:.1f}s", final=True)
+            error = res.error or f"exit code {res.returncode}"
+            oom = res.status != "timeout" and bool(OOM_RE.search(error) or res.signal == 9
+                                                   or res.returncode in (-9, 137))
+            entry.update(status="oom" if oom else "failed", error=error)
+            verdict = ("OUT OF MEMORY" if oom else "FAILED") + f" ({error})"
+        self.display.final(prefix, verdict, res.seconds)
         self.entries.append(entry)
         return entry
 
@@ -222,17 +218,27 @@ def run(a) -> int:
     return sweep_scaling(a)
 
 
-def _epoch_samples(a) -> tuple[int, str]:
+def _epoch_samples(sw: Sweep) -> tuple[int, str]:
+    a = sw.a
     if a.epoch_samples:
         return a.epoch_samples, f"{a.epoch_samples} samples (--epoch-samples)"
-    n = train_size(a)
+    n = train_size(sw.base())
     return n, f"the whole training split, {n} samples"
+
+
+def baseline() -> str | None:
+    """The single-process strategy (sweeps' 1-worker point and batch-size default)."""
+    from ..runner import strategy_for
+    return strategy_for("baseline")
 
 
 # ======================================================================== batch size (Q1)
 def sweep_batch_size(a) -> int:
     from ..report import Report, text_table
     from ..strategies import get_strategy
+    a.strategy = a.strategy or baseline()
+    if not a.strategy:
+        raise UsageError("pass --strategy (no single-process strategy is registered)")
     cls = get_strategy(a.strategy)
     if a.workers < 1:
         raise UsageError("--workers must be positive")
@@ -247,21 +253,19 @@ def sweep_batch_size(a) -> int:
             b *= a.factor
     sw = Sweep(a, "batch-size")
     sw.pinned = cores_per_worker(a, [a.workers])
-    samples, what = _epoch_samples(a)
+    samples, what = _epoch_samples(sw)
     plans = []
     for b in sizes:
         gb = b * a.workers if getattr(cls, "data_parallel", True) else b
         steps = steps_per_epoch(samples, gb)
-        argv = sw.argv(a.strategy, a.workers, "--per-worker-batch", b, steps)
-        sw.validate(argv)
-        plans.append((b, steps, argv))
+        plans.append((b, steps, sw.config(a.strategy, a.workers, b, steps, per_worker=True)))
     print(f"sweep batch-size: {a.strategy} on {a.workers} worker(s), per-device batch {', '.join(map(str, sizes))}; "
           f"epoch = {what}; 2 epochs per run, the first is warm-up", file=sys.stderr)
     sw.start()
     rows, stopped = [], None
     try:
-        for i, (b, steps, argv) in enumerate(plans):
-            e = sw.run(f"b{b}", argv, f"{i + 1}/{len(plans)}")
+        for i, (b, steps, cfg) in enumerate(plans):
+            e = sw.run(f"b{b}", cfg, f"{i + 1}/{len(plans)}")
             if e["status"] != "ok":
                 rows.append([b, steps, "-", "-", "-", "-", e["status"] + ": " + (e.get("error") or "")])
                 stopped = b
@@ -283,7 +287,8 @@ def sweep_batch_size(a) -> int:
                 "it did not fit in memory." if sw.entries[-1]["status"] == "oom" else "the run failed (see logs/)."))
         ok = [e for e in sw.entries if e["status"] == "ok"]
         if ok:
-            fig = _plot_batch(sw.tmp / "epoch_time.png", [(int(e["name"][1:]), e["epoch"]) for e in ok])
+            from ..plots import plot_epoch_time
+            fig = plot_epoch_time([(int(e["name"][1:]), e["epoch"]) for e in ok], sw.tmp / "epoch_time.png")
             sec.figure(fig, "epoch_time.png", "Second-epoch time vs per-device batch size.")
         rep.section("Commands").code("\n".join(e["command"] for e in sw.entries))
         out = sw.finish(rep, {"kind": "batch-size", "headers": headers, "rows": rows, "epoch_samples": samples})
@@ -295,30 +300,15 @@ def sweep_batch_size(a) -> int:
     return 0 if all(e["status"] in ("ok", "oom") for e in sw.entries) else 1
 
 
-def _plot_batch(path: Path, points) -> Path:
-    from ..plots import _plt, _save
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [b for b, _ in points]
-    ax.plot(xs, [t["epoch_no_data_s"] for _, t in points], "o-", label="without data loading")
-    ax.plot(xs, [t["epoch_s"] for _, t in points], "s--", label="with data loading")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("batch size per device (samples)")
-    ax.set_ylabel("epoch time (s)")
-    ax.set_title("Second-epoch training time vs batch size")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
-
-
 # ======================================================================== scaling (Q2, Q3)
 def sweep_scaling(a) -> int:
     from ..analysis.cost import bandwidth_utilisation
     from ..report import Report, text_table
-    from ..strategies import get_strategy, strategy_names
-    strategy = a.strategy or ("ddp" if "ddp" in strategy_names() else "allreduce")
+    from ..runner import strategy_for
+    from ..strategies import get_strategy
+    strategy = a.strategy or strategy_for("scaling")
+    if not strategy:
+        raise UsageError("pass --strategy (no strategy is registered for scaling studies)")
     cls = get_strategy(strategy)
     if not getattr(cls, "data_parallel", True):
         raise UsageError(f"sweep scaling studies data parallelism; {strategy} splits the model "
@@ -328,29 +318,27 @@ def sweep_scaling(a) -> int:
     modes = ["weak", "strong"] if a.mode == "both" else [a.mode]
     sw = Sweep(a, "scaling")
     sw.pinned = cores_per_worker(a, workers)
-    samples, what = _epoch_samples(a)
+    samples, what = _epoch_samples(sw)
+    one = baseline()
     plans = []
     for mode in modes:
         for b in sizes:
             for w in workers:
-                strat = "single" if w == 1 and strategy != "single" and "single" in strategy_names() else strategy
-                flag = "--per-worker-batch" if mode == "weak" else "--batch-size"
+                strat = one if w == 1 and one else strategy
                 gb = b * w if mode == "weak" else b
                 if mode == "strong" and b % w:
                     raise UsageError(f"strong scaling splits --batch-sizes {b} over {w} workers: pick sizes "
                                      "divisible by every worker count")
                 steps = steps_per_epoch(samples, gb)
-                argv = sw.argv(strat, w, flag, b, steps)
-                sw.validate(argv)
-                plans.append((mode, b, w, steps, argv))
+                plans.append((mode, b, w, steps, sw.config(strat, w, b, steps, per_worker=mode == "weak")))
     print(f"sweep scaling: {strategy} ({', '.join(modes)}), workers {a.workers}, batch sizes {a.batch_sizes}; "
-          f"epoch = {what}; 1 worker runs `single`", file=sys.stderr)
+          f"epoch = {what}" + (f"; 1 worker runs `{one}`" if one and one != strategy else ""), file=sys.stderr)
     sw.start()
     results: dict[tuple, dict] = {}
     try:
-        for i, (mode, b, w, steps, argv) in enumerate(plans):
+        for i, (mode, b, w, steps, cfg) in enumerate(plans):
             key = (mode, b, w)
-            e = sw.run(f"{mode}-b{b}-w{w}", argv, f"{i + 1}/{len(plans)}")
+            e = sw.run(f"{mode}-b{b}-w{w}", cfg, f"{i + 1}/{len(plans)}")
             if e["status"] == "ok":
                 e["epoch"] = epoch_times(e["run"], steps)
                 results[key] = e
@@ -432,26 +420,17 @@ def sweep_scaling(a) -> int:
 
 
 def _plot_speedup(path, results, modes, sizes, workers, strategy):
-    from ..plots import WORKER_COLORS, _plt, _save
+    """Speedup over the first worker count, one curve per mode and batch size."""
+    from ..plots import plot_speedup
     if len(workers) < 2:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    i = 0
+    curves = []
     for mode in modes:
         for b in sizes:
             base = results.get((mode, b, workers[0]))
             pts = [(w, base["epoch"]["epoch_s"] / results[(mode, b, w)]["epoch"]["epoch_s"])
                    for w in workers if base and (mode, b, w) in results]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if mode == "weak" else "s--",
-                        color=WORKER_COLORS[i % len(WORKER_COLORS)], label=f"{mode}, b={b}")
-                i += 1
-    ax.plot(workers, [w / workers[0] for w in workers], ":", color="#888888", label="ideal (linear)")
-    ax.set_xticks(workers)
-    ax.set_xlabel("workers")
-    ax.set_ylabel(f"speedup over {workers[0]} worker(s) (epoch time ratio)")
-    ax.set_title(f"{strategy}: weak vs strong scaling")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+                curves.append((f"{mode}, b={b}", "o-" if mode == "weak" else "s--", pts))
+    return plot_speedup(curves, workers, f"{strategy}: weak vs strong scaling",
+                        f"speedup over {workers[0]} worker(s) (epoch time ratio)", path)

@@ -1,4 +1,9 @@
-"""Strategy registry: command-line name -> class. Adding a strategy is one file and one line."""
+"""Strategy registry: command-line name -> class. Adding a strategy is one file and one line.
+
+:func:`plan` composes: the named strategy alone, or, under ``--pp P``, the
+pipeline with each stage wrapped in the named strategy's data-parallel
+flavour (stage the model first, then wrap each stage for data parallelism).
+"""
 from __future__ import annotations
 
 import importlib
@@ -27,3 +32,17 @@ def get_strategy(name: str):
         raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(REGISTRY)}")
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def plan(cfg, world: int):
+    """(mesh shape, the class that runs, its extra keyword arguments) for ``cfg`` on ``world`` ranks.
+
+    Raises UsageError where the layout cannot work (the strategy's own
+    ``mesh_shape`` says why).
+    """
+    from .pipeline import Pipeline
+    cls = get_strategy(cfg.strategy)
+    shape = cls.mesh_shape(cfg, world)
+    if shape.pp > 1 and not issubclass(cls, Pipeline):
+        return shape, Pipeline, {"replicas_cls": cls.pipeline_replicas(cfg)}
+    return shape, cls, {}

@@ -1,7 +1,7 @@
 """``allreduce`` (CS744 Task 2b): after backward, one all-reduce per parameter.
 
 Each rank sums every gradient with ``all_reduce(SUM)`` and divides by the
-number of workers: the simplest correct data parallelism. There is no
+number of replicas: the simplest correct data parallelism. There is no
 overlap: all communication happens after backward has finished, one
 (small or large) message per parameter tensor.
 """
@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from .base import ReplicatedStrategy
+from .data_parallel import DataParallel
+from .replicas import Replicas
 
 
-class AllReduce(ReplicatedStrategy):
-    name = "allreduce"
-
-    def __init__(self, ctx, model_fn, optim_fn):
-        super().__init__(ctx, model_fn, optim_fn)
-        self.broadcast_parameters()
+class AllReduceReplicas(Replicas):
+    flavour = "allreduce"
 
     @torch.no_grad()
-    def synchronize(self):
-        for name, p in self.model.named_parameters():
+    def finish(self):
+        for p in self.params:
             if p.grad is None:  # unused this step: contribute zeros so every rank calls the same collectives
                 p.grad = torch.zeros_like(p)
             self.comm.all_reduce(p.grad, name="all_reduce")
-            p.grad.div_(self.ctx.world)
+            p.grad.div_(self.comm.world)
+
+
+class AllReduce(DataParallel):
+    name = "allreduce"
+    replicas_cls = AllReduceReplicas

@@ -13,7 +13,14 @@ A strategy is built from a model factory, an optimizer factory and the rank's
 A strategy declares how a global batch is split, so the loop hands each rank
 exactly its samples and the reference run (verify.py) replays the same
 arithmetic: ``replicas()`` (how many data-parallel shards and which one is
-ours) and ``microbatches`` (how each shard is cut inside a step).
+ours: the mesh's ``dp`` dimension) and ``microbatches`` (how each shard is
+cut inside a step).
+
+Where a strategy sits on the mesh (``paralab.mesh``) is declared by
+:meth:`Strategy.mesh_shape`; how it composes with pipeline stages
+(``--pp``) by :meth:`Strategy.pipeline_replicas`: the data-parallel flavour
+(``replicas.py``) a pipeline stage is wrapped in, or None where the strategy
+cannot be composed.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
+from ..errors import UsageError
+from ..mesh import Mesh, MeshShape
 from ..recorder import Recorder
 
 
@@ -37,15 +46,14 @@ class Context:
     comm: Comm
     recorder: Recorder
     precision: str = "fp32"
-    options: dict | None = None  # strategy-specific options from the config
+    options: object = None       # the strategies' options, typed (strategies.options.StrategyOptions)
+    mesh: Mesh | None = None     # the rank grid; None: one dimension, dp over the whole world
+    batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
 
     def autocast(self):
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
-
-    def option(self, key: str, default=None):
-        return (self.options or {}).get(key, default)
 
 
 @dataclass
@@ -101,23 +109,45 @@ class Strategy:
     #: "first-replica": rank 0's statistics are authoritative (broadcast each step);
     #: "sequential": one module sees each microbatch in turn.
     bn_rule = "first-replica"
+    #: what the commands use this strategy for: "baseline" (speed-ups are measured against it),
+    #: "scaling" (the data-parallel strategy scaling sweeps study by default)
+    roles: tuple[str, ...] = ()
+    #: the option classes (paralab.options) this strategy reads from ``ctx.options``
+    options: tuple[type, ...] = ()
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx
         self.rec: Recorder = ctx.recorder
         self.comm: Comm = ctx.comm
-        self.microbatches = int(ctx.option("accumulate", 1) or 1)
+        self.microbatches = 1  # how this rank's shard is cut inside a step (set by the strategies that cut it)
 
     # ------------------------------------------------------------ declarations
     @classmethod
     def validate(cls, cfg, world: int) -> None:
         """Raise UsageError for options this strategy cannot run with."""
 
+    @classmethod
+    def mesh_shape(cls, cfg, world: int) -> MeshShape:
+        """The grid this strategy runs on: ``--pp`` stages, data parallelism over the rest."""
+        if cfg.pp > 1 and cls.pipeline_replicas(cfg) is None:
+            raise UsageError(f"strategy {cls.name!r} cannot be composed with pipeline stages (--pp {cfg.pp}): "
+                             f"{cls.why_not_pipelined(cfg)}")
+        return MeshShape.for_world(world, pp=cfg.pp)
+
+    @classmethod
+    def pipeline_replicas(cls, cfg):
+        """The data-parallel flavour (a Replicas class) that wraps each pipeline stage under ``--pp``."""
+        return None
+
+    @classmethod
+    def why_not_pipelined(cls, cfg) -> str:
+        return "it has no data-parallel flavour that wraps a pipeline stage"
+
     def replicas(self) -> tuple[int, int]:
-        """(number of data-parallel shards, this rank's shard)."""
-        if self.data_parallel:
-            return self.ctx.world, self.ctx.rank
-        return 1, 0
+        """(number of data-parallel shards, this rank's shard): the mesh's dp dimension."""
+        if self.ctx.mesh is not None:
+            return self.ctx.mesh.size("dp"), self.ctx.mesh.coords["dp"]
+        return (self.ctx.world, self.ctx.rank) if self.data_parallel else (1, 0)
 
     # ------------------------------------------------------------ contract
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
@@ -140,19 +170,27 @@ class Strategy:
         return {}
 
     # ------------------------------------------------------------ shared pieces
+    @torch.no_grad()
+    def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole (local or sharded-module) model in eval mode, as fp32."""
+        model.eval()
+        with self.ctx.autocast():
+            return model(x).float()
+
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         before_last: Callable | None = None) -> float:
+                         before_last: Callable | None = None, last: Callable | None = None) -> float:
         """Forward and backward over this rank's microbatches; gradients accumulate.
 
-        ``before_last`` (if given) is a context manager factory entered for every
-        microbatch but the last: gradient accumulation uses it for ``no_sync``.
+        ``before_last`` / ``last`` (if given) are context-manager factories
+        entered around every microbatch but the last, and around the last one
+        (gradient accumulation: ``no_sync``, then the synchronising backward).
         Returns the mean loss over the batch.
         """
         chunks = split_microbatches(x, y, self.microbatches)
         total = 0.0
         for i, (xs, ys, weight) in enumerate(chunks):
-            ctx = before_last() if before_last and i < len(chunks) - 1 else nullcontext()
-            with ctx:
+            around = last if i == len(chunks) - 1 else before_last
+            with around() if around else nullcontext():
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
                         loss = F.cross_entropy(model(xs), ys)
@@ -161,64 +199,7 @@ class Strategy:
             total += loss.item() * weight
         return total
 
-    @torch.no_grad()
-    def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Logits of a whole (local or sharded-module) model in eval mode, as fp32."""
-        model.eval()
-        with self.ctx.autocast():
-            return model(x).float()
-
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         with self.rec.span("optimizer", "step"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-
-
-class ReplicatedStrategy(Strategy):
-    """Base of the data-parallel strategies: a full model and optimizer on every rank.
-
-    Subclasses implement :meth:`synchronize` (make gradients equal on every
-    rank) or override :meth:`train_step` entirely. BatchNorm buffers follow
-    PyTorch DDP's rule: rank 0's are authoritative; they are broadcast after
-    every step so every replica, and the reference, agree.
-    """
-
-    def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
-        super().__init__(ctx, model_fn, optim_fn)
-        self.model = model_fn().to(ctx.device)
-        self.optimizer = optim_fn(list(self.model.parameters()))
-
-    def broadcast_parameters(self) -> None:
-        """Make every replica start from rank 0's weights and buffers."""
-        if self.ctx.world == 1:
-            return
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                self.comm.broadcast(t, 0, name="broadcast_params")
-
-    def broadcast_buffers(self) -> None:
-        broadcast_buffers(self.comm, self.model)
-
-    def synchronize(self) -> None:
-        raise NotImplementedError
-
-    def train_step(self, x, y) -> StepResult:
-        self.model.train()
-        loss = self.forward_backward(self.model, x, y)
-        self.synchronize()
-        self.optimizer_step(self.optimizer)
-        self.broadcast_buffers()
-        return StepResult(loss, len(y))
-
-    def predict(self, x):
-        return self.eval_logits(self.model, x)
-
-    def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def state_dict(self):
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state):
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -33,20 +33,22 @@ What happens, in order:
 5. **Optimizer.** Every rank takes the same step from the same bytes, so the
    replicas stay bit-identical.
 
-``no_sync()`` switches the hooks off: gradients only accumulate locally. With
-``--accumulate K`` the first K-1 microbatches run under it and the last
-backward sends the accumulated gradients through the buckets: one all-reduce
-per bucket per step, whatever K.
+The hooks act only inside ``last_backward()``: before it gradients only
+accumulate locally (PyTorch's ``no_sync``). With ``--accumulate K`` the first
+K-1 microbatches run without it and the last backward sends the accumulated
+gradients through the buckets: one all-reduce per bucket per step, whatever
+K. Under ``--pp`` the same holds per pipeline stage: the stage's last
+microbatch backward launches its buckets (``pipeline/executor.py``).
 
 BatchNorm buffers follow the rule of every replicated strategy here: rank 0's
 are authoritative and broadcast after each step.
 
 Measurement: each bucket's all-reduce is recorded as an in-flight span
 (launch to completion) and the wait after backward as an exposed ``wait``
-span; :meth:`DDP.extra_summary` reports per step how much communication was
-hidden under backward and how much was exposed after it. Exposed time also
-holds any wait for a slower peer: the last bucket completes only when every
-rank has finished its backward.
+span; from these the analysis (``analysis/timeline.py``) reports per step
+how much communication was hidden under backward and how much was exposed
+after it. Exposed time also holds any wait for a slower peer: the last
+bucket completes only when every rank has finished its backward.
 """
 from __future__ import annotations
 
@@ -55,17 +57,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..recorder import union_length
-from .base import ReplicatedStrategy, StepResult
+from ..kinds import BUCKETS
+from ..options import option
+from .data_parallel import AccumulateOptions, DataParallel
+from .replicas import Replicas
 
 MiB = 1 << 20
 FIRST_BUCKET_BYTES = 1 * MiB  # PyTorch's first bucket: start communicating as early as possible
 
 
 @dataclass
+class BucketOptions:
+    """ddp and torch-ddp: gradient buckets"""
+    bucket_mb: float = option(25.0, "ddp and torch-ddp: gradient bucket size in MiB", minimum=0, above=True)
+
+
+@dataclass
 class Bucket:
     index: int
-    params: list[int]               # indices into DDP.params, in backward order
+    params: list[int]               # indices into DDPReplicas.params, in backward order
     buffer: torch.Tensor            # flat: every parameter's gradient, one after the other
     views: list[torch.Tensor]       # per parameter, its slice of buffer, shaped like the parameter
     missing: int = 0                # gradients not yet copied in this step
@@ -111,16 +121,15 @@ def make_bucket(index: int, members: list[int], params: list[torch.Tensor], name
     return Bucket(index, members, buffer, views, names=[names[i] for i in members])
 
 
-class DDP(ReplicatedStrategy):
-    name = "ddp"
+class DDPReplicas(Replicas):
+    flavour = "ddp"
 
-    def __init__(self, ctx, model_fn, optim_fn):
-        super().__init__(ctx, model_fn, optim_fn)
-        self.broadcast_parameters()  # 1. the same start everywhere
-        self.bucket_mb = float(ctx.option("bucket_mb", 25.0) or 25.0)
+    def __init__(self, module, optim_fn, comm, ctx):
+        super().__init__(module, optim_fn, comm, ctx)
+        self.bucket_mb = ctx.options.bucket_mb
 
         # 2. buckets over the trainable parameters, last registered first
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad][::-1]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
         names, self.params = [n for n, _ in named], [p for _, p in named]
         self.buckets = [make_bucket(index, members, self.params, names) for index, members
                         in enumerate(assign_buckets(self.params, self.bucket_mb * MiB))]
@@ -135,24 +144,22 @@ class DDP(ReplicatedStrategy):
             p.register_post_accumulate_grad_hook(self._hook(i))
 
         # per-step state
-        self._syncing = False      # True only inside the backward that synchronises
-        self._sync_enabled = True  # False inside no_sync()
+        self._syncing = False      # True only inside the backward that synchronises (last_backward)
         self._ready = [False] * len(self.params)
         self._next_bucket = 0      # the next bucket to launch (buckets launch in order)
         self._in_flight = []       # Pending all-reduces of this step
-        self._backward_end: dict[int, float] = {}  # step -> when backward finished (measurement)
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, i: int):
         def on_gradient_ready(param: torch.Tensor) -> None:
-            if self._syncing and self._sync_enabled:
+            if self._syncing:
                 self._gradient_ready(i, param)
         return on_gradient_ready
 
     @torch.no_grad()
     def _gradient_ready(self, i: int, param: torch.Tensor) -> None:
         bucket, view = self.slot[i]
-        torch.div(param.grad, self.ctx.world, out=view)  # copy in, already averaged
+        torch.div(param.grad, self.comm.world, out=view)  # copy in, already averaged
         self._ready[i] = True
         bucket.missing -= 1
         if bucket.missing == 0:
@@ -166,27 +173,25 @@ class DDP(ReplicatedStrategy):
             self._next_bucket += 1
 
     # ------------------------------------------------------------------ the step
-    @contextmanager
-    def no_sync(self):
-        """Gradients accumulate locally; nothing is communicated until the context exits."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def _start_sync(self) -> None:
+    def start(self) -> None:
         self._ready = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.missing = len(bucket.params)
         self._next_bucket = 0
         self._in_flight = []
+
+    @contextmanager
+    def last_backward(self):
+        """The hooks copy gradients into buckets and launch them only here: before it (the
+        other microbatches, ``no_sync``) gradients just accumulate locally."""
         self._syncing = True
+        try:
+            yield
+        finally:
+            self._syncing = False
 
     @torch.no_grad()
-    def _finish_sync(self) -> None:
-        self._syncing = False
-        self._backward_end[self.rec.step] = self.rec.now()
+    def finish(self) -> None:
         # 4. buckets still waiting for a gradient that never came: fill with zeros, launch in order
         for bucket in self.buckets[self._next_bucket:]:
             for i, view in zip(bucket.params, bucket.views):
@@ -201,51 +206,18 @@ class DDP(ReplicatedStrategy):
         for p, (_, view) in zip(self.params, self.slot):
             p.grad = view  # the mean gradient, in place in the bucket
 
-    def train_step(self, x, y) -> StepResult:
-        self.model.train()
-        self._start_sync()
-        try:
-            loss = self.forward_backward(self.model, x, y, before_last=self.no_sync)
-        except BaseException:
-            self._syncing = False
-            raise
-        self._finish_sync()
-        self.optimizer_step(self.optimizer)
-        self.broadcast_buffers()
-        return StepResult(loss, len(y))
-
-    # ------------------------------------------------------------------ measurement
-    def extra_summary(self) -> dict:
-        """Bucket layout, and per step the communication hidden under backward vs exposed after it."""
-        in_flight: dict[int, list[tuple[float, float]]] = {}
-        exposed: dict[int, float] = {}
-        for s in self.rec.spans:
-            if s.category != "comm" or s.step not in self._backward_end:
-                continue
-            if s.args.get("async") and s.name.startswith("ddp_bucket"):
-                in_flight.setdefault(s.step, []).append((s.t0, s.t1))
-            elif s.name.startswith("wait:ddp_bucket"):
-                exposed[s.step] = exposed.get(s.step, 0.0) + s.seconds
-        steps = []
-        for step, end in sorted(self._backward_end.items()):
-            spans = in_flight.get(step, [])
-            steps.append({"step": step,
-                          "comm_in_flight_s": union_length(spans),
-                          "hidden_s": union_length([(a, min(b, end)) for a, b in spans if a < end]),
-                          "exposed_s": exposed.get(step, 0.0)})
-        warmup = int(self.ctx.option("warmup", 1) or 0)  # as summary.json: the first steps are warm-up
-        measured = [s for s in steps if s["step"] >= steps[0]["step"] + warmup] if steps else []
-        measured = measured or steps
-        mean = {k: sum(s[k] for s in measured) / len(measured) if measured else None
-                for k in ("comm_in_flight_s", "hidden_s", "exposed_s")}
-        total = (mean["hidden_s"] or 0.0) + (mean["exposed_s"] or 0.0)
+    # ------------------------------------------------------------------ records
+    def summary(self) -> dict:
+        """The bucket layout (the overlap it achieved is derived from the spans: analysis/timeline.py)."""
         return {
             "bucket_mb": self.bucket_mb,
-            "buckets": [{"index": b.index, "MiB": round(b.nbytes / MiB, 3), "tensors": len(b.params),
-                         "first": b.names[0], "last": b.names[-1]} for b in self.buckets],
-            "overlap": {"note": "per-step means over the steps after warm-up; hidden: in flight before "
-                                "backward ended; exposed: waited for after it (a slower peer included)",
-                        **{f"mean_{k}": v for k, v in mean.items()},
-                        "hidden_fraction": (mean["hidden_s"] / total) if total else None,
-                        "steps": steps},
+            BUCKETS: [{"index": b.index, "MiB": round(b.nbytes / MiB, 3), "tensors": len(b.params),
+                       "first": b.names[0], "last": b.names[-1]} for b in self.buckets],
         }
+
+
+class DDP(DataParallel):
+    name = "ddp"
+    roles = ("scaling",)
+    options = (AccumulateOptions, BucketOptions)
+    replicas_cls = DDPReplicas

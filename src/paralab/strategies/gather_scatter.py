@@ -13,32 +13,30 @@ so the parameters stay bit-identical. It is correct but slow by design: rank
 N, where a ring all-reduce moves about 2x the model per rank whatever N), rank
 0 does all the arithmetic while the others wait, and nothing overlaps
 backward. BatchNorm buffers follow the rule of every replicated strategy:
-rank 0's are broadcast after each step.
+rank 0's are broadcast after each step. (Rank 0 here is the first replica of
+the ``dp`` group: under ``--pp`` each stage's replicas have their own.)
 """
 from __future__ import annotations
 
 import torch
 
-from .base import ReplicatedStrategy
+from .data_parallel import DataParallel
+from .replicas import Replicas
 
 
-class GatherScatter(ReplicatedStrategy):
-    name = "gather-scatter"
-
-    def __init__(self, ctx, model_fn, optim_fn):
-        super().__init__(ctx, model_fn, optim_fn)
-        self.broadcast_parameters()
+class GatherScatterReplicas(Replicas):
+    flavour = "gather-scatter"
 
     @torch.no_grad()
-    def synchronize(self):
-        world, root = self.ctx.world, 0
+    def finish(self):
+        world, root = self.comm.world, 0
         if world == 1:
             return
-        for p in self.model.parameters():
+        for p in self.params:
             if p.grad is None:  # unused this step: contribute zeros so every rank calls the same collectives
                 p.grad = torch.zeros_like(p)
             grad = p.grad
-            if self.ctx.rank == root:
+            if self.comm.rank == root:
                 received = [torch.empty_like(grad) for _ in range(world)]
                 self.comm.gather(grad, received, dst=root, name="gather")
                 mean = received[0].clone()
@@ -51,3 +49,8 @@ class GatherScatter(ReplicatedStrategy):
             else:
                 self.comm.gather(grad, None, dst=root, name="gather")
                 self.comm.scatter(grad, None, src=root, name="scatter")
+
+
+class GatherScatter(DataParallel):
+    name = "gather-scatter"
+    replicas_cls = GatherScatterReplicas

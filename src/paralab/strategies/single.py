@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from ..errors import UsageError
-from .base import ReplicatedStrategy
+from .data_parallel import DataParallel
 
 
-class Single(ReplicatedStrategy):
+class Single(DataParallel):
     name = "single"
+    roles = ("baseline",)
+    # replicas_cls: the base Replicas, one replica with nothing to agree on
 
     @classmethod
     def validate(cls, cfg, world):
@@ -14,5 +16,6 @@ class Single(ReplicatedStrategy):
             raise UsageError(f"strategy 'single' runs one process; drop --workers {world} "
                              "or pick a parallel strategy")
 
-    def synchronize(self):
-        pass  # nothing to agree on with one replica
+    @classmethod
+    def pipeline_replicas(cls, cfg):
+        return None  # one process: there is no pipeline to compose with

@@ -58,7 +58,9 @@ except ImportError:  # pragma: no cover - older torch: FSDP's collectives stay u
     AllGather = ReduceScatter = None
 
 from ..comm import nbytes
+from ..kinds import MEMORY
 from .base import StepResult, Strategy, broadcast_buffers
+from .data_parallel import AccumulateOptions
 from .fsdp import Ledger, optimizer_kind
 
 
@@ -67,14 +69,17 @@ def _local(t):
 
 
 if AllGather is not None:
-    class TimedAllGather(AllGather):
-        """FSDP2's all-gather of a unit's parameter shards, issued through comm.py."""
+    class _Timed:
+        """What both hooks share: comm.py to call, and plain buffers (as FSDP2's default)."""
 
         def __init__(self, comm):
             self.comm = comm
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
+
+    class TimedAllGather(_Timed, AllGather):
+        """FSDP2's all-gather of a unit's parameter shards, issued through comm.py."""
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if async_op:  # FSDP waits on the work itself, so hand it the backend's Work
@@ -83,15 +88,10 @@ if AllGather is not None:
             self.comm.all_gather_into(output_tensor, input_tensor, name="fsdp2_all_gather", group=group)
             return None
 
-    class TimedReduceScatter(ReduceScatter):
+    class TimedReduceScatter(_Timed, ReduceScatter):
         """FSDP2's reduce-scatter of a unit's gradients, issued through comm.py (synchronously)."""
 
-        def __init__(self, comm):
-            self.comm = comm
-            self.kind = None  # "reduce_scatter" or "all_reduce+slice", as comm.py reports
-
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
+        kind = None  # "reduce_scatter" or "all_reduce+slice", as comm.py reports
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             self.kind = self.comm.reduce_scatter(output_tensor, input_tensor, name="fsdp2_reduce_scatter",
@@ -104,9 +104,16 @@ class TorchFSDP(Strategy):
     data_parallel = True
     replicated = False
     bn_rule = "first-replica"
+    options = (AccumulateOptions,)
+
+    @classmethod
+    def why_not_pipelined(cls, cfg) -> str:
+        return ("FSDP2 shards whole-model parameters across every rank; composing it with pipeline stages "
+                "(as torchtitan does) is not built here. Use 'ddp --pp' or 'fsdp --zero-stage 1 --pp'")
 
     def __init__(self, ctx, model_fn, optim_fn):
         super().__init__(ctx, model_fn, optim_fn)
+        self.microbatches = ctx.options.accumulate
         self.model = model_fn().to(ctx.device)
         self.keys = list(self.model.state_dict().keys())
         self.mesh = init_device_mesh(ctx.device.type, (ctx.world,))
@@ -203,14 +210,13 @@ class TorchFSDP(Strategy):
         self.ledger.set("optimizer", self._optimizer_bytes(), "load")
 
     def extra_summary(self):
-        from ..analysis.memory import memory_per_worker
         measured = self.ledger.report() | {"observed": "forward unit boundaries, after backward, step: "
                                                        "a lower bound (backward internals not visible)"}
         if self.ctx.device.type == "cuda":
             measured["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
-        kind = optimizer_kind(self.optimizer)
-        largest = max(sum(p.numel() for p in u.parameters()) for u in self.units)
-        predicted = memory_per_worker(self.parameters, self.ctx.world, 3, kind, "fp32", unit_parameters=largest)
+        model = {"parameters": self.parameters, "workers": self.ctx.world, "zero_stage": 3,
+                 "optimizer": optimizer_kind(self.optimizer), "precision": "fp32",
+                 "unit_parameters": max(sum(p.numel() for p in u.parameters()) for u in self.units)}
         return {"zero_stage": 3, "collectives_timed": self.reduce_scatter is not None,
                 "reduce_scatter": self.reduce_scatter.kind if self.reduce_scatter else None,
-                "memory": {"measured": measured, "predicted": predicted.to_dict()}}
+                MEMORY: {"measured": measured, "model": model}}

@@ -31,8 +31,45 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 
-KINDS = ("forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad")
+
+class Kind(str, Enum):
+    """What an action does. A ``str`` enum: each kind compares equal to its name in records."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    SEND_ACT = "send_act"
+    RECV_ACT = "recv_act"
+    SEND_GRAD = "send_grad"
+    RECV_GRAD = "recv_grad"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FORWARD, Kind.BACKWARD)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_ACT, Kind.SEND_GRAD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Kind.RECV_ACT, Kind.RECV_GRAD)
+
+    @property
+    def channel(self) -> str | None:
+        """Which channel a transfer travels on: "act" (forward direction) or "grad"."""
+        return {Kind.SEND_ACT: "act", Kind.RECV_ACT: "act", Kind.SEND_GRAD: "grad", Kind.RECV_GRAD: "grad"}.get(self)
+
+    @property
+    def short(self) -> str:
+        return {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.SEND_ACT: "sA", Kind.RECV_ACT: "rA",
+                Kind.SEND_GRAD: "sG", Kind.RECV_GRAD: "rG"}[self]
+
+
+KINDS = tuple(Kind)
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -42,37 +79,38 @@ class ScheduleError(Exception):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str              # one of KINDS
+    kind: Kind
     microbatch: int
-    peer: int | None = None  # the other rank of a send/recv; None for compute
+    peer: int | None = None  # the other stage of a send/recv (its pipeline rank); None for compute
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", Kind(self.kind))  # also accepts the kind's name
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("forward", "backward")
+        return self.kind.is_compute
 
     def __str__(self) -> str:
-        short = {"forward": "F", "backward": "B", "send_act": "sA", "recv_act": "rA",
-                 "send_grad": "sG", "recv_grad": "rG"}[self.kind]
-        return f"{short}{self.microbatch}" + ("" if self.peer is None else f"@{self.peer}")
+        return f"{self.kind.short}{self.microbatch}" + ("" if self.peer is None else f"@{self.peer}")
 
 
 def _forward(rank: int, world: int, mb: int) -> list[Action]:
     acts = []
     if rank > 0:
-        acts.append(Action("recv_act", mb, rank - 1))
-    acts.append(Action("forward", mb))
+        acts.append(Action(Kind.RECV_ACT, mb, rank - 1))
+    acts.append(Action(Kind.FORWARD, mb))
     if rank < world - 1:
-        acts.append(Action("send_act", mb, rank + 1))
+        acts.append(Action(Kind.SEND_ACT, mb, rank + 1))
     return acts
 
 
 def _backward(rank: int, world: int, mb: int) -> list[Action]:
     acts = []
     if rank < world - 1:
-        acts.append(Action("recv_grad", mb, rank + 1))
-    acts.append(Action("backward", mb))
+        acts.append(Action(Kind.RECV_GRAD, mb, rank + 1))
+    acts.append(Action(Kind.BACKWARD, mb))
     if rank > 0:
-        acts.append(Action("send_grad", mb, rank - 1))
+        acts.append(Action(Kind.SEND_GRAD, mb, rank - 1))
     return acts
 
 
@@ -122,9 +160,9 @@ def in_flight(actions: list[Action]) -> list[int]:
     """Microbatches whose activations are alive (forward done, backward not yet) after each action."""
     alive, trace = 0, []
     for a in actions:
-        if a.kind == "forward":
+        if a.kind is Kind.FORWARD:
             alive += 1
-        elif a.kind == "backward":
+        elif a.kind is Kind.BACKWARD:
             alive -= 1
         trace.append(alive)
     return trace
@@ -134,45 +172,38 @@ def peak_in_flight(actions: list[Action]) -> int:
     return max(in_flight(actions), default=0)
 
 
-def theoretical_bubble(workers: int, microbatches: int) -> float:
-    """GPipe's bubble fraction (W - 1) / (M + W - 1), equal stage times, free communication."""
-    return (workers - 1) / (microbatches + workers - 1)
-
-
 def check_local(actions: list[Action], rank: int, world: int, microbatches: int) -> None:
     """One rank's list on its own: complete, and every action after what it depends on."""
-    done: set[tuple[str, int]] = set()
+    done: set[tuple[Kind, int]] = set()
     for a in actions:
-        if a.kind not in KINDS:
-            raise ScheduleError(f"rank {rank}: unknown action kind {a.kind!r}")
         if not 0 <= a.microbatch < microbatches:
             raise ScheduleError(f"rank {rank}: {a} names microbatch {a.microbatch} of {microbatches}")
         if (a.kind, a.microbatch) in done:
             raise ScheduleError(f"rank {rank}: {a} appears twice")
-        expected_peer = {"send_act": rank + 1, "recv_grad": rank + 1,
-                         "recv_act": rank - 1, "send_grad": rank - 1}.get(a.kind)
+        expected_peer = {Kind.SEND_ACT: rank + 1, Kind.RECV_GRAD: rank + 1,
+                         Kind.RECV_ACT: rank - 1, Kind.SEND_GRAD: rank - 1}.get(a.kind)
         if a.peer != expected_peer:
             raise ScheduleError(f"rank {rank}: {a} should have peer {expected_peer}")
         if expected_peer is not None and not 0 <= expected_peer < world:
             raise ScheduleError(f"rank {rank}: {a} talks to a rank outside the pipeline")
-        needs = {"forward": [("recv_act", a.microbatch)] if rank > 0 else [],
-                 "send_act": [("forward", a.microbatch)],
-                 "backward": [("forward", a.microbatch)] + ([("recv_grad", a.microbatch)]
-                                                           if rank < world - 1 else []),
-                 "send_grad": [("backward", a.microbatch)]}.get(a.kind, [])
+        mb = a.microbatch
+        needs = {Kind.FORWARD: [(Kind.RECV_ACT, mb)] if rank > 0 else [],
+                 Kind.SEND_ACT: [(Kind.FORWARD, mb)],
+                 Kind.BACKWARD: [(Kind.FORWARD, mb)] + ([(Kind.RECV_GRAD, mb)] if rank < world - 1 else []),
+                 Kind.SEND_GRAD: [(Kind.BACKWARD, mb)]}.get(a.kind, [])
         for need in needs:
             if need not in done:
                 raise ScheduleError(f"rank {rank}: {a} comes before {need[0]} of microbatch {need[1]}")
         done.add((a.kind, a.microbatch))
-    want = {("forward", m) for m in range(microbatches)} | {("backward", m) for m in range(microbatches)}
+    kinds = [Kind.FORWARD, Kind.BACKWARD]
     if rank > 0:
-        want |= {("recv_act", m) for m in range(microbatches)} | {("send_grad", m) for m in range(microbatches)}
+        kinds += [Kind.RECV_ACT, Kind.SEND_GRAD]
     if rank < world - 1:
-        want |= {("send_act", m) for m in range(microbatches)} | {("recv_grad", m) for m in range(microbatches)}
+        kinds += [Kind.SEND_ACT, Kind.RECV_GRAD]
+    want = {(k, m) for k in kinds for m in range(microbatches)}
     if done != want:
-        missing = sorted(want - done)
-        extra = sorted(done - want)
-        raise ScheduleError(f"rank {rank}: missing {missing[:4]} extra {extra[:4]}")
+        show = lambda pairs: sorted(f"{k.short}{m}" for k, m in pairs)[:4]  # noqa: E731
+        raise ScheduleError(f"rank {rank}: missing {show(want - done)} extra {show(done - want)}")
 
 
 @dataclass
@@ -196,7 +227,7 @@ def simulate(schedule: list[list[Action]], forward_time: float | list[float] = 1
     the ideal timeline of a schedule.
     """
     world = len(schedule)
-    microbatches = sum(a.kind == "forward" for a in schedule[0]) if schedule else 0
+    microbatches = sum(a.kind is Kind.FORWARD for a in schedule[0]) if schedule else 0
     for rank, acts in enumerate(schedule):
         check_local(acts, rank, world, microbatches)
 
@@ -214,12 +245,13 @@ def simulate(schedule: list[list[Action]], forward_time: float | list[float] = 1
             while pos[rank] < len(schedule[rank]):
                 a = schedule[rank][pos[rank]]
                 t = clock[rank]
-                if a.kind in ("forward", "backward"):
-                    clock[rank] = t + (fwd if a.kind == "forward" else bwd)[rank]
-                elif a.kind.startswith("send"):
-                    channels.setdefault((rank, a.peer, a.kind[5:]), deque()).append((a.microbatch, t + comm_time))
+                if a.kind.is_compute:
+                    clock[rank] = t + (fwd if a.kind is Kind.FORWARD else bwd)[rank]
+                elif a.kind.is_send:
+                    channels.setdefault((rank, a.peer, a.kind.channel), deque()).append((a.microbatch,
+                                                                                        t + comm_time))
                 else:
-                    queue = channels.get((a.peer, rank, a.kind[5:]))
+                    queue = channels.get((a.peer, rank, a.kind.channel))
                     if not queue:
                         break  # blocked: the message has not been sent yet
                     mb, ready = queue.popleft()

@@ -1,0 +1,133 @@
+"""The device mesh: ranks on a grid with named dimensions, one process group per dimension.
+
+A run of ``W`` ranks is laid out as a grid ``pp x dp x tp`` (``W = pp * dp *
+tp``), outermost dimension first, as torchtitan orders it::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+so the innermost dimension's ranks are neighbours (tensor parallelism, the
+chattiest, stays on one host when hosts hold consecutive ranks), and a
+pipeline stage's data-parallel replicas are consecutive. With ``dp 2 x pp 2``
+on 4 ranks: ranks 0, 1 are stage 0 (replicas 0, 1), ranks 2, 3 are stage 1.
+
+Along each dimension a rank belongs to one group: the ranks that differ
+from it only in that dimension's index. Its ``dp`` group averages gradients
+with the other replicas of the same stage; its ``pp`` group is its pipeline,
+one rank per stage. Every group is created once, at start, by every rank in
+the same order (``torch.distributed.new_group`` is collective), and handed to
+strategies as a :class:`~paralab.comm.Comm` whose ranks are group-local.
+
+``tp`` is always 1 until tensor parallelism arrives; it is here so the
+layout, and what config.json records, do not change when it does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import Comm
+from .errors import UsageError
+from .options import option
+
+DIMS = ("pp", "dp", "tp")  # outermost first
+
+
+@dataclass
+class MeshOptions:
+    """mesh: how the workers form a grid (pipeline stages x data-parallel replicas)"""
+    pp: int = option(1, "pipeline stages; the strategy then names the data-parallel flavour of each stage and "
+                        "dp = workers / pp (e.g. 'ddp --workers 4 --pp 2 --schedule 1f1b --microbatches 4' "
+                        "is dp 2 x pp 2)", minimum=1, identity=True)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def for_world(cls, world: int, pp: int = 1, tp: int = 1) -> "MeshShape":
+        """The shape with ``dp = world / (pp * tp)``; UsageError if that is not a whole number."""
+        for name, size in (("pp", pp), ("tp", tp)):
+            if size < 1:
+                raise UsageError(f"--{name} must be positive (got {size})")
+        if world % (pp * tp):
+            raise UsageError(f"{world} worker(s) cannot form a mesh with pp {pp} x tp {tp}: the workers must be a "
+                             f"multiple of {pp * tp} (data parallelism takes the rest)")
+        return cls(pp=pp, dp=world // (pp * tp), tp=tp)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension."""
+        coords = {}
+        for dim in reversed(DIMS):  # innermost varies fastest
+            coords[dim] = rank % self.size(dim)
+            rank //= self.size(dim)
+        return {dim: coords[dim] for dim in DIMS}
+
+    def rank(self, **coords: int) -> int:
+        r = 0
+        for dim in DIMS:
+            r = r * self.size(dim) + coords.get(dim, 0)
+        return r
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The global ranks of ``rank``'s group along ``dim``, ordered by their index in it."""
+        c = self.coords(rank)
+        return [self.rank(**(c | {dim: i})) for i in range(self.size(dim))]
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``, each once, in a fixed order (the order ranks must create them)."""
+        seen, out = set(), []
+        for r in range(self.world):
+            g = tuple(self.group_of(r, dim))
+            if g not in seen:
+                seen.add(g)
+                out.append(list(g))
+        return out
+
+    def describe(self) -> str:
+        return " x ".join(f"{dim} {self.size(dim)}" for dim in DIMS)
+
+    def to_dict(self) -> dict:
+        return {"shape": {dim: self.size(dim) for dim in DIMS}, "order": list(DIMS),
+                "layout": "rank = (pp_index * dp + dp_index) * tp + tp_index"}
+
+
+class Mesh:
+    """This rank's view of the mesh: its coordinates and one Comm per dimension."""
+
+    def __init__(self, shape: MeshShape, rank: int, world_comm: Comm, new_group=None):
+        """``new_group(ranks)`` creates a process group (``torch.distributed.new_group``); it is
+        called for every group of every dimension, on every rank, in the same order."""
+        if shape.world != world_comm.world:
+            raise ValueError(f"mesh {shape.describe()} has {shape.world} ranks, the world {world_comm.world}")
+        self.shape, self.rank, self.world = shape, rank, world_comm
+        self.coords = shape.coords(rank)
+        self.comms: dict[str, Comm] = {}
+        for dim in DIMS:
+            for ranks in shape.groups(dim):
+                if len(ranks) == world_comm.world:
+                    group = world_comm.group  # the whole world: no new group needed
+                elif new_group is not None:
+                    group = new_group(ranks)
+                else:
+                    group = None
+                if rank in ranks:
+                    self.comms[dim] = Comm(world_comm.recorder, ranks.index(rank), len(ranks), group, ranks)
+
+    def comm(self, dim: str) -> Comm:
+        return self.comms[dim]
+
+    def size(self, dim: str) -> int:
+        return self.shape.size(dim)
+
+    def describe(self) -> str:
+        where = ", ".join(f"{dim} {self.coords[dim]}" for dim in DIMS)
+        return f"mesh {self.shape.describe()} (rank {self.rank}: {where})"

@@ -1,0 +1,287 @@
+"""Run one training run from a program: ``run(cfg, run_dir, on_event) -> RunResult``.
+
+This is how ``paralab compare`` and ``paralab sweep`` (or a notebook, or a
+benchmark script) run paralab: they build a :class:`~paralab.config.RunConfig`
+and call :func:`run`. The run goes into its own process, so a run that
+crashes, hangs or runs out of memory is stopped and reported while the
+caller goes on. What comes back is data, never text to parse:
+
+- the config travels to the child as JSON (``RunConfig.to_dict`` /
+  ``from_dict``): no command line is built or parsed;
+- progress comes as events (``paralab.progress``): the child's rank 0
+  appends JSON lines to an events file that :func:`run` reads while the run
+  goes, handing each to ``on_event``; a failed rank is reported the same way;
+- results are the run directory's ``summary.json``.
+
+The child's own output (progress bars, the loss every ``log_every`` steps,
+tracebacks) goes to the ``log`` file, for people.
+
+Events passed to ``on_event`` (dicts with an ``event`` key): those of
+:mod:`paralab.progress` (``progress``, ``phase_end``, ``loss``, ``error``),
+and from :func:`run` itself ``{"event": "phase", "phase": ...}`` when the run
+starts (``starting``) and when it moves past a bar (``check`` after the test
+evaluation when the run checks against the reference, else ``records``), and
+``{"event": "tick", "seconds": s}`` about twice a second while nothing else
+happens.
+
+Run as ``python -m paralab.runner RUN_DIR`` with the config as JSON on
+standard input, this module is that child.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from .config import RunConfig
+from .errors import UsageError
+from .progress import EVENTS_ENV, emit
+
+TICK_S = 0.5
+
+
+@dataclass
+class RunResult:
+    status: str                 # "ok": summary.json written; "failed"; "timeout"
+    returncode: int | None      # the child's exit code (None: stopped at the timeout)
+    seconds: float              # wall time of the child
+    run_dir: Path
+    summary: dict | None        # summary.json, when the run wrote one
+    error: str | None           # why it failed; for a finished run, the summary's own error (e.g. a diverged loss)
+    log: Path | None            # the child's output
+    signal: int | None = None   # a rank (or the run) was killed by this signal (e.g. 9: out of memory)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def check(self) -> str | None:
+        """PASS / FAIL of ``--check``, when the run checked."""
+        return ((self.summary or {}).get("check") or {}).get("result")
+
+
+def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None, *, log=None,
+        timeout: float | None = None, on_output: Callable[[str], None] | None = None) -> RunResult:
+    """Train ``cfg`` into ``run_dir`` in a child process; return when it has finished or been stopped.
+
+    ``cfg`` should be validated by the caller (the child validates it again and fails
+    with the message if not). ``log``: file for the child's output (default: none kept).
+    ``timeout``: seconds after which the child and its ranks are stopped. ``on_output``:
+    called with each line of the child's output (e.g. to echo it). Raises UsageError if
+    ``run_dir`` already holds a run or the config asks for ranks started elsewhere.
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / "summary.json").exists():
+        raise UsageError(f"{run_dir} already holds a run; pick another directory")
+    if cfg.world_size is not None or cfg.rank is not None:
+        raise UsageError("the runner starts local worker processes; --world-size/--rank runs are "
+                         "started by hand on each node")
+    cfg = dataclasses.replace(cfg, out=str(run_dir))
+    log = Path(log) if log is not None else None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    on_event = on_event or (lambda e: None)
+    fd, events_path = tempfile.mkstemp(prefix="paralab-events-", suffix=".jsonl")
+    os.close(fd)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", EVENTS_ENV: events_path}
+    cmd = [sys.executable, "-m", "paralab.runner", str(run_dir)]
+    t0 = time.monotonic()
+    lines: queue.Queue = queue.Queue()
+    reader = EventReader(events_path)
+    errors: list[dict] = []
+    timed_out = False
+    log_file = open(log, "w") if log is not None else None
+    proc = None
+    try:
+        if log_file:
+            log_file.write(f"# paralab.runner: {cfg.strategy} on {cfg.workers} worker(s) -> {run_dir}\n")
+            log_file.write("# config: " + json.dumps(cfg.to_dict(), default=str) + "\n")
+            log_file.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, start_new_session=True, bufsize=1)
+        threading.Thread(target=_pump, args=(proc, cfg, lines), daemon=True).start()
+        on_event({"event": "phase", "phase": "starting"})
+        last_signal = time.monotonic()
+        while True:
+            try:
+                line = lines.get(timeout=TICK_S / 2)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                for part in line.split("\r"):  # a progress bar redrawn in place
+                    part = part.rstrip()
+                    if part:
+                        if log_file:
+                            log_file.write(part + "\n")
+                        if on_output:
+                            on_output(part)
+            new = reader.poll()
+            for e in new:
+                _deliver(e, cfg, on_event, errors)
+            if new:
+                last_signal = time.monotonic()
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                timed_out = True
+                stop(proc)
+                break
+            if time.monotonic() - last_signal >= TICK_S:
+                on_event({"event": "tick", "seconds": time.monotonic() - t0})
+                last_signal = time.monotonic()
+        proc.wait()
+        for e in reader.poll():
+            _deliver(e, cfg, on_event, errors)
+    except BaseException:
+        if proc is not None:
+            stop(proc)
+        raise
+    finally:
+        if log_file:
+            if timed_out:
+                log_file.write(f"paralab.runner: stopped after {timeout:.0f} s\n")
+            log_file.close()
+        try:
+            os.unlink(events_path)
+        except OSError:
+            pass
+    seconds = time.monotonic() - t0
+    code = None if timed_out else proc.returncode
+    summary = read_summary(run_dir)
+    sig = next((e["signal"] for e in errors if e.get("signal")), None)
+    if code is not None and code < 0:
+        sig = sig or -code
+    if summary is not None:
+        status, error = "ok", summary.get("error")
+    elif timed_out:
+        status, error = "timeout", f"timed out after {timeout:.0f} s"
+    else:
+        status = "failed"
+        error = errors[0].get("message") if errors else None
+        if not error:
+            error = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+    return RunResult(status, code, seconds, run_dir, summary, error, log, sig)
+
+
+def _pump(proc, cfg: RunConfig, lines: queue.Queue) -> None:
+    """Send the config to the child, then hand its output lines to the main loop (None at the end)."""
+    try:
+        proc.stdin.write(json.dumps(cfg.to_dict(), default=str))
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    for line in proc.stdout:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def _deliver(e: dict, cfg: RunConfig, on_event, errors: list) -> None:
+    if e.get("event") == "error":
+        errors.append(e)
+    on_event(e)
+    if e.get("event") == "phase_end":
+        after = {"train": "eval", "eval": "check" if cfg.check else "records"}.get(e.get("phase"))
+        if after:
+            on_event({"event": "phase", "phase": after})
+
+
+class EventReader:
+    """Reads the complete JSON lines appended to an events file since the last poll."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *complete, self.partial = data.split(b"\n")
+        out = []
+        for raw in complete:
+            try:
+                e = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(e, dict):
+                out.append(e)
+        return out
+
+
+def read_summary(run_dir) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a child started here and every process it started (its own session)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+# ---------------------------------------------------------------------------- strategy roles
+@lru_cache(maxsize=None)
+def strategy_for(role: str) -> str | None:
+    """The registered strategy that plays ``role`` (its class lists it in ``roles``), else None.
+
+    Roles: "baseline", the single-process run speed-ups are measured against (and sweeps' 1-worker
+    point); "scaling", the data-parallel strategy ``paralab sweep scaling`` studies by default.
+    """
+    from .strategies import get_strategy, strategy_names
+    for name in strategy_names():
+        try:
+            cls = get_strategy(name)
+        except Exception:  # noqa: BLE001 - a strategy that does not import plays no role
+            continue
+        if role in (getattr(cls, "roles", None) or ()):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------- the child
+def _child(argv: list[str]) -> int:
+    from .launch import launch
+    if len(argv) != 1:
+        print("usage: python -m paralab.runner RUN_DIR < config.json", file=sys.stderr)
+        return 2
+    try:
+        cfg = RunConfig.from_dict(json.loads(sys.stdin.read()))
+        cfg.validate()
+    except (UsageError, ValueError, TypeError) as exc:
+        print(f"paralab: error: {exc}", file=sys.stderr, flush=True)
+        emit("error", message=str(exc))
+        return 2
+    return launch(cfg, argv[0])
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""Pure data parallelism: every rank a full replica of the model, one flavour keeping them equal.
+
+The data-parallel strategies (``single``, ``gather-scatter``, ``allreduce``,
+``ddp``, ``torch-ddp``) differ only in *how* the replicas agree on their
+gradients: that is their flavour (a :class:`~paralab.strategies.replicas.Replicas`
+class, in each strategy's own file). This class is the step they share::
+
+    forward and backward over this rank's shard (and its --accumulate microbatches)
+    make the gradients the mean over the replicas     (the flavour)
+    optimizer step                                    (the flavour: ZeRO-1 shards it)
+    BatchNorm statistics from dp rank 0               (the flavour)
+
+Under ``--pp P`` the same flavour wraps each pipeline stage instead of the
+whole model (:meth:`pipeline_replicas`; see ``pipeline/strategy.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..options import option
+from .base import StepResult, Strategy
+from .replicas import Replicas
+
+
+@dataclass
+class AccumulateOptions:
+    """data parallelism: gradient accumulation"""
+    accumulate: int = option(1, "data-parallel strategies: microsteps per step, gradients synchronised "
+                                "once, by the last (no_sync)", minimum=1, identity=True)
+
+
+class DataParallel(Strategy):
+    #: the flavour: how the replicas agree (set by each data-parallel strategy)
+    replicas_cls: type[Replicas] = Replicas
+    options = (AccumulateOptions,)
+
+    def __init__(self, ctx, model_fn, optim_fn):
+        super().__init__(ctx, model_fn, optim_fn)
+        self.microbatches = ctx.options.accumulate
+        self.model = model_fn().to(ctx.device)
+        dp_comm = ctx.mesh.comm("dp") if ctx.mesh is not None else ctx.comm
+        self.dp = self.replicas_cls(self.model, optim_fn, dp_comm, ctx)
+        self.dp.broadcast_parameters()  # the same start everywhere
+        self.forward_module = self.dp.forward_module()
+
+    @classmethod
+    def pipeline_replicas(cls, cfg):
+        return cls.replicas_cls
+
+    @property
+    def optimizer(self):
+        return self.dp.optimizer
+
+    def train_step(self, x, y) -> StepResult:
+        self.forward_module.train()
+        self.dp.start()
+        loss = self.forward_backward(self.forward_module, x, y,
+                                     before_last=self.dp.accumulating, last=self.dp.last_backward)
+        self.dp.finish()
+        self.dp.step()
+        self.dp.sync_buffers()
+        return StepResult(loss, len(y))
+
+    def predict(self, x):
+        self.dp.sync_buffers(after_step=False)
+        return self.eval_logits(self.model, x)
+
+    def full_state_dict(self):
+        self.dp.sync_buffers(after_step=False)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), **self.dp.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.dp.load_state_dict(state)
+
+    def extra_summary(self) -> dict:
+        return self.dp.summary()

@@ -1,0 +1,26 @@
+"""Every strategy's and dimension's options, gathered into one namespace.
+
+Each option is declared once, in the file of the strategy or dimension that
+reads it (``paralab.options`` says how). This class only collects them, so
+that ``RunConfig`` and the command line expose one flat set of flags
+(``--bucket-mb``, ``--microbatches``, ``--pp``...) and a strategy receives
+them typed, as ``ctx.options``. A new strategy with options of its own adds
+its class to the bases below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..mesh import MeshOptions
+from .data_parallel import AccumulateOptions
+from .ddp import BucketOptions
+from .fsdp import FSDPOptions
+from .pipeline.strategy import PipelineOptions
+
+#: in the order the command line lists them
+OPTION_CLASSES = (MeshOptions, PipelineOptions, AccumulateOptions, BucketOptions, FSDPOptions)
+
+
+@dataclass
+class StrategyOptions(*reversed(OPTION_CLASSES)):
+    """The options of every strategy and parallelism dimension (each declared in its own file)."""

@@ -1,0 +1,69 @@
+"""Options are declared once, in the strategy or dimension file that reads them; flags, checks,
+the checkpoint identity and what strategies receive all come from those declarations."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from paralab import options
+from paralab.checkpoint import IDENTITY_KEYS
+from paralab.cli import build_parser, config_from_args
+from paralab.config import RunConfig
+from paralab.errors import UsageError
+from paralab.strategies import get_strategy, strategy_names
+from paralab.strategies.options import OPTION_CLASSES, StrategyOptions
+
+
+def parse(*argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_declared_option_is_a_flag_with_its_declared_default():
+    cfg = parse("ddp")
+    for cls in OPTION_CLASSES:
+        for f in options.option_fields(cls):
+            assert getattr(cfg, f.name) == f.default, f.name
+    assert parse("ddp", "--bucket-mb", "0.5", "--pp", "2").strategy_options().bucket_mb == 0.5
+    assert parse("fsdp", "--no-step-in-backward").step_in_backward is False
+
+
+def test_each_option_is_declared_once():
+    names = [f.name for cls in OPTION_CLASSES for f in options.option_fields(cls)]
+    assert len(names) == len(set(names))
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {f.name for f in dataclasses.fields(StrategyOptions)}
+    assert not run_fields & set(names)  # RunConfig does not restate a strategy option
+
+
+def test_strategies_declare_only_known_option_classes():
+    known = {f.name for f in dataclasses.fields(StrategyOptions)}
+    for name in strategy_names():
+        for cls in get_strategy(name).options:
+            assert {f.name for f in dataclasses.fields(cls)} <= known, (name, cls)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(bucket_mb=0.0), "--bucket-mb must be above 0"),
+    (dict(accumulate=0), "--accumulate must be at least 1"),
+    (dict(microbatches=0), "--microbatches must be at least 1"),
+    (dict(pp=0), "--pp must be at least 1"),
+    (dict(zero_stage=4, strategy="fsdp"), "--zero-stage must be one of 1, 2, 3"),
+    (dict(schedule="zigzag", strategy="pipeline"), "--schedule must be one of gpipe, 1f1b"),
+])
+def test_declared_checks_refuse_bad_values(kw, message):
+    cfg = RunConfig(**({"strategy": "ddp", "dataset": "synthetic"} | kw))
+    with pytest.raises(UsageError, match=message):
+        cfg.validate()
+
+
+def test_identity_comes_from_the_declarations():
+    for name in ("pp", "microbatches", "partition", "zero_stage", "accumulate"):
+        assert name in IDENTITY_KEYS
+    for name in ("bucket_mb", "prefetch", "step_in_backward", "schedule"):  # same arithmetic either way
+        assert name not in IDENTITY_KEYS
+
+
+def test_strategies_receive_typed_options():
+    opts = RunConfig(microbatches=4, zero_stage=1).strategy_options()
+    assert isinstance(opts, StrategyOptions) and opts.microbatches == 4 and opts.zero_stage == 1
+    assert not hasattr(opts, "lr")  # only the strategies' options, not the whole run
