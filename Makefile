@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup data demo test bench clean
+.PHONY: setup data demo test test-slow bench clean
 
 # A virtual environment with torch installed first, pinned (a bare `torch`
 # requirement can pull gigabytes of CUDA wheels). If the Python that creates
@@ -38,7 +38,11 @@ demo: setup data
 	$(BIN)/paralab compare
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The long matrices (every strategy in float64 at real hyper-parameters, 20 steps): CI runs them too.
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 bench: setup
 	$(BIN)/python bench/run.py

@@ -22,7 +22,7 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
     batches = list(source.test_batches(batch_size, max_batches))
     bar = Progress(len(batches), "eval", enabled=progress)
     for i, (x, y, real) in enumerate(batches):
-        logits = strategy.predict(x.to(device))
+        logits = strategy.predict(x.to(device, strategy.ctx.dtype))
         if logits is not None:
             logits, y = logits.float().cpu()[real], y[real]
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()

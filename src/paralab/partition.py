@@ -188,7 +188,8 @@ def boundary_shapes(model: nn.Sequential, sample_shape: tuple[int, ...] = SAMPLE
     model.eval()  # evaluation mode: no BatchNorm statistics change
     try:
         param = next(model.parameters(), None)
-        h = torch.zeros((1,) + tuple(sample_shape), device=param.device if param is not None else "cpu")
+        h = torch.zeros((1,) + tuple(sample_shape), device=param.device if param is not None else "cpu",
+                        dtype=param.dtype if param is not None else torch.float32)
         shapes = [tuple(h.shape[1:])]
         with torch.no_grad():
             for unit in model:

@@ -15,7 +15,11 @@ Each kind has a table function (``*_table(runs) -> (headers, rows)``, what
   its own thin row under its rank; where the ranks report pipeline stages and
   their schedule, the ideal timeline of that schedule is drawn beside it;
 - ``memory``: bytes per rank, from ``strategy_details`` in summary.json where
-  the strategy reports them, else the cost model's estimate (hatched).
+  the strategy reports them, else the cost model's estimate (hatched);
+- ``deviation``: the largest weight deviation from the single-process
+  reference vs step (runs made with ``--check --check-every K``), log scale,
+  each run's tolerance dotted: put an fp32 run beside an fp64 run to see
+  rounding differences grow.
 
 What is drawn follows from what the records hold (``Run.stages``,
 ``Run.pipeline``, asynchronous communication, memory figures), never from a
@@ -30,7 +34,7 @@ from pathlib import Path
 
 from .analysis.runs import Run, sort_runs
 
-KINDS = ("throughput", "split-time", "timeline", "scaling", "memory")
+KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation")
 
 SPLIT_COLORS = {"data": "#9e9e9e", "compute": "#4c72b0", "comm": "#dd8452", "optimizer": "#55a868",
                 "idle": "#f2b5b5", "other": "#d9d9d9"}
@@ -600,7 +604,51 @@ def plot_speedup(curves, workers: list[int], title: str, ylabel: str, path) -> P
 
 
 # ======================================================================== dispatch
+# ---------------------------------------------------------------- deviation from the reference
+def deviation_history(run: Run) -> list[tuple[int, float]]:
+    """(step, the largest weight deviation over the ranks) from ``--check`` (every K steps with
+    ``--check-every K``, and at the end)."""
+    check = run.get("check") or {}
+    return [(h["step"], h["max_weight_dev"]) for h in check.get("history") or []]
+
+
+def _precision(run: Run) -> str:
+    return (run.get("check") or {}).get("precision") or run.config.get("precision", "fp32")
+
+
+def deviation_table(runs: list[Run]):
+    rows = [[r.label, _precision(r), step, f"{dev:.3e}",
+             _fmt(((r.get("check") or {}).get("tolerances") or {}).get("weights"), ".0e")]
+            for r in runs for step, dev in deviation_history(r)]
+    return ["run", "precision", "step", "max |weight - reference|", "tolerance"], rows
+
+
+def plot_deviation(runs: list[Run], path) -> Path:
+    curves = [(r, deviation_history(r)) for r in runs]
+    curves = [(r, h) for r, h in curves if h]
+    if not curves:
+        raise ValueError("no run holds a deviation history: train with --check --check-every K")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for k, (r, history) in enumerate(curves):
+        color = WORKER_COLORS[k % len(WORKER_COLORS)]
+        steps = [s for s, _ in history]
+        # a deviation of exactly 0 (the same operations as the reference) cannot sit on a log axis
+        devs = [max(d, 1e-18) for _, d in history]
+        ax.plot(steps, devs, marker="o", color=color, label=f"{r.label} ({_precision(r)})")
+        tol = ((r.get("check") or {}).get("tolerances") or {}).get("weights")
+        if tol:
+            ax.axhline(tol, color=color, linestyle=":", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max |weight - reference| (over ranks)")
+    ax.set_title("deviation from the single-process reference (dotted: each run's tolerance)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+    return _save(fig, path)
+
+
 TABLES = {"throughput": throughput_table, "split-time": split_table, "timeline": timeline_table,
-          "scaling": scaling_table, "memory": memory_table}
+          "scaling": scaling_table, "memory": memory_table, "deviation": deviation_table}
 PLOTS = {"throughput": plot_throughput, "split-time": plot_split_time, "timeline": plot_timeline,
-         "scaling": plot_scaling, "memory": plot_memory}
+         "scaling": plot_scaling, "memory": plot_memory, "deviation": plot_deviation}

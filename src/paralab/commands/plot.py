@@ -14,12 +14,15 @@ kinds:
                (--no-ideal to leave it out)
   scaling      seconds per iteration vs workers per strategy, with ideal T1/N
   memory       model-state bytes per rank (reported by the strategy, else estimated)
+  deviation    max weight deviation from the single-process reference vs step
+               (runs made with --check --check-every K; put fp32 beside fp64)
 
 examples:
   paralab plot throughput runs/ddp-w1-* runs/ddp-w2-* -o throughput.png
   paralab plot split-time reports/compare-*/runs/* -o split.png
   paralab plot timeline runs/pipeline-w2-* -o timeline.png
   paralab plot scaling runs/*           (prints the table)
+  paralab plot deviation runs/ddp-fp32 runs/ddp-fp64 -o deviation.png
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-HELP = "plot throughput | split-time | timeline | scaling | memory from run directories"
+HELP = "plot throughput | split-time | timeline | scaling | memory | deviation from run directories"
 
-KINDS = ("throughput", "split-time", "timeline", "scaling", "memory")
+from ..plots import KINDS  # noqa: E402
 
 
 def add_arguments(p) -> None:

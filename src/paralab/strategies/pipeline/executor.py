@@ -38,8 +38,9 @@ from .schedules import Action, Kind
 
 
 class Executor:
-    def __init__(self, comm, recorder, device: torch.device, autocast):
+    def __init__(self, comm, recorder, device: torch.device, autocast, dtype: torch.dtype = torch.float32):
         self.comm, self.rec, self.device, self.autocast = comm, recorder, device, autocast
+        self.dtype = dtype  # what crosses between stages: the parameters' dtype (bf16 autocast: fp32)
 
     def run(self, stage, actions: list[Action], chunks: list[tuple[torch.Tensor, torch.Tensor, float]],
             last_backward=nullcontext) -> float | None:
@@ -65,7 +66,7 @@ class Executor:
             if upcoming[kind]:
                 a = upcoming[kind].popleft()
                 per_sample = stage.in_shape if kind is Kind.RECV_ACT else stage.out_shape
-                buf = torch.empty((sizes[a.microbatch],) + per_sample, device=self.device)
+                buf = torch.empty((sizes[a.microbatch],) + per_sample, device=self.device, dtype=self.dtype)
                 posted[(kind, a.microbatch)] = (self.comm.irecv(buf, a.peer, name=kind.value), buf)
 
         for kind in upcoming:
@@ -90,7 +91,7 @@ class Executor:
                 if not stage.last:
                     outputs[i] = out
             elif a.kind is Kind.SEND_ACT:
-                t = outputs.pop(i).detach().float().contiguous()
+                t = outputs.pop(i).detach().to(self.dtype).contiguous()
                 sends.append((self.comm.isend(t, a.peer, name="send_act"), t))
             elif a.kind is Kind.BACKWARD:
                 with last_backward() if n == final_backward else nullcontext():
@@ -102,7 +103,7 @@ class Executor:
                 if not stage.first:
                     grad_inputs[i] = g
             elif a.kind is Kind.SEND_GRAD:
-                t = grad_inputs.pop(i).float().contiguous()
+                t = grad_inputs.pop(i).to(self.dtype).contiguous()
                 sends.append((self.comm.isend(t, a.peer, name="send_grad"), t))
             else:
                 raise ValueError(f"unknown action {a}")

@@ -1,0 +1,117 @@
+"""Exact checks at real hyper-parameters: every strategy in float64 equals one process.
+
+CS744's settings (lr 0.1, momentum 0.9, weight decay 1e-4, BatchNorm), 3 workers where the strategy
+allows, 20 steps, ``--precision fp64 --check``; and Adam with ``--norm none``. In fp32 the same runs
+drift past any useful tolerance (BatchNorm amplifies rounding differences), which the deviation history
+(``--check-every``) shows growing; in fp64 they must stay within verify.TOLERANCES["fp64"].
+
+The jobs run inside one set of worker processes per world size, job after job, as
+tests/test_data_parallel.py does (no interpreter start-up per run).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from paralab.config import RunConfig
+from paralab.verify import TOLERANCES
+
+# about 4 minutes on 2 quiet cores: `make test-slow`, which CI runs after `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+STEPS = 20
+REAL = dict(lr=0.1, momentum=0.9, weight_decay=1e-4)
+# (job name, strategy, workers, extra options)
+JOBS3 = [
+    ("gather-scatter", "gather-scatter", {}),
+    ("allreduce", "allreduce", {}),
+    ("ddp", "ddp", {"bucket_mb": 0.05}),
+    ("torch-ddp", "torch-ddp", {}),
+    ("fsdp1", "fsdp", {"zero_stage": 1}),
+    ("fsdp2", "fsdp", {"zero_stage": 2}),
+    ("fsdp3", "fsdp", {"zero_stage": 3}),
+    ("torch-fsdp", "torch-fsdp", {}),
+    ("model", "model", {}),
+    ("pipeline-gpipe", "pipeline", {"schedule": "gpipe", "microbatches": 4}),
+    ("pipeline-1f1b", "pipeline", {"schedule": "1f1b", "microbatches": 4}),
+    ("ddp-adam-nonorm", "ddp", {"optimizer": "adam", "norm": "none", "lr": 1e-3}),
+    ("fp32-ddp", "ddp", {"precision": "fp32"}),  # the contrast: the same run in fp32
+]
+JOBS4 = [  # data x pipeline on the mesh
+    ("ddp-pp2", "ddp", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
+    ("fsdp1-pp2", "fsdp", {"pp": 2, "zero_stage": 1, "schedule": "gpipe", "microbatches": 2}),
+]
+
+
+def job_config(out: Path, strategy: str, workers: int, extra: dict) -> RunConfig:
+    kw = dict(strategy=strategy, workers=workers, out=str(out), dataset="synthetic", synthetic_size=1024,
+              width=0.125, batch_size=48, num_batches=STEPS, check=True, check_every=5, precision="fp64",
+              progress=False, eval_batches=1, eval_batch_size=48, timeout=60, log_every=STEPS) | REAL
+    return RunConfig(**(kw | extra)).validate()
+
+
+def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
+    from paralab.worker import run_worker
+    torch.set_num_threads(1)
+    for i, cfg in enumerate(jobs):
+        try:
+            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
+        except SystemExit as exc:  # a FAIL verdict exits 1 on every rank; the summary says why
+            Path(cfg.out, f"exit{rank}").write_text(str(exc.code))
+
+
+def run_jobs(root: Path, world: int, jobs: list) -> dict:
+    root.mkdir(parents=True)
+    configs = [job_config(root / name, strategy, world, extra) for name, strategy, extra in jobs]
+    mp.spawn(_rank_main, args=(world, configs, str(root)), nprocs=world, join=True)
+    out = {}
+    for cfg in configs:
+        path = Path(cfg.out)
+        assert (path / "summary.json").exists(), f"{path.name}: no records"
+        out[path.name] = json.loads((path / "summary.json").read_text()) | {"_dir": str(path)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp64")
+    return run_jobs(root / "w3", 3, JOBS3) | run_jobs(root / "w4", 4, JOBS4)
+
+
+@pytest.mark.parametrize("name", [j[0] for j in JOBS3 + JOBS4 if not j[0].startswith("fp32")])
+def test_fp64_check_passes_at_real_hyperparameters(summaries, name):
+    check = summaries[name]["check"]
+    tol = TOLERANCES["fp64"]
+    assert check["precision"] == "fp64" and check["tolerances"] == tol
+    assert check["result"] == "PASS", check
+    assert check["max_weight_dev"] <= tol["weights"] and check["max_output_dev"] <= tol["outputs"]
+    assert [h["step"] for h in check["history"]] == [5, 10, 15, 20]
+    assert all(h["max_weight_dev"] <= tol["weights"] for h in check["history"])
+
+
+def test_fp32_drifts_where_fp64_holds(summaries):
+    """The same ddp run in fp32 fails its check at these settings: the growth the history records."""
+    fp32, fp64 = summaries["fp32-ddp"]["check"], summaries["ddp"]["check"]
+    assert fp32["result"] == "FAIL" and fp32["max_weight_dev"] > TOLERANCES["fp32"]["weights"]
+    assert fp64["max_weight_dev"] * 1e4 < fp32["max_weight_dev"]  # orders of magnitude apart
+    history = [h["max_weight_dev"] for h in fp32["history"]]
+    assert history[-1] > history[0]  # rounding differences grow with the steps
+
+
+def test_deviation_plot_and_table(summaries, tmp_path):
+    import subprocess
+    import sys
+    runs = [summaries["fp32-ddp"]["_dir"], summaries["ddp"]["_dir"]]
+    table = subprocess.run([sys.executable, "-m", "paralab", "plot", "deviation", *runs],
+                           capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert "fp32" in table.stdout and "fp64" in table.stdout and table.stdout.count("\n") >= 10
+    png = tmp_path / "deviation.png"
+    drawn = subprocess.run([sys.executable, "-m", "paralab", "plot", "deviation", *runs, "-o", str(png)],
+                           capture_output=True, text=True)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
