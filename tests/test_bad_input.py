@@ -112,3 +112,44 @@ def test_resume_with_other_batches_or_no_more_steps(capsys, tmp_path):
     assert "batch_size" in err  # a different batch would read other samples at each step
     err = refused(capsys, tmp_path, "single", *FAST, "--batch-size", "32", "--resume", str(tmp_path / "base"))
     assert "already trained 1 steps" in err
+
+
+class Payload:
+    """Unpickling this creates ``marker`` (what a crafted dataset would do instead)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_crafted_cifar_batch_is_refused_without_running_it(capsys, tmp_path):
+    """Files with the official names and sizes, one of them a pickle with a payload: exit 2, nothing run."""
+    import pickle
+
+    import numpy as np
+
+    from paralab.data.datasets import CIFAR_FILE_BYTES
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    marker = tmp_path / "pwned"
+    good = pickle.dumps({b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3]})
+    bad = pickle.dumps({b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3],
+                        b"batch_label": Payload(marker)})
+    for name, size in CIFAR_FILE_BYTES.items():
+        with open(folder / name, "wb") as f:
+            f.write(bad if name == "test_batch" else good)  # the last file read
+            f.truncate(size)  # the official size (zeros after the pickle's end; sparse on disk)
+    err = refused(capsys, tmp_path, "single", "--dataset", "cifar10", "--data-dir", str(tmp_path), *FAST[2:])
+    assert "test_batch is not a CIFAR-10 python batch" in err and "refused without loading or running it" in err
+    assert not marker.exists()
+
+
+def test_bf16_refused_on_a_cpu_without_bf16_instructions(capsys, tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    monkeypatch.setattr("paralab.config.CPUINFO", cpuinfo)
+    err = refused(capsys, tmp_path, "single", *FAST, "--precision", "bf16", "--device", "cpu")
+    assert "this CPU (AMD EPYC) has no bfloat16 instructions" in err and "avx512_bf16" in err
+    assert "--allow-slow-bf16" in err

@@ -1,4 +1,5 @@
 import gzip
+import os
 import pickle
 import struct
 
@@ -9,7 +10,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from paralab.data import BatchSource, shard_indices
 from paralab.data.datasets import (FASHION_FILES, load_cifar10, load_fashion_mnist, make_synthetic,
-                                   read_idx)
+                                   read_cifar_batch, read_idx)
+from paralab.data.sharding import epoch_permutation
 from paralab.data.download import info
 from paralab.data.transforms import PAD, augmentation_params, crop_flip, normalize
 from paralab.errors import UsageError
@@ -18,11 +20,13 @@ from paralab.errors import UsageError
 @pytest.mark.parametrize("n,world", [(10, 1), (10, 3), (11, 4), (7, 2), (3, 5), (256, 2)])
 @pytest.mark.parametrize("epoch", [0, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_sharding_matches_distributed_sampler(n, world, epoch, shuffle):
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sharding_matches_distributed_sampler(n, world, epoch, shuffle, drop_last):
     for rank in range(world):
-        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=7,
+                                     drop_last=drop_last)
         sampler.set_epoch(epoch)
-        ours = shard_indices(n, world, rank, seed=7, epoch=epoch, shuffle=shuffle)
+        ours = shard_indices(n, world, rank, seed=7, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
         assert ours.tolist() == list(sampler)
 
 
@@ -92,8 +96,9 @@ def test_normalize_uses_given_statistics():
 
 # ------------------------------------------------------------ real formats, small generated files
 def write_cifar_batch(path, images, labels):
+    # as the official files: labels are Python ints (numpy integers would pickle a numpy scalar global)
     with open(path, "wb") as f:
-        pickle.dump({b"data": images.reshape(len(images), -1), b"labels": list(labels),
+        pickle.dump({b"data": images.reshape(len(images), -1), b"labels": [int(v) for v in labels],
                      b"batch_label": b"test"}, f)
 
 
@@ -223,3 +228,176 @@ def test_eval_bound_is_on_the_total_whatever_the_ranks():
                    for _, _, r in BatchSource(data, per_rank_batch=8, replicas=replicas, rank=rank)
                    .test_batches(50, max_batches=2))
         assert real == 100
+
+
+# ------------------------------------------------------------ CIFAR-10 pickles: only what the official files hold
+def op_global(module, name):  # GLOBAL: how Python 2's cPickle names a class or function
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def py2_str(raw):  # SHORT_BINSTRING / BINSTRING: a Python 2 str (bytes under encoding="bytes")
+    return (b"U" + bytes([len(raw)]) if len(raw) < 256 else b"T" + struct.pack("<i", len(raw))) + raw
+
+
+def py2_int(v):  # BININT1 / BININT2
+    return b"K" + bytes([v]) if v < 256 else b"M" + struct.pack("<H", v)
+
+
+def py2_cifar_batch(images, labels, reconstruct="numpy.core.multiarray"):
+    """A batch as Python 2's cPickle (protocol 2) wrote the official files: a dict of str keys
+    to a str, a list of ints, a numpy uint8 array [N, 3072] and a list of str; the array as
+    numpy pickles one: ``_reconstruct(ndarray, (0,), "b")`` then ``__setstate__((1, shape,
+    dtype("u1", 0, 1) with its state, False, raw bytes))``. Hand-assembled: Python 3 cannot
+    write Python 2 strings."""
+    n = len(images)
+    dtype = (op_global("numpy", "dtype") + py2_str(b"u1") + b"K\x00K\x01\x87R"  # dtype("u1", 0, 1)
+             + b"(K\x03" + py2_str(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb")
+    array = (op_global(reconstruct, "_reconstruct") + op_global("numpy", "ndarray") + b"K\x00\x85"
+             + py2_str(b"b") + b"\x87R"  # _reconstruct(ndarray, (0,), "b")
+             + b"(K\x01" + py2_int(n) + py2_int(3072) + b"\x86" + dtype + b"\x89"
+             + py2_str(images.reshape(n, -1).tobytes()) + b"tb")  # __setstate__((1, (n, 3072), dtype, False, raw))
+    items = [(b"batch_label", py2_str(b"training batch 1 of 5")),
+             (b"labels", b"](" + b"".join(py2_int(int(v)) for v in labels) + b"e"),
+             (b"data", array),
+             (b"filenames", b"](" + b"".join(py2_str(b"img_%d.png" % i) for i in range(n)) + b"e")]
+    return b"\x80\x02}(" + b"".join(py2_str(k) + v for k, v in items) + b"u."
+
+
+@pytest.mark.parametrize("reconstruct", ["numpy.core.multiarray", "numpy._core.multiarray"])
+def test_cifar_reader_reads_the_official_python2_format(tmp_path, reconstruct):
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (7, 3, 32, 32), dtype=np.uint8)
+    y = rng.integers(0, 10, 7)
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(py2_cifar_batch(x, y, reconstruct))
+    with open(path, "rb") as f:  # the unrestricted reader agrees: the hand-made file is a real batch
+        plain = pickle.load(f, encoding="bytes")
+    assert np.array_equal(plain[b"data"].reshape(-1, 3, 32, 32), x) and plain[b"labels"] == list(y)
+    data, labels = read_cifar_batch(path)
+    assert np.array_equal(data, x) and labels.tolist() == list(y) and labels.dtype == np.int64
+
+
+class Payload:
+    """What a crafted batch carries: unpickling it would create ``marker``."""
+
+    def __init__(self, how, marker):
+        self.how, self.marker = how, str(marker)
+
+    def __reduce__(self):
+        if self.how == "open":
+            return open, (self.marker, "w")
+        if self.how == "system":
+            return os.system, (f"touch {self.marker}",)
+        return eval, (f"open({self.marker!r}, 'w')",)
+
+
+@pytest.mark.parametrize("how", ["open", "system", "eval"])
+@pytest.mark.parametrize("where", ["top", "inside"])
+def test_cifar_reader_refuses_code_without_running_it(tmp_path, how, where):
+    marker = tmp_path / "pwned"
+    x = np.zeros((2, 3072), dtype=np.uint8)
+    obj = Payload(how, marker) if where == "top" else {b"data": x, b"labels": [1, 2], b"batch_label": Payload(how, marker)}
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps(obj))
+    with pytest.raises(UsageError, match="no CIFAR-10 batch contains.*refused") as exc:
+        read_cifar_batch(path)
+    assert "data_batch_1" in str(exc.value)
+    assert not marker.exists()
+
+
+def test_cifar_reader_guards_the_numpy_names_it_allows(tmp_path):
+    def refused(raw, match):
+        path = tmp_path / "batch"
+        path.write_bytes(raw)
+        with pytest.raises(UsageError, match=match):
+            read_cifar_batch(path)
+
+    recon = op_global("numpy._core.multiarray", "_reconstruct")
+    # ndarray itself is a token: calling it (or constructing it) fails
+    refused(b"\x80\x02" + op_global("numpy", "ndarray") + b"K\x01\x85R.", "not callable")
+    refused(b"\x80\x02" + op_global("numpy", "ndarray") + b")\x81.", "NEWOBJ")
+    # _reconstruct only for a plain empty ndarray, dtype only without Python objects
+    refused(b"\x80\x02" + recon + op_global("numpy", "dtype") + b"K\x00\x85U\x01b\x87R.", "empty plain ndarray")
+    refused(b"\x80\x02" + recon + op_global("numpy", "ndarray") + b"M\x00\x10\x85U\x01b\x87R.", "empty plain ndarray")
+    refused(b"\x80\x02" + op_global("numpy", "dtype") + b"U\x01O\x85R.", "Python objects")
+    # other numpy names are as refused as any other global
+    for module, name in (("numpy", "load"), ("numpy.core.multiarray", "scalar"), ("numpy", "frombuffer")):
+        refused(b"\x80\x02" + op_global(module, name) + b".", f"{module}.{name}, which no CIFAR-10")
+    # well-formed pickles that are not batches
+    refused(pickle.dumps([1, 2, 3]), "holds a list")
+    refused(pickle.dumps({b"data": np.zeros((2, 3072), np.float32), b"labels": [0, 1]}), "uint8")
+    refused(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 11]}), "0-9")
+
+
+# ------------------------------------------------------------ uneven data: padding and --drop-last
+@pytest.mark.parametrize("n,world,per_rank", [(201, 2, 20), (205, 2, 20), (100, 3, 7), (64, 4, 16), (11, 3, 1)])
+def test_drop_last_trains_full_batches_and_never_repeats(n, world, per_rank):
+    data = make_synthetic(train_size=n, test_size=10)
+    batch = world * per_rank
+    ranks = [BatchSource(data, per_rank_batch=per_rank, replicas=world, rank=r, seed=5, drop_last=True)
+             for r in range(world)]
+    single = BatchSource(data, per_rank_batch=batch, seed=5, drop_last=True)
+    steps = n // batch  # as documented: n // B full global batches per epoch
+    assert ranks[0].steps_per_epoch == single.steps_per_epoch == steps
+    for epoch in (0, 1):
+        order = epoch_permutation(n, 5, epoch)
+        seen = []
+        for i in range(steps):
+            parts = [src.indices(epoch * steps + i) for src in ranks]
+            assert all(e == epoch and len(idx) == per_rank for e, idx in parts)
+            together = torch.cat([idx for _, idx in parts]).tolist()
+            # the same samples as a single process with --drop-last: positions [iB, (i+1)B) of the epoch's order
+            assert sorted(together) == sorted(single.indices(epoch * steps + i)[1].tolist())
+            assert sorted(together) == sorted(order[i * batch:(i + 1) * batch].tolist())
+            seen += together
+        assert len(seen) == len(set(seen)) == steps * batch  # no sample repeats
+    assert ranks[0].padding == 0 and ranks[0].repeated_samples(0, 10 * steps) == 0
+
+
+@pytest.mark.parametrize("n,world,per_rank", [(205, 2, 20), (100, 3, 7), (37, 4, 4)])
+def test_drop_last_is_distributed_sampler_and_data_loader_drop_last(n, world, per_rank):
+    for rank in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=3, drop_last=True)
+        sampler.set_epoch(1)
+        loader = list(torch.utils.data.DataLoader(range(n), batch_size=per_rank, sampler=sampler, drop_last=True))
+        src = BatchSource(make_synthetic(train_size=n, test_size=10), per_rank_batch=per_rank, replicas=world,
+                          rank=rank, seed=3, drop_last=True)
+        assert src.steps_per_epoch == len(loader)
+        for i, expected in enumerate(loader):
+            assert src.indices(len(loader) + i)[1].tolist() == expected.tolist()  # epoch 1
+
+
+def test_padding_repeats_samples_in_the_last_step_and_is_counted():
+    n, world, per_rank = 205, 2, 20  # 205 = 5 * 40 + 5: six steps, the last padded by 1 sample
+    data = make_synthetic(train_size=n, test_size=10)
+    ranks = [BatchSource(data, per_rank_batch=per_rank, replicas=world, rank=r) for r in range(world)]
+    assert ranks[0].steps_per_epoch == 6 and ranks[0].padding == 1
+    seen = [torch.cat([src.indices(step)[1] for src in ranks]).tolist() for step in range(6)]
+    assert [len(s) for s in seen] == [40] * 5 + [6]
+    flat = sum(seen, [])
+    assert len(flat) == n + 1 and len(set(flat)) == n  # every sample, one of them twice
+    repeated = [i for i in set(flat) if flat.count(i) == 2]
+    assert repeated == [int(epoch_permutation(n, 0, 0)[0])]  # the epoch's first sample ...
+    assert repeated[0] in seen[5]  # ... again in the last step
+    # counted over the steps a run trains: once per epoch-final step among them
+    src = ranks[0]
+    assert [src.repeated_samples(0, 5), src.repeated_samples(0, 6), src.repeated_samples(5, 7),
+            src.repeated_samples(6, 11), src.repeated_samples(0, 18)] == [0, 1, 1, 0, 3]
+    assert src.data_note(0, 5) is None
+    note = src.data_note(0, 12)
+    assert "205 training samples do not divide over 2" in note and "2 repeated sample(s)" in note
+    assert "--drop-last" in note
+    # nothing to say: one replica, or samples that divide
+    assert BatchSource(data, per_rank_batch=40).data_note(0, 12) is None
+    assert BatchSource(make_synthetic(train_size=204, test_size=10), per_rank_batch=20, replicas=2).data_note(0, 12) is None
+    drop = BatchSource(data, per_rank_batch=per_rank, replicas=world, drop_last=True)
+    assert "each epoch is 5 step(s) of 40" in drop.data_note(0, 5) and "last 5" in drop.data_note(0, 5)
+
+
+def test_idx_reader_refuses_a_decompression_bomb(tmp_path, monkeypatch):
+    monkeypatch.setattr("paralab.data.datasets.MAX_IDX_BYTES", 1 << 16)  # the real bound is 64 MiB
+    path = tmp_path / "bomb.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(bytes(1 << 20))  # 1 MiB of zeros: a 1 KiB file
+    with pytest.raises(UsageError, match="inflates to more than"):
+        read_idx(path)

@@ -161,7 +161,7 @@ COMBOS = [("fsdp", stage, norm, "sgd") for stage in (1, 2, 3) for norm in ("batc
 
 
 def _run_combo(rank, world, combo, data):
-    from paralab.check import run_check
+    from paralab.check import Reference, run_check
     from paralab.comm import Comm
     from paralab.config import RunConfig
     from paralab.data import BatchSource
@@ -191,7 +191,8 @@ def _run_combo(rank, world, combo, data):
         strategy.train_step(*source.batch(step))
     buf = io.BytesIO()
     torch.save(strategy.state_dict(), buf)  # as the checkpoint does; loaded back with weights_only
-    check = run_check(cfg, strategy, source, model_fn, optim_fn, None, 2, comm, say=lambda *a: None)
+    check = run_check(cfg, strategy, Reference(strategy, source, model_fn, optim_fn, None), 2, comm,
+                      say=lambda *a: None)
 
     # optimizer state: one shard's worth per parameter, nothing else
     if name == "fsdp":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -99,16 +100,165 @@ def test_per_worker_batch_and_core_pinning(paralab):
 
 
 # ------------------------------------------------------------------ failures
+def consequences(stderr: str) -> dict[int, str]:
+    """The launcher's list of ranks that failed because of the first one: rank -> how."""
+    listed = stderr.split("paralab: then, as a consequence:\n", 1)[1] if "as a consequence" in stderr else ""
+    found = {}
+    for line in listed.splitlines():
+        if not line.startswith("paralab:   rank "):
+            break
+        rank, how = line.removeprefix("paralab:   rank ").split(": ", 1)
+        found[int(rank)] = how
+    return found
+
+
+def caused_by_the_first(how: str) -> bool:
+    """A consequence: the rank lost its peer, or was still running and the launcher stopped it."""
+    return how.startswith("lost its peer: ") or how == "still running: stopped by the launcher"
+
+
 def test_a_failing_rank_stops_every_rank(paralab):
     marker = uuid.uuid4().hex
     r = paralab("train", "ddp", "--workers", "3", "--per-worker-batch", "8", "--num-batches", "4",
                 env={"PARALAB_FAULT": "1:1", "PARALAB_TEST_MARK": marker})
     assert r.returncode == 1
-    assert "paralab: rank 1 failed; all ranks stopped" in r.stderr
-    assert "RuntimeError: injected fault on rank 1 at step 1" in r.stderr  # that rank's traceback
-    assert 'File "' in r.stderr.split("rank 1 failed", 1)[1]
+    first = "paralab: rank 1 failed first: RuntimeError: injected fault on rank 1 at step 1 (PARALAB_FAULT); " \
+            "all ranks stopped."
+    assert first in r.stderr, r.stderr[-3000:]
+    traceback_text = r.stderr.split(first, 1)[1].split("paralab: then", 1)[0]
+    assert 'File "' in traceback_text and "in fault_injection" in traceback_text  # that rank's traceback
+    others = consequences(r.stderr)
+    assert sorted(others) == [0, 2] and all(caused_by_the_first(how) for how in others.values()), r.stderr[-3000:]
+    assert "to resume" not in r.stderr  # no checkpoint was written before the failure
     assert not (r.out / "summary.json").exists()
     assert gone(marker), "worker processes outlived the launcher"
+
+
+def test_a_rank_killed_by_sigkill_is_named_and_the_run_says_how_to_resume(paralab, tmp_path):
+    """Rank 1 SIGKILLs itself at step 2 (no traceback, as the out-of-memory killer does): the launcher
+    names rank 1 and the signal, not rank 0's "Connection reset by peer", and prints the command that
+    resumes from the checkpoint of step 2, which works."""
+    events = tmp_path / "events.jsonl"
+    r = paralab("train", "ddp", "--workers", "2", "--num-batches", "4", "--checkpoint-every", "1",
+                env={"PARALAB_FAULT": "1:2:kill", "PARALAB_EVENTS": str(events)})
+    assert r.returncode == 1
+    assert "paralab: rank 1 failed first: killed by signal SIGKILL (no traceback: killed from outside the " \
+           "process, by the kernel's out-of-memory killer" in r.stderr, r.stderr[-3000:]
+    others = consequences(r.stderr)
+    assert list(others) == [0] and caused_by_the_first(others[0]), r.stderr[-3000:]
+    assert "rank 0 failed first" not in r.stderr
+    error = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "error"]
+    assert len(error) == 1 and error[0]["rank"] == 1 and error[0]["signal"] == 9
+    assert error[0]["message"] == "rank 1 killed by signal SIGKILL"
+    assert [c["rank"] for c in error[0]["consequences"]] == [0]
+
+    assert f"paralab: the checkpoint of step 2 is complete ({r.out / 'checkpoint'}); to resume:" in r.stderr
+    command = r.stderr.split("to resume:\n", 1)[1].splitlines()[0].strip()
+    assert command == error[0]["resume"]
+    words = shlex.split(command)
+    assert words[:3] == ["paralab", "train", "ddp"] and words[words.index("--workers") + 1] == "2"
+    assert words[words.index("--checkpoint-every") + 1] == "1" and words[words.index("--num-batches") + 1] == "4"
+    assert words[words.index("--resume") + 1] == str(r.out) and words[words.index("--out") + 1] == str(r.out)
+    p = subprocess.run([sys.executable, "-m", *words], capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from {r.out} at step 2" in p.stdout
+    from paralab.checkpoint import load
+    assert load(r.out, 0)["step"] == load(r.out, 1)["step"] == 4
+
+
+def test_an_out_of_memory_style_exit_is_named_with_its_exit_code(paralab):
+    """PARALAB_FAULT's ``oom``: rank 0 ends at once with exit code 137 (128 + SIGKILL) and no Python
+    error, as a wrapper reports a process the out-of-memory killer took; rank 0 is blamed, not rank 1."""
+    r = paralab("train", "allreduce", "--workers", "2", "--num-batches", "3", env={"PARALAB_FAULT": "0:1:oom"})
+    assert r.returncode == 1
+    assert "paralab: rank 0 failed first: exited with code 137 and no Python error (137 = 128 + 9: how a shell " \
+           "or container runtime reports a process killed by SIGKILL, most often by the out-of-memory killer" \
+           in r.stderr, r.stderr[-3000:]
+    others = consequences(r.stderr)
+    assert list(others) == [1] and caused_by_the_first(others[1]), r.stderr[-3000:]
+
+
+def test_a_single_process_run_that_fails_says_how_to_resume(paralab):
+    r = paralab("train", "single", "--num-batches", "3", "--checkpoint-every", "1", "--seed", "3",
+                env={"PARALAB_FAULT": "0:2"})
+    assert r.returncode == 1 and "RuntimeError: injected fault on rank 0 at step 2" in r.stderr
+    assert f"paralab: the checkpoint of step 2 is complete ({r.out / 'checkpoint'}); to resume:" in r.stderr
+    words = shlex.split(r.stderr.split("to resume:\n", 1)[1].splitlines()[0])
+    assert words[:3] == ["paralab", "train", "single"] and "--workers" not in words
+    for flag, value in (("--seed", "3"), ("--num-batches", "3"), ("--resume", str(r.out)), ("--out", str(r.out))):
+        assert words[words.index(flag) + 1] == value, words
+
+
+def test_resume_refuses_rank_files_of_different_steps(tmp_path):
+    """A run stopped between two ranks' saves leaves files that cannot continue one run together."""
+    from paralab import checkpoint
+    from paralab.launch import resume_hint
+    cfg = RunConfig(strategy="ddp", workers=2, dataset="synthetic", batch_size=32, num_batches=10)
+    for rank, step in ((0, 4), (1, 2)):
+        checkpoint.save(tmp_path, rank, step, cfg, {"model": {}})
+    with pytest.raises(UsageError, match="different steps \\(rank 0: 4, rank 1: 2\\)"):
+        RunConfig(**{**cfg.to_dict(), "resume": str(tmp_path)}).validate()
+    assert resume_hint(cfg, tmp_path) is None  # no complete checkpoint: no command offered
+    checkpoint.save(tmp_path, 1, 4, cfg, {"model": {}})
+    command, lines = resume_hint(cfg, tmp_path)
+    assert lines[0] == f"paralab: the checkpoint of step 4 is complete ({tmp_path / 'checkpoint'}); to resume:"
+    words = shlex.split(command)
+    assert words[words.index("--resume") + 1] == words[words.index("--out") + 1] == str(tmp_path)
+
+
+# ------------------------------------------------------------------ what the launcher says, without processes
+def ending(rank, code, seen, report=None, stopped=False):
+    from paralab.launch import Ending
+    return Ending(rank, code, seen, report, stopped)
+
+
+def exception(rank, at, last_line):
+    return {"rank": rank, "kind": "exception", "time": at, "summary": last_line,
+            "traceback": f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{last_line}\n"}
+
+
+def test_the_first_failure_is_blamed_even_when_a_lost_peer_reports_earlier():
+    """A survivor's "Connection closed by peer" can reach the launcher before it sees the killed rank
+    end (the rank's clock vs the launcher's): a lost peer is never the cause while a death explains it."""
+    from paralab.launch import explain
+    lost = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:4242: Connection closed by peer"
+    cause, lines = explain([ending(0, 1, 10.5, exception(0, 10.1, lost)), ending(1, -9, 10.2),
+                            ending(2, -15, 12.6, stopped=True)])
+    assert cause.rank == 1 and lines[0].startswith("paralab: rank 1 failed first: killed by signal SIGKILL")
+    assert lines[1] == "paralab: then, as a consequence:"
+    assert lines[2] == f"paralab:   rank 0: lost its peer: {lost}"
+    assert lines[3] == "paralab:   rank 2: still running: stopped by the launcher"
+    # two ranks fail on their own account: the earlier is the cause, the other is listed, not hidden
+    cause, lines = explain([ending(0, 1, 9.0, exception(0, 8.0, "ValueError: bad")), ending(1, -11, 8.5)])
+    assert cause.rank == 0 and lines[-1].startswith("paralab: rank 1 also failed: killed by signal SIGSEGV "
+                                                    "(a crash in native code")
+    # every error a lost connection: the earliest is named, and said to be only that
+    cause, lines = explain([ending(0, 1, 5.0, exception(0, 4.0, lost)), ending(1, 1, 5.0, exception(1, 3.0, lost))])
+    assert cause.rank == 1 and "every rank's error is a lost connection" in lines[1]
+    # orderly exits every rank takes together (check FAIL, diverged loss) are not failures
+    orderly = {"kind": "exit", "code": 1, "time": 1.0, "summary": "an orderly exit (code 1)"}
+    assert explain([ending(0, 1, 2.0, {**orderly, "rank": 0}), ending(1, 1, 2.0, {**orderly, "rank": 1})]) is None
+    assert explain([ending(0, 0, 2.0), ending(1, 0, 2.0)]) is None
+    # an exit code nobody explained is a failure, and a code above 128 is read as 128 + a signal
+    cause, lines = explain([ending(0, 0, 2.0), ending(1, 137, 1.0)])
+    assert cause.rank == 1 and "137 = 128 + 9" in lines[0] and "SIGKILL" in lines[0]
+    cause, lines = explain([ending(0, 1, 2.0)])
+    assert "exited with code 1 and no Python error (its own output above may say why)" in lines[0]
+
+
+def test_the_resume_command_gives_back_the_same_config():
+    """train_command spells a config as the train parser reads it: parsed back, it is the same config."""
+    from paralab.cli import build_parser, config_from_args
+    from paralab.launch import train_command
+    cfg = RunConfig(strategy="fsdp", workers=3, batch_size=48, lr=1e-3, num_batches=7, dataset="synthetic",
+                    augment=False, progress=False, check=True, zero_stage=2, step_in_backward=False,
+                    checkpoint_every=2, save_init=True, width=0.125, timeout=12.5, eval_batches=1)
+    words = train_command(cfg, out="runs/x y", resume="runs/x y", save_init=False)
+    assert words[:3] == ["paralab", "train", "fsdp"] and "--save-init" not in words
+    assert "--no-step-in-backward" in words and "--no-augment" in words and "--check" in words
+    back = config_from_args(build_parser().parse_args(words[1:]))
+    assert back == RunConfig(**{**cfg.to_dict(), "out": "runs/x y", "resume": "runs/x y", "save_init": False})
 
 
 def test_workers_die_with_the_launcher(tmp_path):

@@ -11,6 +11,8 @@ from paralab.models import MODELS, build_model, count_parameters
     ("vgg16", 14_728_266),
     ("vgg19", 20_040_522),
     ("resnet18", 11_173_962),  # CIFAR ResNet-18
+    ("vgg16-cs1390", 33_638_218),        # CS1390's torchvision VGG-16, no BatchNorm (its own default)
+    ("vgg16-cs1390-pool", 134_301_514),  # with the 7x7 average pool and Linear(25088, 4096)
 ])
 def test_parameter_counts(name, expected):
     assert count_parameters(build_model(name)) == expected
@@ -43,3 +45,10 @@ def test_width_scales_channels():
 def test_unknown_model():
     with pytest.raises(ValueError, match="unknown model"):
         build_model("alexnet")
+
+
+def test_default_norm_is_the_models_own():
+    from paralab.models import DEFAULT_NORM
+    assert DEFAULT_NORM["vgg11"] == "batch" and DEFAULT_NORM["vgg16-cs1390"] == "none"
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in build_model("vgg16-cs1390-pool", width=0.125).modules())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in build_model("vgg11", width=0.125).modules())

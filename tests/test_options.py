@@ -67,3 +67,9 @@ def test_strategies_receive_typed_options():
     opts = RunConfig(microbatches=4, zero_stage=1).strategy_options()
     assert isinstance(opts, StrategyOptions) and opts.microbatches == 4 and opts.zero_stage == 1
     assert not hasattr(opts, "lr")  # only the strategies' options, not the whole run
+
+
+def test_norm_defaults_to_the_models_own():
+    assert RunConfig(dataset="synthetic").validate().norm == "batch"
+    assert RunConfig(model="vgg16-cs1390", dataset="synthetic", batch_size=32).validate().norm == "none"
+    assert RunConfig(model="vgg16-cs1390", dataset="synthetic", norm="batch").validate().norm == "batch"

@@ -26,12 +26,18 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=d.model, help="vgg11 | vgg13 | vgg16 | vgg19 | resnet18 (default %(default)s)")
     g.add_argument("--width", type=float, default=d.width, help="channel multiplier, e.g. 0.25 for fast runs")
-    g.add_argument("--norm", default=d.norm, help="batch | none (BatchNorm-free model)")
+    g.add_argument("--norm", default=d.norm,
+                   help="batch | none (BatchNorm-free model); default: the model's own (batch; none for "
+                        "the CS1390 VGG-16s, as CS1390 trains them)")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=d.dataset, help="auto | cifar10 | fashion-mnist | synthetic")
     g.add_argument("--data-dir", help="folder with the dataset files")
     g.add_argument("--synthetic-size", type=int, default=d.synthetic_size, help="synthetic training samples")
     g.add_argument("--no-augment", dest="augment", action="store_false", help="no random crop / flip")
+    g.add_argument("--drop-last", action="store_true",
+                   help="epochs of n // B full global batches: the n mod B samples left over (other ones each "
+                        "epoch) are skipped instead of padding the last batch with repeated samples; "
+                        "then every replica count, single included, trains the same batches")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (default %(default)s)")
     g.add_argument("--per-worker-batch", type=int, help="per-worker batch instead (weak scaling)")
@@ -42,9 +48,14 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=d.momentum)
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--precision", default=d.precision, help="fp32 | bf16 (autocast)")
+    g.add_argument("--precision", default=d.precision,
+                   help="fp32 | bf16 (autocast) | fp64 (model, collectives, optimizer state and --check "
+                        "reference in float64: exact checks at real hyper-parameters)")
     g.add_argument("--lr-scaling", default=d.lr_scaling, help="none | linear: lr x global batch / 256")
     g.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="linear lr warm-up (epochs)")
+    g.add_argument("--allow-slow-bf16", action="store_true",
+                   help="run --precision bf16 even on a CPU without bf16 instructions (refused otherwise: "
+                        "about 19x slower than fp32 there)")
     g = p.add_argument_group("records")
     g.add_argument("--out", help="run directory (default runs/<strategy>-w<N>-<time>)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="print the loss every N steps")
@@ -55,8 +66,13 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save resumable state every N steps (always at the end)")
     g.add_argument("--resume", help="run directory whose checkpoint to continue from")
+    g.add_argument("--save-init", action="store_true",
+                   help="also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
     g.add_argument("--check", action="store_true",
                    help="compare with the single-process reference; exit 1 on FAIL")
+    g.add_argument("--check-every", type=int, default=d.check_every, metavar="N",
+                   help="with --check: also record the deviation from the reference every N steps "
+                        "(summary.json check.history; `paralab plot deviation`)")
     g = p.add_argument_group("launch")
     g.add_argument("--workers", type=int, default=d.workers, help="local worker processes")
     g.add_argument("--cores-per-worker", type=int, help="pin rank r to cores [rC, rC+C)")

@@ -20,9 +20,15 @@ from .errors import UsageError
 from .strategies.options import OPTION_CLASSES, StrategyOptions
 
 OPTIMIZERS = ("sgd", "adam")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp64")
 NORMS = ("batch", "none")
 BACKENDS = ("auto", "gloo", "nccl")
+CPUINFO = Path("/proc/cpuinfo")  # where the CPU's features are read (tests point it at their own)
+# Native bfloat16 instructions, as /proc/cpuinfo names them: x86 AVX512-BF16 and AMX-BF16 (and
+# AVX-NE-CONVERT, which oneDNN uses for bf16 on AVX2-class cores), Arm's BF16 extension. Without
+# them PyTorch's CPU bf16 kernels fall back to conversions and reference code: VGG-11 ran 19x
+# slower in bf16 than in fp32 on a 2-core AVX2 AMD EPYC.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
 
 
 @dataclass
@@ -31,12 +37,13 @@ class RunConfig(StrategyOptions):
     strategy: str = "single"          #: strategy name (see `paralab train --help`)
     model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18
     width: float = 1.0                #: channel multiplier (0.25 for fast runs)
-    norm: str = "batch"               #: batch | none (BatchNorm-free models)
+    norm: str | None = None           #: batch | none (BatchNorm-free); None: the model's own (validate sets it)
     # data
     dataset: str = "auto"             #: auto | cifar10 | fashion-mnist | synthetic
     data_dir: str | None = None       #: folder with the dataset files
     synthetic_size: int = 10000       #: training samples of the synthetic set
     augment: bool = True              #: random crop (pad 4) + horizontal flip
+    drop_last: bool = False           #: epochs of n // B full global batches: no sample repeated, none padded
     # optimisation
     batch_size: int = 256             #: global batch (split over data-parallel workers)
     per_worker_batch: int | None = None  #: per-worker batch instead (weak scaling)
@@ -47,9 +54,10 @@ class RunConfig(StrategyOptions):
     momentum: float = 0.9
     weight_decay: float = 1e-4
     seed: int = 0
-    precision: str = "fp32"           #: fp32 | bf16 (autocast)
+    precision: str = "fp32"           #: fp32 | bf16 (autocast) | fp64 (everything in float64: exact checks)
     lr_scaling: str = "none"          #: none | linear (lr x global batch / 256, Goyal et al.)
     warmup_epochs: float = 0.0        #: linear lr warm-up over this many epochs
+    allow_slow_bf16: bool = False     #: run bf16 on a CPU without bf16 instructions (about 19x slower)
     # reporting
     log_every: int = 20               #: print the loss every N steps
     warmup: int = 1                   #: first N steps left out of timing averages
@@ -61,6 +69,8 @@ class RunConfig(StrategyOptions):
     checkpoint_every: int = 0         #: save resumable state every N steps (0: at the end only)
     resume: str | None = None         #: run directory to resume from
     check: bool = False               #: compare with the single-process reference
+    save_init: bool = False           #: also save the starting weights (checkpoint/init/, `paralab export --init`)
+    check_every: int = 0              #: with check: also compare every N steps (the deviation's growth)
     # launch
     workers: int = 1                  #: local worker processes
     cores_per_worker: int | None = None  #: pin rank r to cores [rC, rC+C)
@@ -124,6 +134,9 @@ class RunConfig(StrategyOptions):
             positive(name, getattr(self, name))
         for name in ("num_batches", "per_worker_batch", "eval_batches", "cores_per_worker", "world_size"):
             positive(name, getattr(self, name), allow_none=True)
+        if self.check_every < 0 or (self.check_every and not self.check):
+            raise UsageError("--check-every N compares with the reference every N steps: it needs --check "
+                             "and N >= 1")
         if self.warmup < 0 or self.checkpoint_every < 0:
             raise UsageError("--warmup and --checkpoint-every must be zero or positive")
         if self.lr_scaling not in ("none", "linear"):
@@ -132,12 +145,16 @@ class RunConfig(StrategyOptions):
             raise UsageError("--warmup-epochs must be zero or positive")
         if self.momentum < 0 or self.weight_decay < 0:
             raise UsageError("--momentum and --weight-decay must be zero or positive")
+        if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s
+            from .models import DEFAULT_NORM
+            self.norm = DEFAULT_NORM[self.model]
         for name, allowed in (("norm", NORMS), ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
                               ("backend", BACKENDS), ("device", ("auto", "cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
-        if self.check and self.precision != "fp32":
-            raise UsageError("--check compares fp32 arithmetic; drop --precision bf16")
+        if self.check and self.precision == "bf16":
+            raise UsageError("--check compares fp32 or fp64 arithmetic with a reference; autocast's bf16 "
+                             "rounding is not replayed: drop --precision bf16 (or use fp64 for an exact check)")
         if (self.world_size is None) != (self.rank is None):
             raise UsageError("manual multi-node needs both --world-size and --rank")
         if self.rank is not None and not 0 <= self.rank < self.world_size:
@@ -156,6 +173,8 @@ class RunConfig(StrategyOptions):
             import torch
             if not torch.cuda.is_available():
                 raise UsageError("CUDA/NCCL asked for but no GPU is visible; use --device cpu (gloo)")
+        if self.precision == "bf16" and not self.allow_slow_bf16:
+            refuse_slow_bf16(self)
         world = self.world
         shape, strategy_cls, _ = plan(self, world)
         if self.per_worker_batch is None and self.batch_size % shape.dp:
@@ -165,6 +184,13 @@ class RunConfig(StrategyOptions):
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None)
+        if self.drop_last:
+            from .data import train_size
+            n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size)
+            batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
+            if n < batch:
+                raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
+                                 "lower the batch size or drop --drop-last")
         if self.resume:
             from .checkpoint import check_resumable
             check_resumable(Path(self.resume), self)
@@ -179,6 +205,42 @@ class RunConfig(StrategyOptions):
         if self.per_worker_batch is not None:
             return self.per_worker_batch * self.data_replicas(strategy_cls)
         return self.batch_size
+
+
+def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:
+    """(does this CPU have native bf16 instructions, its name): from /proc/cpuinfo's ``flags``
+    (x86) or ``Features`` (Arm) line; None where that cannot be read (not Linux: not judged)."""
+    try:
+        text = Path(CPUINFO if cpuinfo is None else cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None, "this CPU"
+    name, flags = None, None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("flags", "features") and flags is None:
+            flags = set(value.split())
+        elif key == "model name" and name is None:
+            name = value.strip()
+    if flags is None:
+        return None, name or "this CPU"
+    return bool(flags & set(BF16_FLAGS)), name or "this CPU"
+
+
+def refuse_slow_bf16(cfg: RunConfig) -> None:
+    """UsageError for bf16 on a CPU device whose CPU lacks bf16 instructions (see BF16_FLAGS)."""
+    if cfg.device == "cuda" or cfg.backend == "nccl":
+        return
+    if cfg.device == "auto":
+        import torch
+        if torch.cuda.is_available():
+            return
+    native, cpu = cpu_bf16_support()
+    if native is False:
+        raise UsageError(f"--precision bf16: this CPU ({cpu}) has no bfloat16 instructions ({CPUINFO} lists none "
+                         f"of {', '.join(BF16_FLAGS)}), so bf16 autocast would run on slow fallback kernels "
+                         "(VGG-11: 19x slower than fp32 on an AVX2-only AMD EPYC). Use --precision fp32, or "
+                         "add --allow-slow-bf16 to run it anyway")
 
 
 def _registered(name: str):

@@ -22,9 +22,12 @@ Span categories:
 
 Detail records: figures a strategy alone knows (its bucket layout, its
 stage's units, its memory ledger) go in ``summary.json``'s
-``strategy_details`` per rank, under the keys below.
+``strategy_details`` per rank, under the keys below; the ones the analysis
+reads are typed here (:class:`StageRecord`, :class:`MemoryModel`).
 """
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 # span categories
 DATA, COMPUTE, COMM, OPTIMIZER, IDLE = "data", "compute", "comm", "optimizer", "idle"
@@ -38,7 +41,43 @@ ASYNC = "async"          # args key: an asynchronous operation's in-flight inter
 WAIT_PREFIX = "wait:"    # name prefix: the rank blocked on an asynchronous operation
 
 # detail record keys (strategy_details[rank])
-STAGE = "stage"                  # this rank is a pipeline stage: its index, units, schedule, microbatches
-BUCKETS = "buckets"              # a bucketed all-reduce's layout (ddp)
-DATA_PARALLEL = "data_parallel"  # the data-parallel flavour wrapping a pipeline stage
-MEMORY = "memory"                # a memory ledger (measured) beside the cost model (predicted)
+STAGE = "stage"      # this rank is a pipeline stage: a StageRecord's fields
+BUCKETS = "buckets"  # a bucketed all-reduce's layout (ddp)
+MEMORY = "memory"    # a memory ledger: {"measured": the ledger, "model": a MemoryModel}; records add "predicted"
+
+
+@dataclass
+class StageRecord:
+    """A pipeline stage: what the analysis needs to put its measured bubble and microbatches alive
+    beside their theory, and what only the stage knows."""
+    stage: int                  # its index in the pipeline
+    stages: int                 # P
+    microbatches: int           # M
+    schedule: str               # gpipe | 1f1b | naive (one microbatch)
+    dp_replica: int             # which data-parallel replica of the pipeline this rank belongs to
+    units: list[int]            # [first, last + 1] of the model's units
+    unit_labels: list[str]
+    stage_parameters: int
+    partition: str              # how the cut was chosen
+    ranges: list[list[int]]     # every stage's units
+    time_share: float | None    # this stage's share of the measured unit times (balanced partition)
+    peak_activation_bytes: int  # the most bytes autograd saved for the microbatches alive at once
+    data_parallel: dict         # the flavour wrapping the stage: name, replicas, its own figures
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MemoryModel:
+    """What a memory ledger's strategy holds, for the cost model (analysis/memory.py) to predict."""
+    parameters: int             # Psi
+    workers: int                # N, the ranks the states are sharded over
+    zero_stage: int             # 0 (replicated) to 3
+    optimizer: str              # sgd | sgd-momentum | adam
+    precision: str              # fp32 | mixed
+    unit_parameters: int        # the largest unit's parameters (its working set)
+    step_in_backward: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)

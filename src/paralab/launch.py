@@ -13,14 +13,23 @@ Three ways to get a process group, one code path after it (``worker.run_worker``
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT come from the
   environment (``env://``).
 
-Failures. A rank that raises makes every rank stop: locally, the launcher
-sees the first rank die, terminates the others (SIGTERM, then SIGKILL) and
-exits 1 printing the failed rank's traceback; workers also die with the
-launcher (``PR_SET_PDEATHSIG``), so nothing is orphaned. In the manual and
-torchrun forms each process prints its own traceback and exits 1; its peers
-see the connection drop (or hit ``--timeout``) and exit 1 too. A check FAIL
-(exit 1) or a diverged loss (exit 3) is an orderly exit that every rank
-takes together, not a crash.
+Failures. A rank that fails makes every rank stop: locally, the launcher
+sees the first rank end, gives the others ``GRACE_S`` to end on their own,
+terminates the rest (SIGTERM, then SIGKILL) and exits 1; workers also die
+with the launcher (``PR_SET_PDEATHSIG``), so nothing is orphaned. It then
+names the rank that failed *first* and how (:func:`explain`): its Python
+exception with the traceback, the signal that killed it (a rank killed by
+SIGKILL, e.g. by the out-of-memory killer, reports nothing itself), or an
+exit code it did not explain; then the ranks that failed as a consequence
+(a peer's loss: "Connection closed by peer" and the like) or that it
+stopped. A rank's exception is timed by the rank, a silent death by when
+the launcher saw it; a lost connection is never the cause while another
+failure explains it. If the run had written a complete checkpoint, it
+prints the exact command that resumes it (:func:`resume_hint`). In the
+manual and torchrun forms each process prints its own traceback (and the
+resume command) and exits 1; its peers see the connection drop (or hit
+``--timeout``) and exit 1 too. A check FAIL (exit 1) or a diverged loss
+(exit 3) is an orderly exit that every rank takes together, not a crash.
 
 With gloo across hosts, the interface gloo uses is the one that routes to
 ``--master-addr`` unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -33,11 +42,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import random
+import shlex
 import signal
 import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -49,6 +60,7 @@ from .progress import emit
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
+POLL_S = 0.2   # once a rank has ended: how often the launcher reads the others' reports
 
 # Errors a rank raises because *another* rank died: the launcher reports the
 # rank whose error is not one of these (the cause), not the ones it brought down.
@@ -203,8 +215,15 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         return int(exc.code or 0)
     except Exception as exc:  # noqa: BLE001 - report the traceback, exit non-zero
         traceback.print_exc()
-        print(f"paralab: rank {rank} failed", file=sys.stderr, flush=True)
-        emit("error", rank=rank, message=describe(exc))
+        lost = _is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
+        print(f"paralab: rank {rank} failed" + (" after losing a peer: the rank that failed first is another one "
+                                               "(see its output)" if lost else ""), file=sys.stderr, flush=True)
+        hint = None
+        if cfg.launched_by != "torchrun" or rank == 0:  # under torchrun: once, not once per rank
+            hint = resume_hint(cfg, run_dir, ranks=[rank] if world > 1 else None)
+            if hint:
+                print("\n".join(hint[1]), file=sys.stderr, flush=True)
+        emit("error", rank=rank, message=describe(exc), resume=hint[0] if hint else None)
         return 1
 
 
@@ -228,8 +247,10 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str, parent: int,
-           errors) -> None:
-    """One spawned rank. An exception goes to the launcher as text, with the time it happened."""
+           reports) -> None:
+    """One spawned rank. Before a non-zero exit it tells the launcher why (a dict on ``reports``):
+    an exception, as text with the time it happened, or an orderly exit. A rank that dies
+    without a word (a signal, ``os._exit`` in native code) is explained by its exit code."""
     _die_with_parent(parent)
     from .worker import run_worker
     pin(rank, cfg, world)
@@ -238,11 +259,16 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)
         code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if code:
+            reports.put({"rank": rank, "kind": "exit", "time": time.time(), "code": code,
+                         "summary": f"an orderly exit (code {code})"})
     except KeyboardInterrupt:
         code = 130
+        reports.put({"rank": rank, "kind": "exit", "time": time.time(), "code": code, "summary": "interrupted"})
     except BaseException as exc:  # noqa: BLE001
-        # bounded: a pipe holds 64 KiB
-        errors.put((rank, time.time(), traceback.format_exc()[-20000:], describe(exc)))
+        # bounded: a pipe holds 64 KiB (and the launcher reads it as the ranks end)
+        reports.put({"rank": rank, "kind": "exception", "time": time.time(),
+                     "traceback": traceback.format_exc()[-20000:], "summary": describe(exc)})
         code = 1
     # Everything is written and the process group is gone; skip the interpreter's teardown
     # of torch, which takes about a second per rank and has nothing left to do.
@@ -256,59 +282,259 @@ def _is_peer_loss(text: str) -> bool:
     return any(marker in last for marker in PEER_LOSS)
 
 
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# What a signal that ended a rank usually means (it leaves no traceback).
+SIGNAL_HINTS = {
+    "SIGKILL": "no traceback: killed from outside the process, by the kernel's out-of-memory killer "
+               "(see `dmesg`) or a `kill -9`",
+    "SIGSEGV": "a crash in native code (segmentation fault)",
+    "SIGBUS": "a crash in native code (bus error; on Linux often a full /dev/shm)",
+    "SIGABRT": "native code aborted (e.g. a C++ exception nobody caught)",
+    "SIGFPE": "a crash in native code (arithmetic fault)",
+    "SIGILL": "a crash in native code (an instruction this CPU lacks)",
+    "SIGTERM": "terminated from outside the process",
+    "SIGINT": "interrupted",
+}
+
+
+@dataclass
+class Ending:
+    """How one local rank ended, as the launcher saw it."""
+    rank: int
+    code: int | None             # exit code; negative: killed by that signal
+    seen: float                  # wall clock: when the launcher saw it end
+    report: dict | None = None   # what the rank said before it ended (an exception, or an orderly exit)
+    stopped: bool = False        # still running after a failure: the launcher stopped it
+
+    @property
+    def kind(self) -> str:
+        """exception | signal | exit (non-zero, unexplained) | orderly | ok | stopped"""
+        if self.report is not None and self.report["kind"] == "exception":
+            return "exception"  # (even if the launcher had to stop it after it reported)
+        if self.stopped:
+            return "stopped"
+        if self.code == 0:
+            return "ok"
+        if self.report is not None:  # an orderly exit it announced (check FAIL, diverged loss)
+            return "orderly"
+        return "signal" if self.code is not None and self.code < 0 else "exit"
+
+    @property
+    def failed(self) -> bool:
+        """Failed on its own account or because it lost a peer (not: stopped by the launcher)."""
+        return self.kind in ("exception", "signal", "exit")
+
+    @property
+    def peer_loss(self) -> bool:
+        """Its error is one a rank raises because another rank died."""
+        return self.kind == "exception" and _is_peer_loss(self.report["traceback"])
+
+    @property
+    def time(self) -> float:
+        """When it failed: an exception by the rank's own clock (it reports before it exits), a
+        silent death by when the launcher saw it."""
+        return self.report["time"] if self.kind == "exception" else self.seen
+
+    def what(self) -> str:
+        """How it ended, in a few words (``killed by signal SIGKILL``, ``RuntimeError: ...``)."""
+        kind = self.kind
+        if kind == "exception":
+            return self.report["summary"]
+        if kind == "signal":
+            return f"killed by signal {signal_name(-self.code)}"
+        if kind == "exit":
+            return f"exited with code {self.code} and no Python error"
+        if kind == "orderly":
+            return self.report["summary"]
+        if kind == "stopped":
+            return "still running: stopped by the launcher"
+        return "finished (exit code 0)"
+
+    def why(self) -> str:
+        """What that usually means, where the ending says no more itself."""
+        if self.kind == "signal":
+            return SIGNAL_HINTS.get(signal_name(-self.code), "")
+        if self.kind == "exit" and (self.code or 0) > 128:
+            name = signal_name(self.code - 128)
+            if name.startswith("SIG"):
+                return (f"{self.code} = 128 + {self.code - 128}: how a shell or container runtime reports a process "
+                        f"killed by {name}" + (", most often by the out-of-memory killer: see `dmesg`"
+                                               if name == "SIGKILL" else ""))
+        if self.kind == "exit":
+            return "its own output above may say why"
+        return ""
+
+
+def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
+    """The rank that failed first and the lines that say so, or None if no rank failed.
+
+    The cause is the earliest failure that is not a lost peer (an exception,
+    a signal, an unexplained exit code); lost peers and the ranks the
+    launcher stopped are listed after it as its consequences. Only when
+    every failure is a lost connection is the earliest of those named (the
+    cause is then outside the ranks: the network, or a process killed
+    elsewhere).
+    """
+    failed = [e for e in endings if e.failed]
+    if not failed:
+        return None
+    own = [e for e in failed if not e.peer_loss]
+    cause = min(own or failed, key=lambda e: (e.time, e.rank))
+    why = cause.why()
+    lines = [f"paralab: rank {cause.rank} failed first: {cause.what()}{f' ({why})' if why else ''}; "
+             "all ranks stopped."]
+    if not own:
+        lines.append("paralab: every rank's error is a lost connection; the first is shown. The cause is "
+                     "outside the ranks' Python code (the network, or a process ended from elsewhere)")
+    if cause.kind == "exception":
+        lines.append(cause.report["traceback"].rstrip())
+    others = sorted((e for e in endings if e is not cause), key=lambda e: (e.time, e.rank))
+    consequences = [e for e in others if e.peer_loss or e.kind == "stopped"]
+    if consequences:
+        lines.append("paralab: then, as a consequence:")
+        for e in consequences:
+            last = e.report["traceback"].strip().splitlines()[-1][:200].rstrip() if e.peer_loss else e.what()
+            lines.append(f"paralab:   rank {e.rank}: {'lost its peer: ' if e.peer_loss else ''}{last}")
+    for e in others:
+        if e not in consequences:
+            why = e.why()
+            verb = "also failed" if e.failed else "had ended"
+            lines.append(f"paralab: rank {e.rank} {verb}: {e.what()}{f' ({why})' if why else ''}")
+    return cause, lines
+
+
+def _drain(reports, received: dict[int, dict]) -> None:
+    while not reports.empty():
+        report = reports.get()
+        received[report["rank"]] = report
+
+
 def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
     """Spawn cfg.workers ranks here and supervise them; the first failure stops them all."""
     world = cfg.workers
     spawn = mp.get_context("spawn")
-    errors = spawn.SimpleQueue()
+    reports = spawn.SimpleQueue()
     procs = [spawn.Process(target=_entry, name=f"paralab-rank{r}",
-                           args=(r, cfg, world, init_method, run_dir, os.getpid(), errors))
+                           args=(r, cfg, world, init_method, run_dir, os.getpid(), reports))
              for r in range(world)]
     for p in procs:
         p.start()
     by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}
-    codes: dict[int, int] = {}
-    first_crash, crash_time = None, None  # the first rank seen to crash, and when
+    endings: dict[int, Ending] = {}
+    received: dict[int, dict] = {}
+    crash_time = None  # when the launcher first saw a rank fail
     try:
-        while len(codes) < world:
-            running = [procs[r].sentinel for r in range(world) if r not in codes]
-            timeout = None if crash_time is None else max(0.0, crash_time + GRACE_S - time.monotonic())
-            for sentinel in wait(running, timeout=timeout):
+        while len(endings) < world:
+            running = [procs[r].sentinel for r in range(world) if r not in endings]
+            if not endings:  # all running: nothing to read until one ends
+                timeout = None
+            elif crash_time is None:
+                timeout = POLL_S
+            else:
+                timeout = max(0.0, min(POLL_S, crash_time + GRACE_S - time.monotonic()))
+            ready = wait(running, timeout=timeout)
+            seen = time.time()
+            for sentinel in ready:
                 r = by_sentinel[sentinel]
                 procs[r].join()
-                codes[r] = procs[r].exitcode
-                # killed by a signal, or exited non-zero after reporting an exception
-                crashed = codes[r] < 0 or (codes[r] != 0 and not errors.empty())
-                if crashed and first_crash is None:
-                    first_crash, crash_time = r, time.monotonic()
+                endings[r] = Ending(r, procs[r].exitcode, seen)
+            _drain(reports, received)  # a rank's report is written before it exits
+            for e in endings.values():
+                e.report = received.get(e.rank)
+            if crash_time is None and any(e.failed for e in endings.values()):
+                crash_time = time.monotonic()
             if crash_time is not None and time.monotonic() >= crash_time + GRACE_S:
                 break  # the others had their chance to exit on their own
     except BaseException:  # Ctrl-C, or the launcher itself failing: take the workers down with it
         _stop(procs)
         raise
     _stop(procs)
-    if first_crash is None:
-        return max(codes.values(), default=0)
+    seen = time.time()
+    _drain(reports, received)
+    for r in range(world):
+        if r not in endings:
+            endings[r] = Ending(r, procs[r].exitcode, seen, stopped=True)
+        endings[r].report = received.get(r)
+    explained = explain([endings[r] for r in range(world)])
+    if explained is None:
+        return max((e.code for e in endings.values() if e.code is not None), default=0)
 
-    reports = []
-    while not errors.empty():
-        reports.append(errors.get())
-    if reports:
-        # the cause: the earliest error that is not a consequence of losing a peer
-        rank, _, text, summary = min(reports, key=lambda e: (_is_peer_loss(e[2]), e[1]))
-        print(f"paralab: rank {rank} failed; all ranks stopped.\n{text.rstrip()}", file=sys.stderr)
-        emit("error", rank=rank, message=summary)
-        for other, _, other_text, _ in sorted(reports):
-            if other != rank:
-                last = other_text.strip().splitlines()[-1][:200] if other_text.strip() else ""
-                print(f"paralab: rank {other} failed after it: {last}", file=sys.stderr)
-    else:
-        code = codes[first_crash]
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        print(f"paralab: rank {first_crash} died ({how}); all ranks stopped.", file=sys.stderr)
-        emit("error", rank=first_crash, message=f"rank {first_crash} died ({how})",
-             signal=-code if code < 0 else None)
+    cause, lines = explained
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    hint = resume_hint(cfg, run_dir)
+    if hint:
+        print("\n".join(hint[1]), file=sys.stderr, flush=True)
+    kind = cause.kind
+    emit("error", rank=cause.rank,
+         message=cause.what() if kind == "exception" else f"rank {cause.rank} {cause.what()}",
+         signal=-cause.code if kind == "signal" else None,
+         exit_code=cause.code if kind == "exit" else None,
+         consequences=[{"rank": e.rank, "message": e.what()} for e in endings.values()
+                       if e is not cause and e.kind != "ok"],
+         resume=hint[0] if hint else None)
     return 1
+
+
+# ---------------------------------------------------------------------------- resuming
+def train_command(cfg: RunConfig, **changes) -> list[str]:
+    """The ``paralab train`` command line that gives ``cfg`` (with ``changes``): every option
+    that differs from its default, as the train parser spells it."""
+    import argparse
+    from .cli import add_train_options
+    parser = argparse.ArgumentParser(add_help=False)
+    add_train_options(parser)
+    values = cfg.to_dict() | changes
+    words = ["paralab", "train", values["strategy"]]
+    for action in parser._actions:  # argparse offers no public list of its options
+        if not action.option_strings or action.dest not in values:
+            continue
+        value = values[action.dest]
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            words.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true / store_false: the flag is the non-default value
+            words.append(action.option_strings[0])
+        else:
+            words += [action.option_strings[0], str(value)]
+    return words
+
+
+def resume_hint(cfg: RunConfig, run_dir, ranks: list[int] | None = None) -> tuple[str, list[str]] | None:
+    """After a failure: (the command that resumes the run, the lines that say so), or None when no
+    complete checkpoint of this run exists (in the run directory, or the one it resumed from).
+
+    ``ranks``: the ranks whose files must be here (default: all; a manual rank checks its own).
+    """
+    from .checkpoint import resumable_step
+    run_dir = Path(run_dir)
+    best = None
+    for folder in [run_dir] + ([Path(cfg.resume)] if cfg.resume else []):
+        step = resumable_step(folder, cfg, ranks)
+        if step is not None and (best is None or step > best[1]):
+            best = (folder, step)
+    if best is None:
+        return None
+    folder, step = best
+    if cfg.num_batches is not None and step >= cfg.num_batches:
+        return None, [f"paralab: training had finished: {folder / 'checkpoint'} holds the last step, {step}; "
+                      f"the failure came after it. Its weights: paralab export {shlex.quote(str(folder))}"]
+    command = shlex.join(train_command(cfg, out=str(run_dir), resume=str(folder), save_init=False))
+    if cfg.launched_by == "torchrun":
+        return command, [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume, "
+                         f"give the same torchrun command these paralab arguments:",
+                         "  " + command.removeprefix("paralab ")]
+    lines = [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume:",
+             f"  {command}"]
+    if cfg.world_size is not None:
+        lines.append("paralab: (this rank's command; every other rank likewise, with its own --rank and run directory)")
+    return command, lines
 
 
 def _stop(procs) -> None:

@@ -26,7 +26,7 @@ from .analysis import timeline
 from .analysis.cost import bubble_fraction, in_flight
 from .evaluate import format_report
 from .analysis.memory import memory_per_worker
-from .kinds import MEMORY, STAGE
+from .kinds import MEMORY, STAGE, MemoryModel
 from .recorder import CATEGORIES, union_length
 from .trace import chrome_trace
 
@@ -148,7 +148,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "test_loss": evaluation["loss"] if evaluation else None,
         "test_accuracy": evaluation["accuracy"] if evaluation else None,
         "check": None if check is None else {k: check[k] for k in
-                                             ("result", "max_weight_dev", "max_output_dev")},
+                                             ("result", "max_weight_dev", "max_output_dev", "precision",
+                                              "tolerances", "history")},
         "error": error,
     }
     summary.update(extra or {})
@@ -181,10 +182,11 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
 
 
 def predicted_memory(model: dict) -> dict:
-    """The cost model's figures for a memory ``model`` record (what a ledger's strategy holds)."""
-    return memory_per_worker(model["parameters"], model["workers"], model["zero_stage"], model["optimizer"],
-                             model["precision"], unit_parameters=model["unit_parameters"],
-                             step_in_backward=model.get("step_in_backward", False)).to_dict()
+    """The cost model's figures for a memory ``model`` record (``kinds.MemoryModel``: what a ledger's
+    strategy holds)."""
+    m = MemoryModel(**model)
+    return memory_per_worker(m.parameters, m.workers, m.zero_stage, m.optimizer, m.precision,
+                             unit_parameters=m.unit_parameters, step_in_backward=m.step_in_backward).to_dict()
 
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,

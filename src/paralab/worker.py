@@ -56,7 +56,8 @@ def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
 def build_model_factory(cfg: RunConfig, num_classes: int):
     def make():
         torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
-        return build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes)
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes)
+        return model.double() if cfg.precision == "fp64" else model
     return make
 
 
@@ -66,11 +67,25 @@ def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int):
 
 
 def fault_injection(rank: int, step: int) -> None:
-    """Testing only: PARALAB_FAULT=RANK:STEP makes that rank raise at that step."""
+    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND] makes that rank fail at the start of that step.
+
+    KIND: ``raise`` (the default: a RuntimeError, reported with its traceback), ``kill`` (SIGKILL to
+    itself: no traceback, as ``kill -9`` or the kernel's out-of-memory killer) or ``oom`` (an
+    out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
+    Python error, as a shell or container runtime reports a process the out-of-memory killer took).
+    """
     spec = os.environ.get("PARALAB_FAULT")
     if spec:
-        fault_rank, fault_step = (int(v) for v in spec.split(":"))
-        if rank == fault_rank and step == fault_step:
+        fault_rank, fault_step, *kind = spec.split(":")
+        kind = kind[0] if kind else "raise"
+        if kind not in ("raise", "kill", "oom"):
+            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill or oom")
+        if rank == int(fault_rank) and step == int(fault_step):
+            if kind == "kill":
+                import signal
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "oom":
+                os._exit(137)
             raise RuntimeError(f"injected fault on rank {rank} at step {step} (PARALAB_FAULT)")
 
 
@@ -123,7 +138,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     replicas, replica = strategy.replicas()
     global_batch = cfg.global_batch()
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
-                         rank=replica, seed=cfg.seed, augment=cfg.augment)
+                         rank=replica, seed=cfg.seed, augment=cfg.augment, drop_last=cfg.drop_last)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
     lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
     parameters = count_parameters(model_fn())
@@ -143,6 +158,17 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
                                f"run asks for {total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {cfg.resume} at step {start_step}")
+    elif cfg.save_init:  # the starting weights, for `paralab export RUN --init` (a collective for some)
+        checkpoint.save(run_dir, rank, 0, cfg, strategy.state_dict(), tag="init")
+
+    note = source.data_note(start_step, total_steps)  # uneven data: samples repeated, or left out
+    if note:
+        say(f"paralab: note: {note}")
+
+    reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
+    if cfg.check:
+        from .check import Reference, weight_deviation
+        reference = Reference(strategy, source, model_fn, build_optimizer_factory(cfg), lr_for)
 
     step_rows: list[dict] = []
     progress = Progress(total_steps, "train", enabled=main and cfg.progress, start=start_step)
@@ -155,7 +181,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         set_lr(optimizers, lr_for(step))
         with recorder.span("data", "load"):
             x, y = source.batch(step)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = x.to(device, ctx.dtype, non_blocking=True), y.to(device, non_blocking=True)
         result = strategy.train_step(x, y)
         t1 = recorder.now()
         recorder.step = -1
@@ -178,6 +204,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                 say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
                 progress.event("loss", step=step + 1, total=total_steps, loss=sum(losses) / len(losses))
         progress.update(step + 1)
+        if reference is not None and cfg.check_every and (step + 1) % cfg.check_every == 0 \
+                and step + 1 < total_steps:  # outside the step's timing (recorder.step is -1)
+            reference.advance_to(step + 1)
+            history.append((step + 1, weight_deviation(strategy, reference, cfg.precision).max_abs))
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total_steps:
             checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())
     else:
@@ -193,10 +223,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if main and result_eval is not None:
             say(f"test: loss {result_eval['loss']:.4f}  accuracy {100 * result_eval['accuracy']:.2f}% "
                 f"({result_eval['samples']} samples)")
-        if cfg.check:
+        if reference is not None:
             from .check import run_check
-            check = run_check(cfg, strategy, source, model_fn, build_optimizer_factory(cfg), lr_for,
-                              total_steps, comm, say)
+            check = run_check(cfg, strategy, reference, total_steps, comm, say, history)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=parameters,
                       world=world, backend=backend, device=device, dataset=data, evaluation=result_eval,

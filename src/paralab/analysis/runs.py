@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from .timeline import measured_steps
 
 CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")
 
@@ -144,13 +145,9 @@ class Run:
         return self._spans
 
     def measured_steps(self) -> list[int]:
-        """Steps that count in averages: all after the first ``warmup``."""
-        timed = sorted({r["step"] for r in self.steps if r["step"] >= 0})
-        if not timed:
-            return []
+        """Steps that count in averages: all after the first ``warmup`` (``timeline.measured_steps``)."""
         warm = int(self.summary.get("warmup", self.config.get("warmup", 1)) or 0)
-        measured = [s for s in timed if s >= timed[0] + warm]
-        return measured or timed
+        return measured_steps([r["step"] for r in self.steps], warm)
 
     def step_spans(self, step: int) -> list[dict]:
         return [s for s in self.spans if s["step"] == step]

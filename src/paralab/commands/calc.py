@@ -85,7 +85,7 @@ def add_arguments(p) -> None:
                                    "activations sent forward and gradients sent back at each boundary.")
     q.add_argument("--model", default="vgg11")
     q.add_argument("--width", type=float, default=1.0)
-    q.add_argument("--norm", default="batch")
+    q.add_argument("--norm", help="batch | none (default: the model's own)")
     q.add_argument("--workers", type=int, required=True, help="stages (one per worker)")
     q.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
     q.add_argument("--microbatches", type=int, default=1, help="microbatches per step (messages, not bytes)")
@@ -279,7 +279,7 @@ def calc_comm(args) -> int:
     _positive("batch-size", args.batch_size)
     _positive("microbatches", args.microbatches)
     model = _model_size(args.model, args.width)
-    if args.norm != "batch":
+    if args.norm is not None:
         from ..models import build_model
         model = build_model(args.model, width=args.width, norm=args.norm)
     parse_spec(args.partition, args.workers, len(model))

@@ -16,7 +16,7 @@ import json
 import torch
 
 from ..errors import UsageError
-from ..models import MODELS, build_model, count_parameters
+from ..models import DEFAULT_NORM, MODELS, build_model, count_parameters
 from ..partition import (analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch,
                          split_costs)
 
@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="batch crossing the boundaries (default %(default)s)")
     p.add_argument("--microbatches", type=int, default=1, help="also show per-microbatch sizes")
     p.add_argument("--width", type=float, default=1.0, help="channel multiplier (default %(default)s)")
-    p.add_argument("--norm", default="batch", help="batch | none")
+    p.add_argument("--norm", help="batch | none (default: the model's own; none for the CS1390 VGG-16s)")
     p.add_argument("--partition", default="balanced", help="balanced | params | counts such as 2,3,8")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per unit (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -53,6 +53,8 @@ def run(args) -> int:
     for name in ("workers", "batch_size", "microbatches", "width", "repeats"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.norm is None:
+        args.norm = DEFAULT_NORM[args.model]
     if args.norm not in ("batch", "none"):
         raise UsageError("--norm must be batch or none")
     if args.batch_size % args.microbatches:

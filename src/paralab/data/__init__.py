@@ -1,7 +1,7 @@
 """Data: in-memory datasets, DistributedSampler-style sharding, batched transforms."""
-from .datasets import DATASETS, Dataset, check_dataset, load_dataset, resolve_dataset
+from .datasets import DATASETS, Dataset, check_dataset, load_dataset, resolve_dataset, train_size
 from .loader import BatchSource
-from .sharding import shard_indices, steps_per_epoch
+from .sharding import padded_samples, shard_indices, steps_per_epoch
 
 __all__ = ["DATASETS", "Dataset", "BatchSource", "check_dataset", "load_dataset",
-           "resolve_dataset", "shard_indices", "steps_per_epoch"]
+           "padded_samples", "resolve_dataset", "shard_indices", "steps_per_epoch", "train_size"]

@@ -1,7 +1,8 @@
 """Datasets held in memory as uint8 tensors ``[N, 3, 32, 32]`` plus int64 labels.
 
-Readers for the real on-disk formats (CIFAR-10 python pickles, Fashion-MNIST
-IDX ``.gz``) and a deterministic, learnable synthetic set. Everything is
+Readers for the real on-disk formats (CIFAR-10 python pickles, read by a
+restricted unpickler that can build nothing but what the official files hold;
+Fashion-MNIST IDX ``.gz``) and a deterministic, learnable synthetic set. Everything is
 loaded once; augmentation and normalisation happen later, batched.
 """
 from __future__ import annotations
@@ -37,6 +38,9 @@ CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = "test_batch"
 # Sizes of the official files, checked before unpickling.
 CIFAR_FILE_BYTES = {**{name: 31035704 for name in CIFAR_TRAIN}, CIFAR_TEST: 31035526}
+CIFAR_TRAIN_SIZE = 50000
+FASHION_TRAIN_SIZE = 60000
+MAX_IDX_BYTES = 64 << 20  # the largest Fashion-MNIST file inflates to 47,040,016 bytes
 # MD5 of each file's *decompressed* IDX bytes: Debian re-compresses the
 # archives, so the digest of the .gz itself differs between sources.
 FASHION_FILES = {
@@ -82,19 +86,112 @@ def cifar_dir(data_dir: Path | None) -> Path | None:
     return None
 
 
+# What the official python batches (Python 2 cPickle, protocol 2) are made of: a
+# dict of byte-string keys (b"batch_label", b"labels", b"data", b"filenames") to a
+# byte string, a list of ints, a numpy uint8 array [10000, 3072] and a list of byte
+# strings. Strings, ints, lists, tuples and dicts are pickle opcodes and need no
+# global; the array names exactly three: numpy's array reconstructor, ndarray and
+# dtype. (Python 2 numpy wrote the reconstructor as numpy.core.multiarray; numpy
+# 2 writes numpy._core.multiarray: the same function, both accepted.)
+try:
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct  # numpy >= 2
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+
+_NDARRAY = object()  # what the name numpy.ndarray unpickles to: a token, never callable
+
+
+def _reconstruct(subtype, shape, typecode):
+    """numpy's ``_reconstruct``, for a plain empty ndarray only (the form numpy pickles:
+    ``_reconstruct(ndarray, (0,), b"b")``, its content set afterwards by ``__setstate__``)."""
+    if subtype is not _NDARRAY or tuple(shape) != (0,):
+        raise pickle.UnpicklingError("numpy._reconstruct is allowed only for an empty plain ndarray")
+    return _np_reconstruct(np.ndarray, (0,), typecode)
+
+
+def _dtype(*args):
+    """``numpy.dtype(...)`` for dtypes that hold no Python objects."""
+    dtype = np.dtype(*args)
+    if dtype.hasobject:
+        raise pickle.UnpicklingError("a dtype holding Python objects is not allowed")
+    return dtype
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """The file names a global that no CIFAR-10 batch contains; nothing was run."""
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """An unpickler that can build only what an official CIFAR-10 python batch holds.
+
+    Every global a pickle refers to (the only way a pickle can run code: a
+    callable that ``REDUCE``/``NEWOBJ``/``INST``/``OBJ`` then calls) goes
+    through :meth:`find_class`; here it resolves only the three numpy names
+    above, each to a guarded stand-in, and refuses everything else before
+    importing anything. ``persistent_load`` is not defined, so persistent
+    ids are refused too. ``encoding="bytes"`` keeps Python 2 strings as bytes,
+    as the official files need.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): _NDARRAY,
+        ("numpy", "dtype"): _dtype,
+    }
+
+    def __init__(self, file):
+        super().__init__(file, encoding="bytes")
+
+    def find_class(self, module, name):
+        try:
+            return self.ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(f"it refers to {module}.{name}, which no CIFAR-10 batch contains "
+                                    "(only numpy arrays, lists, strings and ints); refused "
+                                    "without loading or running it") from None
+
+
+def _field(batch: dict, key: str):
+    """``batch[b"key"]`` (the official files, read with encoding="bytes") or ``batch["key"]``."""
+    for k in (key.encode(), key):
+        if k in batch:
+            return batch[k]
+    raise KeyError(f"no {key!r} entry")
+
+
 def read_cifar_batch(path: Path, expected_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``[N, 3, 32, 32]`` uint8 and labels ``[N]`` int64 of one python batch.
+
+    Read with :class:`CifarUnpickler`: a file that refers to anything but what
+    the official batches hold is refused (UsageError) without running it.
+    """
     if expected_bytes is not None and path.stat().st_size != expected_bytes:
         raise UsageError(f"{path} has {path.stat().st_size} bytes, expected {expected_bytes}: "
                          "the file is corrupt or truncated; download it again "
                          "with `paralab data download cifar10`")
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+            batch = CifarUnpickler(f).load()
+    except UnsafePickleError as exc:
+        raise UsageError(f"{path} is not a CIFAR-10 python batch: {exc}. Replace it with the official "
+                         "files (`paralab data download cifar10`)") from exc
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise UsageError(f"{path} is not a CIFAR-10 python batch ({type(exc).__name__}: {exc}); "
+                         "download it again with `paralab data download cifar10`") from exc
+    try:
+        if not isinstance(batch, dict):
+            raise ValueError(f"it holds a {type(batch).__name__}, not a dict")
+        data, labels = _field(batch, "data"), _field(batch, "labels")
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.size % (3 * 32 * 32):
+            raise ValueError("'data' is not a uint8 array of 3x32x32 images")
+        if not isinstance(labels, list) or not all(type(v) is int and 0 <= v < 10 for v in labels):
+            raise ValueError("'labels' is not a list of class numbers 0-9")
+    except (KeyError, ValueError) as exc:
         raise UsageError(f"{path} is not a CIFAR-10 python batch ({exc}); "
                          "download it again with `paralab data download cifar10`") from exc
+    data = data.reshape(-1, 3, 32, 32)
+    labels = np.asarray(labels, dtype=np.int64)
     if len(data) != len(labels):
         raise UsageError(f"{path}: {len(data)} images but {len(labels)} labels")
     return data, labels
@@ -129,9 +226,12 @@ def read_idx(path: Path, md5: str | None = None) -> np.ndarray:
     """
     try:
         with gzip.open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_IDX_BYTES + 1)  # bounded: a small crafted .gz could inflate to gigabytes
     except (OSError, EOFError) as exc:
         raise UsageError(f"{path} is not a readable gzip file ({exc}); the file is corrupt") from exc
+    if len(raw) > MAX_IDX_BYTES:
+        raise UsageError(f"{path} inflates to more than {MAX_IDX_BYTES >> 20} MiB, more than any "
+                         "Fashion-MNIST file (47 MB): not Fashion-MNIST")
     if md5 is not None and hashlib.md5(raw).hexdigest() != md5:
         raise UsageError(f"{path} fails its MD5 check (decompressed content): the file is corrupt "
                          "or not Fashion-MNIST; reinstall it or pass --dataset synthetic")
@@ -247,8 +347,19 @@ def check_dataset(name: str, data_dir: Path | None) -> None:
             if not path.exists() or path.stat().st_size != size:
                 raise UsageError(f"{path} is missing or has the wrong size (expected {size} bytes): "
                                  "the download is corrupt; run `paralab data download cifar10` again")
+        for file in CIFAR_FILE_BYTES:
+            # read every batch once here (restricted unpickler, well under a second), so a crafted
+            # or corrupt file is refused with exit 2 before any worker starts, never inside one
+            read_cifar_batch(folder / file)
     if name == "fashion-mnist":
         load_fashion_mnist(data_dir)  # small: reading it checks presence, format and MD5
+
+
+def train_size(name: str, data_dir: Path | None, synthetic_size: int) -> int:
+    """Training samples of a dataset that :func:`check_dataset` accepted, without loading it
+    (the real sets are the official files: their sizes and checksums are checked)."""
+    name = resolve_dataset(name, data_dir)
+    return {"cifar10": CIFAR_TRAIN_SIZE, "fashion-mnist": FASHION_TRAIN_SIZE}.get(name, synthetic_size)
 
 
 def load_dataset(name: str, data_dir: Path | None = None, *, synthetic_size: int = 10000,

@@ -6,7 +6,7 @@ import math
 import torch
 
 from .datasets import Dataset
-from .sharding import shard_indices, steps_per_epoch
+from .sharding import padded_samples, shard_indices, steps_per_epoch
 from .transforms import Augmenter, normalize
 
 
@@ -19,17 +19,51 @@ class BatchSource:
     """
 
     def __init__(self, data: Dataset, *, per_rank_batch: int, replicas: int = 1, rank: int = 0,
-                 seed: int = 0, augment: bool = True):
+                 seed: int = 0, augment: bool = True, drop_last: bool = False):
         self.data = data
         self.per_rank_batch = per_rank_batch
         self.replicas, self.rank, self.seed = replicas, rank, seed
+        self.drop_last = drop_last
         self.augmenter = Augmenter(len(data.train_y), seed, augment)
         self._orders: dict[int, torch.Tensor] = {}  # rank -> this epoch's shard order
         self._orders_epoch: int | None = None
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"drop_last: {len(data.train_y)} samples make no full global batch of "
+                             f"{replicas * per_rank_batch}")
 
     @property
     def steps_per_epoch(self) -> int:
-        return steps_per_epoch(len(self.data.train_y), self.replicas, self.per_rank_batch)
+        """``ceil(n / B)`` steps, the last possibly smaller; with ``drop_last``, ``n // B`` full ones."""
+        return steps_per_epoch(len(self.data.train_y), self.replicas, self.per_rank_batch, self.drop_last)
+
+    @property
+    def padding(self) -> int:
+        """Samples each epoch repeats (in its last step) so the data divides over the replicas."""
+        return padded_samples(len(self.data.train_y), self.replicas, self.drop_last)
+
+    def repeated_samples(self, start: int, stop: int) -> int:
+        """How many repeated (padding) samples steps ``[start, stop)`` train on, over all replicas:
+        the padding, once for every epoch whose last step is among them."""
+        s = self.steps_per_epoch
+        return self.padding * max(0, stop // s - start // s)
+
+    def data_note(self, start: int, stop: int) -> str | None:
+        """What a run of steps ``[start, stop)`` does with samples that do not fill the epoch
+        evenly (repeats them, or leaves them out with drop_last), or None: nothing to say."""
+        n, b = len(self.data.train_y), self.per_rank_batch * self.replicas
+        s = self.steps_per_epoch
+        repeated = self.repeated_samples(start, stop)
+        if repeated:
+            return (f"{n} training samples do not divide over {self.replicas} data-parallel replicas: "
+                    f"as DistributedSampler does, the last step of each epoch repeats the epoch's first "
+                    f"{self.padding} sample(s) so that every replica gets {math.ceil(n / self.replicas)}; "
+                    f"this run trains on {repeated} repeated sample(s) ({repeated // self.padding} epoch end(s)), "
+                    f"which a single process does not. --drop-last trains {n // b} full batches per epoch "
+                    "instead, the same samples as `single --drop-last`")
+        if self.drop_last and n % b and stop > start:
+            return (f"--drop-last: each epoch is {s} step(s) of {b} samples; the last {n % b} of each "
+                    f"epoch's {n} shuffled samples are left out (other ones each epoch), none repeats")
+        return None
 
     def indices(self, step: int, rank: int | None = None) -> tuple[int, torch.Tensor]:
         """(epoch, indices) of ``rank``'s batch at global ``step``.
@@ -43,7 +77,7 @@ class BatchSource:
             self._orders, self._orders_epoch = {}, epoch
         if rank not in self._orders:
             self._orders[rank] = shard_indices(len(self.data.train_y), self.replicas, rank,
-                                               seed=self.seed, epoch=epoch)
+                                               seed=self.seed, epoch=epoch, drop_last=self.drop_last)
         return epoch, self._orders[rank][i * self.per_rank_batch:(i + 1) * self.per_rank_batch]
 
     def batch(self, step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

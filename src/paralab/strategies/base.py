@@ -9,6 +9,9 @@ A strategy is built from a model factory, an optimizer factory and the rank's
 - ``predict(x)``: logits where this rank has them (else None), eval mode.
 - ``full_state_dict()``: the whole model, same keys as the plain model.
 - ``state_dict()`` / ``load_state_dict()``: this rank's own resumable state.
+- ``consolidate(states, model)`` (a classmethod, offline): every rank's saved
+  ``state_dict()`` put back together into the whole model's tensors, in one
+  process without a process group (``paralab export``).
 
 A strategy declares how a global batch is split, so the loop hands each rank
 exactly its samples and the reference run (verify.py) replays the same
@@ -49,6 +52,12 @@ class Context:
     options: object = None       # the strategies' options, typed (strategies.options.StrategyOptions)
     mesh: Mesh | None = None     # the rank grid; None: one dimension, dp over the whole world
     batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameters, activations between ranks and logits: float64 under ``--precision fp64``, else
+        float32 (bf16 autocast computes in bf16 but keeps fp32 parameters and sends fp32)."""
+        return torch.float64 if self.precision == "fp64" else torch.float32
 
     def autocast(self):
         if self.precision == "bf16":
@@ -165,6 +174,14 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def consolidate(cls, states: list[dict], model: nn.Module) -> dict[str, torch.Tensor]:
+        """Offline, in one process (no process group): every rank's :meth:`state_dict`, in rank
+        order, as its checkpoint holds it -> the whole model's tensors under the plain model's keys,
+        what :meth:`full_state_dict` gives. ``model`` is the run's model, freshly built: its keys
+        and shapes say how the saved pieces fit (its values are not used)."""
+        raise NotImplementedError(f"strategy {cls.name!r} cannot put its rank checkpoints together")
+
     def extra_summary(self) -> dict:
         """Strategy-specific figures for summary.json (e.g. hidden communication)."""
         return {}
@@ -172,10 +189,11 @@ class Strategy:
     # ------------------------------------------------------------ shared pieces
     @torch.no_grad()
     def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Logits of a whole (local or sharded-module) model in eval mode, as fp32."""
+        """Logits of a whole (local or sharded-module) model in eval mode, in the run's dtype
+        (fp32, or fp64 under ``--precision fp64``)."""
         model.eval()
         with self.ctx.autocast():
-            return model(x).float()
+            return model(x).to(self.ctx.dtype)
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          before_last: Callable | None = None, last: Callable | None = None) -> float:

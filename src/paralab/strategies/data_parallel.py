@@ -70,11 +70,20 @@ class DataParallel(Strategy):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def state_dict(self):
+        # dp rank 0's BatchNorm statistics first (a collective: every rank saves at the same steps), so
+        # every rank file holds the authoritative ones; PyTorch's DDP would broadcast them only at its
+        # next forward, leaving each rank's own in its file
+        self.dp.sync_buffers(after_step=False)
         return {"model": self.model.state_dict(), **self.dp.state_dict()}
 
     def load_state_dict(self, state):
         self.model.load_state_dict(state["model"])
         self.dp.load_state_dict(state)
+
+    @classmethod
+    def consolidate(cls, states, model):
+        """Every rank saved the whole model, synchronised first: rank 0's is the model."""
+        return dict(states[0]["model"])
 
     def extra_summary(self) -> dict:
         return self.dp.summary()

@@ -120,7 +120,7 @@ import torch.nn.functional as F
 
 from ..comm import Comm, nbytes
 from ..errors import UsageError
-from ..kinds import MEMORY
+from ..kinds import MEMORY, MemoryModel
 from ..options import option
 from .base import StepResult, Strategy, broadcast_buffers
 from .replicas import Replicas
@@ -571,7 +571,7 @@ class FSDP(Strategy):
             if fu is not None:
                 fu.free()
                 fu.unbind()
-        return h.float()
+        return h.to(self.ctx.dtype)
 
     @torch.no_grad()
     def full_state_dict(self):
@@ -604,14 +604,42 @@ class FSDP(Strategy):
         self.model.load_state_dict(state["buffers"])
         self.ledger.set("optimizer", optimizer_state_bytes(self.optimizer), "load")
 
+    @classmethod
+    @torch.no_grad()
+    def consolidate(cls, states, model):
+        """Offline: per unit with parameters (as :class:`FlatUnit` lays it out: its trainable
+        parameters in registration order, flat, zero-padded to a multiple of the ranks), the ranks'
+        shards in rank order are the padded flat tensor; the padding is cut and the rest cut back
+        into the parameters. Buffers (BatchNorm statistics): rank 0's, broadcast after every step."""
+        world = states[0]["world"]
+        if len(states) != world or [s["rank"] for s in states] != list(range(world)):
+            raise ValueError(f"fsdp: {len(states)} rank state(s) for a run on {world} workers")
+        units = [(i, unit) for i, unit in enumerate(model) if any(p.requires_grad for p in unit.parameters())]
+        if any(len(s["shards"]) != len(units) for s in states):
+            raise ValueError(f"fsdp: the checkpoint holds {len(states[0]['shards'])} sharded units; "
+                             f"this model has {len(units)}")
+        tensors = {}
+        for n, (i, unit) in enumerate(units):
+            flat = torch.cat([s["shards"][n].reshape(-1) for s in states])
+            offset = 0
+            for name, p in unit.named_parameters():
+                if p.requires_grad:
+                    if offset + p.numel() > flat.numel():
+                        raise ValueError(f"fsdp: unit {i}'s shards hold {flat.numel()} values, fewer than its "
+                                         "parameters")
+                    tensors[f"{i}.{name}"] = flat[offset:offset + p.numel()].view(p.shape).clone()
+                    offset += p.numel()
+        tensors.update(states[0]["buffers"])
+        return tensors
+
     # ------------------------------------------------------------ records
-    def memory_model(self) -> dict:
+    def memory_model(self) -> MemoryModel:
         """What the cost model needs to predict this rank's memory (``records.py`` asks it)."""
         # autocast (bf16) keeps parameters, gradients and state in fp32: the fp32 model applies
-        return {"parameters": self.parameters, "workers": self.ctx.world, "zero_stage": self.stage,
-                "optimizer": optimizer_kind(self.optimizer), "precision": "fp32",
-                "unit_parameters": max((fu.numel for fu in self.flat_units), default=0),
-                "step_in_backward": self.step_in_backward}
+        return MemoryModel(parameters=self.parameters, workers=self.ctx.world, zero_stage=self.stage,
+                           optimizer=optimizer_kind(self.optimizer), precision="fp32",
+                           unit_parameters=max((fu.numel for fu in self.flat_units), default=0),
+                           step_in_backward=self.step_in_backward)
 
     def extra_summary(self):
         measured = self.ledger.report()
@@ -628,7 +656,7 @@ class FSDP(Strategy):
             "shard_elements": sum(fu.shard_numel for fu in self.flat_units),
             "largest_unit": None if largest is None else {"index": largest.index, "parameters": largest.numel,
                                                           "bytes": largest.full_bytes},
-            MEMORY: {"measured": measured, "model": self.memory_model()},
+            MEMORY: {"measured": measured, "model": self.memory_model().to_dict()},
         }
 
 

@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP's collectives stay u
     AllGather = ReduceScatter = None
 
 from ..comm import nbytes
-from ..kinds import MEMORY
+from ..kinds import MEMORY, MemoryModel
 from .base import StepResult, Strategy, broadcast_buffers
 from .data_parallel import AccumulateOptions
 from .fsdp import Ledger, optimizer_kind
@@ -209,14 +209,27 @@ class TorchFSDP(Strategy):
         self.optimizer.load_state_dict(opt)
         self.ledger.set("optimizer", self._optimizer_bytes(), "load")
 
+    @classmethod
+    @torch.no_grad()
+    def consolidate(cls, states, model):
+        """Offline: each parameter from the ranks' local chunks (``Shard(0)``: torch.chunk's split of
+        dim 0, the last ranks' chunks shorter or empty) concatenated in rank order; buffers (not
+        sharded; rank 0's broadcast after every step): rank 0's."""
+        world = states[0]["world"]
+        if len(states) != world:
+            raise ValueError(f"torch-fsdp: {len(states)} rank state(s) for a run on {world} workers")
+        params = dict(model.named_parameters())
+        return {k: torch.cat([s["model"][k] for s in states], dim=0) if k in params else v
+                for k, v in states[0]["model"].items()}
+
     def extra_summary(self):
         measured = self.ledger.report() | {"observed": "forward unit boundaries, after backward, step: "
                                                        "a lower bound (backward internals not visible)"}
         if self.ctx.device.type == "cuda":
             measured["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
-        model = {"parameters": self.parameters, "workers": self.ctx.world, "zero_stage": 3,
-                 "optimizer": optimizer_kind(self.optimizer), "precision": "fp32",
-                 "unit_parameters": max(sum(p.numel() for p in u.parameters()) for u in self.units)}
+        model = MemoryModel(parameters=self.parameters, workers=self.ctx.world, zero_stage=3,
+                            optimizer=optimizer_kind(self.optimizer), precision="fp32",
+                            unit_parameters=max(sum(p.numel() for p in u.parameters()) for u in self.units))
         return {"zero_stage": 3, "collectives_timed": self.reduce_scatter is not None,
                 "reduce_scatter": self.reduce_scatter.kind if self.reduce_scatter else None,
-                MEMORY: {"measured": measured, "model": model}}
+                MEMORY: {"measured": measured, "model": model.to_dict()}}

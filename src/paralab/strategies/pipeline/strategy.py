@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import UsageError
-from ...kinds import DATA_PARALLEL, STAGE
+from ...kinds import StageRecord
 from ...mesh import MeshShape
 from ...options import option
 from ...partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
@@ -91,7 +91,7 @@ class Pipeline(Strategy):
         self.partition_method = ctx.options.partition
         self.ranges, self.unit_times = self._agree_on_partition(model)
         self._build_stage(model)
-        self.executor = Executor(self.pp, self.rec, ctx.device, ctx.autocast)
+        self.executor = Executor(self.pp, self.rec, ctx.device, ctx.autocast, ctx.dtype)
 
     # ------------------------------------------------------------ declarations
     def planned_microbatches(self) -> int:
@@ -134,7 +134,7 @@ class Pipeline(Strategy):
             times = None
             if method == "balanced":
                 batch = (ctx.batch_size or 32) // self.dp_size // self.microbatches
-                sample = sample_batch(max(1, min(batch, 32)), device=ctx.device)
+                sample = sample_batch(max(1, min(batch, 32)), device=ctx.device).to(ctx.dtype)
                 times = measure_unit_times(model.to(ctx.device), sample)
                 model.cpu()
                 ranges = split_costs(times, stages)
@@ -195,13 +195,13 @@ class Pipeline(Strategy):
         if self.first:
             h = x
         else:
-            h = torch.empty((len(x),) + self.stage.in_shape, device=self.ctx.device)
+            h = torch.empty((len(x),) + self.stage.in_shape, device=self.ctx.device, dtype=self.ctx.dtype)
             self.pp.recv(h, k - 1, name="recv_act")
         out = self.stage.infer(h)
         if not self.last:
-            self.pp.send(out.float().contiguous(), k + 1, name="send_act")
+            self.pp.send(out.to(self.ctx.dtype).contiguous(), k + 1, name="send_act")
             return None
-        return out.float()
+        return out.to(self.ctx.dtype)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers every stage's tensors (plain model keys) from its pipeline."""
@@ -224,6 +224,18 @@ class Pipeline(Strategy):
         self.stage.load_state_dict(state["stage"])
         self.dp.load_state_dict(state)
 
+    @classmethod
+    def consolidate(cls, states, model):
+        """Offline: the union of the stages' tensors (plain keys), each from the first rank that holds
+        its stage, which is its dp replica 0 (the mesh puts dp inside pp). Replicas are identical;
+        every flavour keeps the stage's full parameters in ``stage`` (ZeRO-1 too: its shards are
+        views of them) and synchronises BatchNorm statistics after every step."""
+        tensors: dict = {}
+        for state in states:
+            for k, v in state["stage"].items():
+                tensors.setdefault(k, v)
+        return tensors
+
     # ------------------------------------------------------------ records
     def extra_summary(self) -> dict:
         """What only this stage knows. Its bubble and microbatches alive are derived from the
@@ -232,18 +244,10 @@ class Pipeline(Strategy):
         share = None
         if self.unit_times:
             share = sum(self.unit_times[a:b]) / sum(self.unit_times)
-        return {
-            STAGE: self.pp.rank,
-            "stages": self.pp.world,
-            "dp_replica": self.dp_comm.rank,
-            "units": [a, b],
-            "unit_labels": self.unit_labels[a:b],
-            "stage_parameters": sum(p.numel() for p in self.stage.parameters()),
-            "partition": self.partition_method,
-            "ranges": [list(r) for r in self.ranges],
-            "time_share": share,
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
-            "peak_activation_bytes": self.stage.peak_bytes,
-            DATA_PARALLEL: {"flavour": self.dp.flavour, "replicas": self.dp_size, **self.dp.summary()},
-        }
+        return StageRecord(
+            stage=self.pp.rank, stages=self.pp.world, microbatches=self.microbatches, schedule=self.schedule,
+            dp_replica=self.dp_comm.rank, units=[a, b], unit_labels=self.unit_labels[a:b],
+            stage_parameters=sum(p.numel() for p in self.stage.parameters()), partition=self.partition_method,
+            ranges=[list(r) for r in self.ranges], time_share=share, peak_activation_bytes=self.stage.peak_bytes,
+            data_parallel={"flavour": self.dp.flavour, "replicas": self.dp_size, **self.dp.summary()},
+        ).to_dict()

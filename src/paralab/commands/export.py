@@ -1,0 +1,167 @@
+"""Write a run's model as one plain state_dict, whatever strategy trained it.
+
+Every strategy checkpoints in its own layout: a full model per rank (the
+data-parallel strategies), padded flat shards (fsdp), per-stage key sets
+(model, pipeline, and any strategy under --pp), DTensor chunks (torch-fsdp).
+This reads every rank's file in RUN/checkpoint/ (with --init, the starting
+state that `paralab train --save-init` wrote to RUN/checkpoint/init/) with
+torch.load(weights_only=True), so a checkpoint's bytes cannot run code; the
+strategy that wrote them puts them back together in this one process (its
+`consolidate`, no process group); the result must load into the run's model
+(config.json, or the checkpoint's identity); it is written with torch.save as
+a dict of plain tensors under the model's own keys:
+
+  paralab export runs/fsdp-w2-20250101-120000                 # -> RUN/model.pt
+  paralab export runs/ddp-w4-20250101-120000 -o vgg11.pt
+  paralab export runs/ddp-w4-20250101-120000 --init           # -> RUN/model-init.pt
+
+and in Python:
+
+  model = paralab.models.build_model("vgg11", width=1.0, norm="batch", num_classes=10)
+  model.load_state_dict(torch.load("vgg11.pt", weights_only=True))
+
+An existing output file is kept unless --force. Exit 2 when RUN has no
+complete checkpoint (a run saves one when it finishes, and every N steps with
+--checkpoint-every N).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import UsageError
+
+HELP = "write a run's model as one plain state_dict, put together from any strategy's checkpoint"
+
+#: every dataset paralab reads has 10 classes (the models' last layer)
+NUM_CLASSES = 10
+
+
+def add_arguments(p) -> None:
+    p.add_argument("run", help="run directory (holds checkpoint/ and, once finished, config.json)")
+    p.add_argument("-o", "--output", help="file to write (default RUN/model.pt; with --init RUN/model-init.pt)")
+    p.add_argument("--init", action="store_true",
+                   help="the starting weights (RUN/checkpoint/init/, written by `paralab train --save-init`)")
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
+
+
+def read_states(run_dir: Path, tag: str | None) -> tuple[list[dict], int, dict]:
+    """Every rank's checkpoint (weights_only), checked to be one run at one step: (files, step, identity)."""
+    from ..checkpoint import checkpoint_path, load
+    first = checkpoint_path(run_dir, 0, tag)
+    if not first.exists():
+        if tag:
+            raise UsageError(f"{run_dir} has no starting-weights checkpoint ({first} is missing); "
+                             "a run keeps them only when trained with --save-init")
+        raise UsageError(f"{run_dir} has no checkpoint ({first} is missing), so there is nothing to export; "
+                         "a run saves one when it finishes, and every N steps with --checkpoint-every N")
+    files = []
+    world = None
+    rank = 0
+    while world is None or rank < world:
+        path = checkpoint_path(run_dir, rank, tag)
+        if not path.exists():
+            raise UsageError(f"{path} is missing: the run had {world} ranks and every rank's file is needed "
+                             "(ranks started with --rank keep theirs on their own host: copy them here)")
+        try:
+            saved = load(run_dir, rank, tag)
+            ident, step = saved["identity"], int(saved["step"])
+            if not isinstance(saved["state"], dict):
+                raise TypeError("its state is not a dict")
+        except Exception as exc:  # noqa: BLE001 - anything unreadable is the input's fault
+            raise UsageError(f"{path} is not a readable paralab checkpoint ({exc})")
+        if world is None:
+            world = int(ident["world"])
+        elif ident != files[0]["identity"] or step != files[0]["step"]:
+            raise UsageError(f"{path} is not from the same run and step as rank 0's "
+                             f"(step {step} vs {files[0]['step']}); the run stopped while saving")
+        files.append(saved)
+        rank += 1
+    return files, files[0]["step"], files[0]["identity"]
+
+
+def run_config(run_dir: Path, ident: dict):
+    """The run's config: config.json (a finished run) under the checkpoint's identity (always there)."""
+    from ..config import RunConfig
+    recorded = {}
+    config_file = run_dir / "config.json"
+    if config_file.exists():
+        try:
+            recorded = json.loads(config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{config_file} is not readable JSON ({exc})")
+    return RunConfig.from_dict({**recorded, **ident})
+
+
+def write(tensors: dict, output: Path) -> None:
+    """torch.save of plain, compact tensors, atomically (a partly written file is never left)."""
+    import torch
+    plain = {k: v.detach().clone().contiguous() for k, v in tensors.items()}  # no shared or padded storage
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(plain, f)
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def consolidate(run_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
+    """(the whole model's tensors, facts about them) from RUN's rank files; offline, one process."""
+    from ..models import build_model
+    from ..strategies import plan
+    files, step, ident = read_states(run_dir, tag)
+    cfg = run_config(run_dir, ident)
+    world = int(ident["world"])
+    try:
+        shape, strategy_cls, composition = plan(cfg, world)
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=NUM_CLASSES)
+    except (UsageError, ValueError) as exc:
+        raise UsageError(f"{run_dir}: the checkpoint's run cannot be rebuilt here ({exc})")
+    tensors = strategy_cls.consolidate([f["state"] for f in files], model)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in tensors]
+    extra = [k for k in tensors if k not in expected]
+    wrong = [f"{k}: {tuple(tensors[k].shape)} (model {tuple(v.shape)})" for k, v in expected.items()
+             if k in tensors and tensors[k].shape != v.shape]
+    if missing or extra or wrong:
+        raise RuntimeError(f"the consolidated {cfg.strategy} checkpoint does not fit the model: "
+                           f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}")
+    model.load_state_dict(tensors)  # strict: keys, shapes, and values it can take
+    layout = strategy_cls.__name__ + (f" with {composition['replicas_cls'].__name__} stages" if composition else "")
+    facts = {"strategy": cfg.strategy, "layout": layout, "step": step, "world": world, "mesh": shape.to_dict(),
+             "parameters": sum(p.numel() for p in model.parameters()),
+             "build": f"build_model({cfg.model!r}, width={cfg.width}, norm={cfg.norm!r}, num_classes={NUM_CLASSES})"}
+    return {k: tensors[k] for k in expected}, facts
+
+
+def run(args) -> int:
+    import torch
+    from ..checkpoint import INIT
+    run_dir = Path(args.run)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is not a directory; give a run directory (paralab train --out)")
+    output = Path(args.output) if args.output else run_dir / ("model-init.pt" if args.init else "model.pt")
+    if output.is_dir():
+        raise UsageError(f"-o {output} is a directory; name a file")
+    if output.exists() and not args.force:
+        raise UsageError(f"{output} exists; pass --force to replace it, or -o another file")
+    try:
+        tensors, facts = consolidate(run_dir, INIT if args.init else None)
+    except (ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+        print(f"paralab: error: {run_dir}'s checkpoint could not be put together: {exc}", file=sys.stderr)
+        return 1
+    write(tensors, output)
+    what = "starting weights" if args.init else f"weights at step {facts['step']}"
+    print(f"paralab: exported {facts['strategy']}'s {what} ({facts['layout']}, {facts['world']} rank file(s)): "
+          f"{len(tensors)} tensors, {facts['parameters']:,} parameters -> {output}")
+    double = any(v.dtype == torch.float64 for v in tensors.values())  # --precision fp64: keep them exact
+    print(f"load with: model = paralab.models.{facts['build']}{'.double()' if double else ''}; "
+          f"model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
+    return 0
