@@ -6,8 +6,9 @@
   with ``src`` on its PYTHONPATH; :func:`train` adds those options' values
   (synthetic data sized to the run, a bounded evaluation, no progress bar)
   and returns the run's summary.json and steps.jsonl rows;
-- :func:`selected`, :func:`interleaved`: the names asked for, each run R
-  times, interleaved, so that a disturbance on the machine hits them alike;
+- :func:`selected`, :func:`interleaved`, :func:`best_of`: the names asked
+  for, each run R times, interleaved, so that a disturbance on the machine
+  hits them alike, and each one's best run;
 - :func:`step_seconds`: the slowest rank's time of each step after warm-up;
 - :func:`write_result`: the JSON result file.
 
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -84,6 +86,20 @@ def interleaved(bench: str, names: list[str], repeats: int,
                     print(exc, file=sys.stderr)
                     return None
     return runs
+
+
+def best_of(bench: str, names: list[str], repeats: int,
+            run: Callable[[str, Path, str], dict]) -> tuple[dict, dict, dict] | None:
+    """:func:`interleaved`, then each name's fastest run (``samples_per_s``): the one least disturbed by
+    anything else on the machine. Returns (every run, the best, the machine around them: load averages
+    before and after, wall seconds, cores), or None when a run failed (the error printed)."""
+    machine = {"cpu_count": os.cpu_count(), "load_average_before": os.getloadavg()}
+    started = time.time()
+    runs = interleaved(bench, names, repeats, run)
+    if runs is None:
+        return None
+    machine |= {"load_average_after": os.getloadavg(), "wall_s": time.time() - started}
+    return runs, {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}, machine
 
 
 def paralab_train(argv: list[str], out: Path, *, env: dict[str, str] | None = None,

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
-from common import interleaved, parse_runs, selected, step_seconds, train, training_options, write_result
+from common import best_of, parse_runs, selected, step_seconds, train, training_options, write_result
 
 STRATEGIES = ("single", "gather-scatter", "allreduce", "ddp", "torch-ddp")
 
@@ -69,12 +68,11 @@ def main(argv: list[str]) -> int:
     names = selected(args.strategies, STRATEGIES, "strategies")
     if names is None:
         return 2
-    load_before = os.getloadavg()
-    started = time.time()
-    runs = interleaved("dp", names, args.repeats, lambda name, workdir, tag: run_one(name, args, workdir, tag))
-    if runs is None:
+    measured = best_of("dp", names, args.repeats, lambda name, workdir, tag: run_one(name, args, workdir, tag))
+    if measured is None:
         return 1
-    best = {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}
+    runs, best, machine = measured
+    load_before = machine["load_average_before"]
 
     def ratios_of(key):
         out = {}
@@ -91,8 +89,7 @@ def main(argv: list[str]) -> int:
     result = {"benchmark": "dp", "model": args.model, "width": args.width, "global_batch": args.batch_size,
               "steps": args.steps, "warmup": args.warmup, "workers": args.workers,
               "cores_per_worker": args.cores_per_worker, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
-              "cpu_count": os.cpu_count(), "load_average_before": load_before,
-              "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
+              **machine,
               "best": best, "all_runs": runs, "ratios": ratios, "ratios_best_step": ratios_best_step,
               "targets": {"ddp_over_torch_ddp": 1.0, "scaling_efficiency_ddp": 0.9}}
     out = write_result(args.out, result)

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
-from common import interleaved, parse_runs, selected, train, training_options, write_result
+from common import best_of, parse_runs, selected, train, training_options, write_result
 
 LAYOUTS = {  # name: (workers, paralab train arguments)
     "ddp-dp2": (2, ["ddp"]),
@@ -66,12 +65,11 @@ def main(argv: list[str]) -> int:
     names = selected(args.layouts, tuple(LAYOUTS), "layouts")
     if names is None:
         return 2
-    load_before = os.getloadavg()
-    started = time.time()
-    runs = interleaved("mesh", names, args.repeats, lambda name, workdir, tag: run_one(name, args, workdir, tag))
-    if runs is None:
+    measured = best_of("mesh", names, args.repeats, lambda name, workdir, tag: run_one(name, args, workdir, tag))
+    if measured is None:
         return 1
-    best = {n: max(r, key=lambda x: x["samples_per_s"]) for n, r in runs.items()}
+    runs, best, machine = measured
+    load_before = machine["load_average_before"]
     ratios = {}
     for other in ("pipeline-pp2", "ddp-dp4", "pipeline-pp4", "ddp-dp2"):
         if "ddp-dp2xpp2" in best and other in best:
@@ -79,8 +77,7 @@ def main(argv: list[str]) -> int:
                                                               / best[other]["samples_per_s"])
     result = {"benchmark": "mesh", "model": args.model, "width": args.width, "global_batch": args.batch_size,
               "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup,
-              "repeats": args.repeats, "cpu_count": os.cpu_count(), "load_average_before": load_before,
-              "load_average_after": os.getloadavg(), "wall_s": time.time() - started,
+              "repeats": args.repeats, **machine,
               "best": best, "all_runs": runs, "ratios": ratios}
     out = write_result(args.out, result)
 

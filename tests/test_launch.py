@@ -194,7 +194,7 @@ def test_resume_refuses_rank_files_of_different_steps(tmp_path):
     """A run stopped between two ranks' saves leaves files that cannot continue one run together."""
     from paralab import checkpoint
     from paralab.launch import resume_hint
-    cfg = RunConfig(strategy="ddp", workers=2, dataset="synthetic", batch_size=32, num_batches=10)
+    cfg = RunConfig(strategy="ddp", workers=2, dataset="synthetic", batch_size=32, num_batches=10).validate()
     for rank, step in ((0, 4), (1, 2)):
         checkpoint.save(tmp_path, rank, step, cfg, {"model": {}})
     with pytest.raises(UsageError, match="different steps \\(rank 0: 4, rank 1: 2\\)"):

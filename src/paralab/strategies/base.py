@@ -23,7 +23,8 @@ Where a strategy sits on the mesh (``paralab.mesh``) is declared by
 :meth:`Strategy.mesh_shape`; how it composes with pipeline stages
 (``--pp``) by :meth:`Strategy.pipeline_replicas`: the data-parallel flavour
 (``replicas.py``) a pipeline stage is wrapped in, or None where the strategy
-cannot be composed.
+cannot be composed. The options it reads are dataclasses it lists in
+``options`` (``paralab.options``), received typed as ``ctx.options``.
 """
 from __future__ import annotations
 
