@@ -113,10 +113,11 @@ def _zero1_rank(rank, world, out_dir):
         resumed_model.load_state_dict(saved["model"])
         resumed.load_state_dict(saved)
         train(resumed_model, resumed, 2)
-        dp.sync_buffers(after_step=False)
-        weights = dp.weights()
+        dp.sync_buffers(after_step=False)  # waits for the all-gathers in flight: the module is current
+        resumed.sync_buffers(after_step=False)
+        weights = model.state_dict()
         result = {"weights": {k: v.tolist() for k, v in weights.items()},
-                  "resume_equal": all(torch.equal(weights[k], v) for k, v in resumed.weights().items()),
+                  "resume_equal": all(torch.equal(weights[k], v) for k, v in resumed_model.state_dict().items()),
                   "momentum": [list(dp.optimizer.state[fu.shard]["momentum_buffer"].shape) for fu in dp.units],
                   "shards": [fu.shard_numel for fu in dp.units],
                   "real_parameters": all(isinstance(p, nn.Parameter) for p in model.parameters()),

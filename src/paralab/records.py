@@ -165,16 +165,20 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
     - a memory ledger (a ``memory`` record with the ``model`` of what it holds): the cost model's
       prediction beside it (``analysis/memory.py``).
     """
+    by_rank: dict[int, list[dict]] = {}
+    for s in spans:  # each rank's spans once, not the whole run's per rank and per figure
+        by_rank.setdefault(s["rank"], []).append(s)
     for rank, details in enumerate(per_rank):
-        measured = timeline.overlap(spans, rank, cfg.warmup)
+        mine = by_rank.get(rank, [])
+        measured = timeline.overlap(mine, rank, cfg.warmup)
         if measured is not None:
             details["overlap"] = measured
         if STAGE in details:
             stages, m, k = details["stages"], details["microbatches"], details[STAGE]
             schedule = "gpipe" if details["schedule"] == "naive" else details["schedule"]
-            details.update(timeline.bubble(spans, rank, cfg.warmup))
+            details.update(timeline.bubble(mine, rank, cfg.warmup))
             details["bubble_theory"] = bubble_fraction(stages, m).parts["fraction"]
-            details["peak_microbatches_alive"] = timeline.peak_in_flight(spans, rank)
+            details["peak_microbatches_alive"] = timeline.peak_in_flight(mine, rank)
             details["in_flight_bound"] = in_flight(schedule, stages, m)[k]
         memory = details.get(MEMORY)
         if isinstance(memory, dict) and "model" in memory:

@@ -29,10 +29,10 @@ Tolerances (``TOLERANCES``, absolute, ``rtol=0``), by ``--precision``:
   too. Measured there (tests/test_fp64.py, every strategy, 3 workers, and
   dp 2 x pp 2): weights within 2.3e-13 and logits within 3.4e-12 of the
   reference (pipelines: exactly 0), four orders of magnitude inside the
-  tolerance, while a real bug (a missing division, gradients never
-  synchronised, a stale buffer) moves weights by 1e-2 or more in a few steps
-  (tests/test_data_parallel.py's broken strategy, the toy-sum control in
-  tests/test_toy_strategy.py). Both margins are measured, not assumed.
+  tolerance, while a real bug moves weights far outside it: measured once,
+  gradients never synchronised under dp 2 x pp 2 put the weights 2.1e-2 from
+  the reference after 2 steps (fp32); tests/test_data_parallel.py's broken
+  strategy and tests/test_toy_strategy.py's toy-sum control must fail.
 
 Where a strategy performs the very same operations as the reference (e.g.
 per-parameter all-reduce over 2 workers) the deviation is 0.

@@ -217,8 +217,3 @@ class Strategy:
                     (loss * weight).backward()
             total += loss.item() * weight
         return total
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        with self.rec.span("optimizer", "step"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)

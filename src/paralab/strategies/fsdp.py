@@ -739,11 +739,6 @@ class ZeroOneReplicas(Replicas):
             self.settle()
         super().sync_buffers(after_step)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The module's tensors (its state_dict: unpadded, the module's own keys), current."""
-        self.settle()
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
     def state_dict(self) -> dict:
         self.settle()
         return {"zero1": {"world": self.comm.world, "shards": [fu.shard.detach().clone() for fu in self.units]},

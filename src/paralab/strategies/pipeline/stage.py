@@ -33,6 +33,7 @@ class Stage:
         self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.saved_bytes: dict[int, int] = {}
         self.peak_bytes = 0
+        self._param_ptrs: set[int] | None = None  # the parameters' storage, left out of the saved bytes
 
     # ------------------------------------------------------------ bookkeeping
     def parameters(self) -> list[nn.Parameter]:
@@ -57,8 +58,10 @@ class Stage:
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         """Run the stage on microbatch ``mb``, keeping what backward needs."""
         seen: dict[tuple[int, int], int] = {}
-        # read now, not at build: a data-parallel flavour may re-point parameters (ZeRO-1's flat views)
-        param_ptrs = {p.data_ptr() for p in self.units.parameters()}
+        if self._param_ptrs is None:  # at the first forward, not at build: a data-parallel flavour
+            # wrapping the stage may re-point the parameters first (ZeRO-1's flat views)
+            self._param_ptrs = {p.data_ptr() for p in self.units.parameters()}
+        param_ptrs = self._param_ptrs
 
         def pack(t: torch.Tensor):
             if t.data_ptr() not in param_ptrs:
