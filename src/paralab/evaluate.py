@@ -9,8 +9,8 @@ are the same whatever the strategy.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .losses import cross_entropy
 from .progress import Progress
 
 
@@ -25,7 +25,7 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
         logits = strategy.predict(x.to(device, strategy.ctx.dtype))
         if logits is not None:
             logits, y = logits.float().cpu()[real], y[real]
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            loss_sum += cross_entropy(logits, y, reduction="sum").item()
             pred = logits.argmax(1)
             confusion += torch.bincount(y * k + pred, minlength=k * k).view(k, k)
         bar.update(i + 1)

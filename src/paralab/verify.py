@@ -56,8 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .losses import cross_entropy
 from .schedule import set_lr
 from .strategies.base import has_batchnorm, split_microbatches
 
@@ -81,7 +81,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
         if not split:
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
-            loss = F.cross_entropy(model(x), y)
+            loss = cross_entropy(model(x), y)
             loss.backward()
             losses.append(loss.item())
         else:
@@ -91,7 +91,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             for r, (x, y) in enumerate(shards):
                 for xs, ys, w in split_microbatches(x, y, microbatches):
                     weight = w * len(y) / total
-                    loss = F.cross_entropy(model(xs), ys)
+                    loss = cross_entropy(model(xs), ys)
                     (loss * weight).backward()
                     step_loss += loss.item() * weight
                 if r == 0 and bn_rule == "first-replica":

@@ -34,10 +34,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..comm import Comm
 from ..errors import UsageError
+from ..losses import cross_entropy
 from ..mesh import Mesh, MeshShape
 from ..recorder import Recorder
 
@@ -212,7 +212,7 @@ class Strategy:
             with around() if around else nullcontext():
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
-                        loss = F.cross_entropy(model(xs), ys)
+                        loss = cross_entropy(model(xs), ys)
                 with self.rec.span("compute", "backward", mb=i):
                     (loss * weight).backward()
             total += loss.item() * weight

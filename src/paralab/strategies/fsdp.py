@@ -116,11 +116,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..comm import Comm, nbytes
 from ..errors import UsageError
 from ..kinds import MEMORY, MemoryModel
+from ..losses import cross_entropy
 from ..options import option
 from .base import StepResult, Strategy, broadcast_buffers
 from .replicas import Replicas
@@ -453,7 +453,7 @@ class FSDP(Strategy):
         graphs, logits = self._forward(x)
         with self.rec.span("compute", "forward", unit="loss"):
             with self.ctx.autocast():
-                loss = F.cross_entropy(logits, y)
+                loss = cross_entropy(logits, y)
         with self.rec.span("compute", "backward", unit="loss"):
             grad = torch.autograd.grad(loss, logits)[0]
         for i in reversed(range(len(self.units))):

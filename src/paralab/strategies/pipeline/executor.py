@@ -32,8 +32,8 @@ from collections import deque
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
+from ...losses import cross_entropy
 from .schedules import Action, Kind
 
 
@@ -86,7 +86,7 @@ class Executor:
                     out = stage.forward(i, inp)
                     if stage.last:
                         with self.autocast():
-                            losses[i] = F.cross_entropy(out, ys) * weight
+                            losses[i] = cross_entropy(out, ys) * weight
                         loss_sum += losses[i].detach().float()
                 if not stage.last:
                     outputs[i] = out
