@@ -24,7 +24,8 @@ class Parser(argparse.ArgumentParser):
 def add_train_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, help="vgg11 | vgg13 | vgg16 | vgg19 | resnet18 (default %(default)s)")
+    g.add_argument("--model", default=d.model, help="vgg11 | vgg13 | vgg16 | vgg19 | resnet18 | vgg16-cs1390 | vgg16-cs1390-pool | gpt "
+                   "(default %(default)s; gpt's shape: --layers --heads --embed --context)")
     g.add_argument("--width", type=float, default=d.width, help="channel multiplier, e.g. 0.25 for fast runs")
     g.add_argument("--norm", default=d.norm,
                    help="batch | none (BatchNorm-free model); default: the model's own (batch; none for "

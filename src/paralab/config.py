@@ -35,7 +35,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
 class RunConfig(StrategyOptions):
     # what to train
     strategy: str = "single"          #: strategy name (see `paralab train --help`)
-    model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18
+    model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18 | vgg16-cs1390[-pool] | gpt
     width: float = 1.0                #: channel multiplier (0.25 for fast runs)
     norm: str | None = None           #: batch | none (BatchNorm-free); None: the model's own (validate sets it)
     # data
@@ -145,9 +145,16 @@ class RunConfig(StrategyOptions):
             raise UsageError("--warmup-epochs must be zero or positive")
         if self.momentum < 0 or self.weight_decay < 0:
             raise UsageError("--momentum and --weight-decay must be zero or positive")
-        if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s
-            from .models import DEFAULT_NORM
+        from .models import DEFAULT_NORM, MODALITY
+        if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s and the gpt
             self.norm = DEFAULT_NORM[self.model]
+        if MODALITY[self.model] == "text":
+            if self.norm != "none":
+                raise UsageError(f"--model {self.model} is a transformer with LayerNorm; --norm {self.norm} applies "
+                                 "to the CNNs only: leave --norm out")
+            if self.embed % self.heads:
+                raise UsageError(f"--embed {self.embed} must be divisible by --heads {self.heads} "
+                                 "(each head gets embed / heads features)")
         for name, allowed in (("norm", NORMS), ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
                               ("backend", BACKENDS), ("device", ("auto", "cpu", "cuda"))):
             if getattr(self, name) not in allowed:

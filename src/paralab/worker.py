@@ -23,7 +23,7 @@ from .comm import Comm
 from .config import RunConfig
 from .data import BatchSource, load_dataset
 from .evaluate import evaluate
-from .models import build_model, count_parameters
+from .models import build_model, count_parameters, model_shape
 from .progress import Progress
 from .recorder import Recorder
 from .schedule import lr_at, set_lr
@@ -56,7 +56,7 @@ def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
 def build_model_factory(cfg: RunConfig, num_classes: int):
     def make():
         torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
-        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes)
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes, **model_shape(cfg))
         return model.double() if cfg.precision == "fp64" else model
     return make
 

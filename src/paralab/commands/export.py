@@ -114,14 +114,14 @@ def write(tensors: dict, output: Path) -> None:
 
 def consolidate(run_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
     """(the whole model's tensors, facts about them) from RUN's rank files; offline, one process."""
-    from ..models import build_model
+    from ..models import build_model, model_shape
     from ..strategies import plan
     files, step, ident = read_states(run_dir, tag)
     cfg = run_config(run_dir, ident)
     world = int(ident["world"])
     try:
         shape, strategy_cls, composition = plan(cfg, world)
-        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=NUM_CLASSES)
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=NUM_CLASSES, **model_shape(cfg))
     except (UsageError, ValueError) as exc:
         raise UsageError(f"{run_dir}: the checkpoint's run cannot be rebuilt here ({exc})")
     tensors = strategy_cls.consolidate([f["state"] for f in files], model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .gpt import GPTOptions, gpt
 from .resnet import resnet18
 from .vgg import VGG_CONFIGS, vgg
 from .vgg_cs1390 import vgg16_cs1390
@@ -23,27 +24,43 @@ MODELS = {
     # CS1390's torchvision VGG-16 with its classifier, as split_vgg16's 13 units (use --norm none)
     "vgg16-cs1390": lambda **kw: vgg16_cs1390(pool=False, **kw),
     "vgg16-cs1390-pool": lambda **kw: vgg16_cs1390(pool=True, **kw),
+    # a small decoder-only transformer over byte tokens (shape: GPTOptions)
+    "gpt": lambda *, layers, heads, embed, context, **_: gpt(layers, heads, embed, context),
 }
+
+#: what a model reads and predicts: "image" (classes of a 3x32x32 image) or "text" (the next byte token)
+MODALITY = {name: "text" if name == "gpt" else "image" for name in MODELS}
 
 
 #: the normalisation a model has when ``build_model`` is not told (``norm=None``): CS744's
 #: models have BatchNorm, CS1390's VGG-16 has none
-DEFAULT_NORM = {name: "none" if name.startswith("vgg16-cs1390") else "batch" for name in MODELS}
+#: (the transformer has LayerNorm, never BatchNorm)
+DEFAULT_NORM = {name: "none" if name.startswith("vgg16-cs1390") or MODALITY[name] == "text" else "batch"
+                for name in MODELS}
 
 
 def build_model(name: str, *, width: float = 1.0, norm: str | None = None,
-                num_classes: int = 10) -> nn.Sequential:
+                num_classes: int = 10, **shape) -> nn.Sequential:
     """Build model ``name``; ``width`` scales every channel count; ``norm`` is ``batch`` or
-    ``none`` (None: the model's own, ``DEFAULT_NORM``)."""
+    ``none`` (None: the model's own, ``DEFAULT_NORM``). A transformer's shape comes in ``shape``
+    (GPTOptions' fields; their defaults where left out): pass ``**model_shape(cfg)``."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     if norm is None:
         norm = DEFAULT_NORM[name]
-    return MODELS[name](width=width, norm=norm, num_classes=num_classes)
+    kwargs = dict(width=width, norm=norm, num_classes=num_classes)
+    if MODALITY[name] == "text":
+        kwargs |= model_shape(GPTOptions()) | shape
+    return MODELS[name](**kwargs)
+
+
+def model_shape(cfg) -> dict:
+    """The transformer shape options (GPTOptions' fields) of a RunConfig or argparse namespace."""
+    return {f: getattr(cfg, f, getattr(GPTOptions, f)) for f in GPTOptions.__dataclass_fields__}
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["DEFAULT_NORM", "MODELS", "VGG_CONFIGS", "build_model", "count_parameters"]
+__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "model_shape", "VGG_CONFIGS", "build_model", "count_parameters"]

@@ -1,4 +1,4 @@
-"""Every strategy's and dimension's options, gathered into one namespace.
+"""Every strategy's and dimension's options (and the transformer's shape), gathered into one namespace.
 
 Each option is declared once, in the file of the strategy or dimension that
 reads it (``paralab.options`` says how). This class only collects them, so
@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..mesh import MeshOptions
+from ..models.gpt import GPTOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
 from .fsdp import FSDPOptions
 from .pipeline.strategy import PipelineOptions
 
 #: in the order the command line lists them
-OPTION_CLASSES = (MeshOptions, PipelineOptions, AccumulateOptions, BucketOptions, FSDPOptions)
+OPTION_CLASSES = (MeshOptions, PipelineOptions, AccumulateOptions, BucketOptions, FSDPOptions, GPTOptions)
 
 
 @dataclass

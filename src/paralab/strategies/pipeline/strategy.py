@@ -111,12 +111,12 @@ class Pipeline(Strategy):
     @classmethod
     def validate(cls, cfg, world: int) -> None:
         """Checks for any pipelined run, pure or under a data-parallel flavour (``--pp``)."""
-        from ...models import build_model
+        from ...models import build_model, model_shape
         stages = cfg.pp if cfg.pp > 1 else world
         if cfg.accumulate != 1:
             raise UsageError(f"--accumulate does not apply to a pipeline, which splits a batch "
                              f"with --microbatches (strategy pipeline, or --pp)")
-        units = len(build_model(cfg.model, width=cfg.width, norm=cfg.norm))
+        units = len(build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg)))
         parse_spec(cfg.partition, stages, units)
         shard = cfg.global_batch() // (world // stages)
         if shard % cfg.microbatches:

@@ -1,0 +1,125 @@
+"""A small decoder-only transformer (GPT), flat like every paralab model.
+
+Units, in order (``nn.Sequential``)::
+
+    Embedding   token embedding + learned position embedding   [B, T] ints -> [B, T, D]
+    Block x L   x + attention(LayerNorm(x)); x + MLP(LayerNorm(x))
+    Head        final LayerNorm, then the output projection       [B, T, D] -> [B, T, V]
+
+A block is one unit, so pipeline stages and FSDP units cut between blocks,
+exactly as they cut between a VGG's conv blocks. Attention is causal and
+multi-head, with separate query, key and value projections (a fused QKV
+matrix would interleave heads inside one weight; separate ones make the
+head split of tensor parallelism a plain slice of each). The MLP is
+``Linear(D, 4D) -> GELU -> Linear(4D, D)``. No dropout (CS1390 trains
+without it, and it would make a step depend on random draws), and no weight
+tying between the embedding and the output projection (they live on the
+first and last pipeline stages).
+
+Initialisation follows GPT-2: every weight normal(0, 0.02), biases zero,
+the projections that write into the residual stream scaled by
+``1 / sqrt(2 L)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..options import option
+
+VOCAB = 256  # byte-level tokens: every text is its UTF-8 bytes
+
+
+@dataclass
+class GPTOptions:
+    """model shape (--model gpt): a decoder-only transformer over byte tokens"""
+    layers: int = option(4, "transformer blocks", minimum=1, identity=True)
+    heads: int = option(4, "attention heads per block (tensor parallelism splits them)", minimum=1,
+                        identity=True)
+    embed: int = option(128, "model width: embedding size, divisible by --heads", minimum=1, identity=True)
+    context: int = option(64, "tokens per sample (the context length)", minimum=1, identity=True)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, embed: int, context: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, embed)
+        self.positions = nn.Embedding(context, embed)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        return self.tokens(idx) + self.positions(torch.arange(t, device=idx.device))
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; ``heads`` heads of ``embed / heads`` features each."""
+
+    def __init__(self, embed: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(embed, embed) for _ in range(3))
+        self.proj = nn.Linear(embed, embed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def split(h):  # [B, T, heads * d] -> [B, heads, T, d]
+            return h.view(b, t, self.heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, embed: int):
+        super().__init__()
+        self.fc = nn.Linear(embed, 4 * embed)
+        self.proj = nn.Linear(4 * embed, embed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, embed: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(embed), Attention(embed, heads)
+        self.ln2, self.mlp = nn.LayerNorm(embed), MLP(embed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, embed: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(embed)
+        self.out = nn.Linear(embed, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def init_weights(model: nn.Sequential, layers: int) -> None:
+    """GPT-2's initialisation (see the module docstring)."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # biases to zero; LayerNorm weights keep their ones
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            continue
+        std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+        nn.init.normal_(p, 0.0, std)
+
+
+def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB) -> nn.Sequential:
+    if embed % heads:
+        raise ValueError(f"--embed {embed} must be divisible by --heads {heads}")
+    model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads) for _ in range(layers)),
+                          Head(embed, vocab))
+    init_weights(model, layers)
+    return model
