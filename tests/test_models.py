@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from paralab.models import MODELS, build_model, count_parameters
+from paralab.models import MODALITY, MODELS, build_model, count_parameters
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -18,7 +18,7 @@ def test_parameter_counts(name, expected):
     assert count_parameters(build_model(name)) == expected
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [m for m in MODELS if MODALITY[m] == "image"])
 @pytest.mark.parametrize("norm", ["batch", "none"])
 def test_flat_units_and_output_shape(name, norm):
     model = build_model(name, width=0.125, norm=norm)
