@@ -136,9 +136,16 @@ def measure_unit_times(model: nn.Sequential, sample_input: torch.Tensor, repeats
     return times
 
 
-def sample_batch(batch: int, device: torch.device | str = "cpu", seed: int = 0) -> torch.Tensor:
+def sample_batch(batch: int, device: torch.device | str = "cpu", seed: int = 0, model: nn.Sequential | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A random input batch: images, or what ``model``'s first unit reads if it says (its
+    ``example_input``: the gpt's token ids, which stay integers whatever ``dtype``)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((batch,) + SAMPLE_SHAPE, generator=g).to(device)
+    first = model[0] if model is not None and len(model) else None
+    if hasattr(first, "example_input"):
+        return first.example_input(batch, g).to(device)
+    x = torch.randn((batch,) + SAMPLE_SHAPE, generator=g)
+    return x.to(device, dtype) if dtype is not None else x.to(device)
 
 
 def partition_model(model: nn.Sequential, workers: int, method: str = "balanced",
@@ -188,8 +195,11 @@ def boundary_shapes(model: nn.Sequential, sample_shape: tuple[int, ...] = SAMPLE
     model.eval()  # evaluation mode: no BatchNorm statistics change
     try:
         param = next(model.parameters(), None)
-        h = torch.zeros((1,) + tuple(sample_shape), device=param.device if param is not None else "cpu",
-                        dtype=param.dtype if param is not None else torch.float32)
+        if hasattr(model[0], "example_input"):  # a model with its own kind of input (the gpt's tokens)
+            h = model[0].example_input(1, torch.Generator().manual_seed(0))
+        else:
+            h = torch.zeros((1,) + tuple(sample_shape), device=param.device if param is not None else "cpu",
+                            dtype=param.dtype if param is not None else torch.float32)
         shapes = [tuple(h.shape[1:])]
         with torch.no_grad():
             for unit in model:

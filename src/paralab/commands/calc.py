@@ -287,7 +287,7 @@ def calc_comm(args) -> int:
     if args.partition == "balanced":
         from ..partition import measure_unit_times
         print("measuring each unit's forward+backward time on a batch of 32 to balance the stages...")
-        unit_times = measure_unit_times(model, sample_batch(32))
+        unit_times = measure_unit_times(model, sample_batch(32, model=model))
     ranges = partition_model(model, args.workers, args.partition, unit_times=unit_times)
     info = analyze_partition(model, ranges, args.batch_size, unit_times=unit_times)
     print(f"{args.model} (width {args.width}) over {args.workers} stages, partition {args.partition}, "

@@ -64,7 +64,7 @@ def run(args) -> int:
     spec = parse_spec(args.partition, args.workers, len(model))
     # time shares are always shown: measured on a microbatch, the size a pipeline stage runs on
     micro = args.batch_size // args.microbatches
-    times = measure_unit_times(model, sample_batch(micro), repeats=args.repeats)
+    times = measure_unit_times(model, sample_batch(micro, model=model), repeats=args.repeats)
     ranges = split_costs(times, args.workers) if spec == "balanced" else partition_model(model, args.workers, spec)
     info = analyze_partition(model, ranges, args.batch_size, unit_times=times)
 

@@ -50,6 +50,11 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(vocab, embed)
         self.positions = nn.Embedding(context, embed)
 
+    def example_input(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Random token ids ``[batch, context]``: what partitioning and shape inference feed the model."""
+        return torch.randint(0, self.tokens.num_embeddings, (batch, self.positions.num_embeddings),
+                             generator=generator)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         return self.tokens(idx) + self.positions(torch.arange(t, device=idx.device))

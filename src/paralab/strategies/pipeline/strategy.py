@@ -134,7 +134,7 @@ class Pipeline(Strategy):
             times = None
             if method == "balanced":
                 batch = (ctx.batch_size or 32) // self.dp_size // self.microbatches
-                sample = sample_batch(max(1, min(batch, 32)), device=ctx.device).to(ctx.dtype)
+                sample = sample_batch(max(1, min(batch, 32)), device=ctx.device, model=model, dtype=ctx.dtype)
                 times = measure_unit_times(model.to(ctx.device), sample)
                 model.cpu()
                 ranges = split_costs(times, stages)
