@@ -33,10 +33,13 @@ DIMS = ("pp", "dp", "tp")  # outermost first
 
 @dataclass
 class MeshOptions:
-    """mesh: how the workers form a grid (pipeline stages x data-parallel replicas)"""
+    """mesh: how the workers form a grid (pipeline stages x data-parallel replicas x tensor-parallel shards)"""
     pp: int = option(1, "pipeline stages; the strategy then names the data-parallel flavour of each stage and "
                         "dp = workers / pp (e.g. 'ddp --workers 4 --pp 2 --schedule 1f1b --microbatches 4' "
                         "is dp 2 x pp 2)", minimum=1, identity=True)
+    tp: int = option(1, "tensor-parallel shards of every layer; the strategy names the data-parallel flavour and "
+                        "dp = workers / (pp x tp) (e.g. 'ddp --workers 4 --tp 2' is dp 2 x tp 2)", minimum=1,
+                     identity=True)
 
 
 @dataclass(frozen=True)

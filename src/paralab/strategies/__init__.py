@@ -1,8 +1,9 @@
 """Strategy registry: command-line name -> class. Adding a strategy is one file and one line.
 
-:func:`plan` composes: the named strategy alone, or, under ``--pp P``, the
-pipeline with each stage wrapped in the named strategy's data-parallel
-flavour (stage the model first, then wrap each stage for data parallelism).
+:func:`plan` composes: the named strategy alone, or, under ``--pp P`` and/or
+``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
+data-parallel flavour around each part (stage the model first, then shard
+each stage's units over tp, then wrap them for data parallelism).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ REGISTRY = {
     "torch-fsdp": "paralab.strategies.torch_fsdp:TorchFSDP",
     "model": "paralab.strategies.model_parallel:ModelParallel",
     "pipeline": "paralab.strategies.pipeline:Pipeline",
+    "tp": "paralab.strategies.tensor:TensorParallel",
 }
 
 
@@ -40,9 +42,20 @@ def plan(cfg, world: int):
     Raises UsageError where the layout cannot work (the strategy's own
     ``mesh_shape`` says why).
     """
+    from .data_parallel import DataParallel
     from .pipeline import Pipeline
+    from .tensor import TensorParallel
     cls = get_strategy(cfg.strategy)
     shape = cls.mesh_shape(cfg, world)
-    if shape.pp > 1 and not issubclass(cls, Pipeline):
-        return shape, Pipeline, {"replicas_cls": cls.pipeline_replicas(cfg)}
-    return shape, cls, {}
+    if issubclass(cls, (Pipeline, TensorParallel)):  # the pure forms (they build what they wrap themselves)
+        if shape.tp > 1 and not issubclass(cls, TensorParallel):
+            return shape, TensorParallel, {"inner_cls": cls}
+        return shape, cls, {}
+    inner, kwargs = cls, {}
+    if shape.pp > 1:
+        inner, kwargs = Pipeline, {"replicas_cls": cls.pipeline_replicas(cfg)}
+    if shape.tp > 1:  # the flavour wraps the sharded model (or each sharded stage)
+        if shape.pp == 1:
+            inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
+        return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
+    return shape, inner, kwargs

@@ -53,6 +53,20 @@ class Context:
     options: object = None       # the strategies' options, typed (strategies.options.StrategyOptions)
     mesh: Mesh | None = None     # the rank grid; None: one dimension, dp over the whole world
     batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
+    tp: object = None            # tensor parallelism (strategies/tensor): None, or what shards the units held
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The training loss: tensor parallelism's where it splits the logits, else the plain one."""
+        return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
+
+    def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
+        """The units (keyed by their index in the whole model) as this rank holds them: under
+        tensor parallelism its slice of each, else themselves."""
+        return self.tp.shard(units) if self.tp is not None else units
+
+    def activation_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sample shape of the tensor entering unit ``index`` (a pipeline's stage boundary)."""
+        return self.tp.activation_shape(index, shape) if self.tp is not None else tuple(shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,15 +152,19 @@ class Strategy:
 
     @classmethod
     def mesh_shape(cls, cfg, world: int) -> MeshShape:
-        """The grid this strategy runs on: ``--pp`` stages, data parallelism over the rest."""
+        """The grid this strategy runs on: ``--pp`` stages, ``--tp`` shards, data parallelism over the rest."""
         if cfg.pp > 1 and cls.pipeline_replicas(cfg) is None:
             raise UsageError(f"strategy {cls.name!r} cannot be composed with pipeline stages (--pp {cfg.pp}): "
                              f"{cls.why_not_pipelined(cfg)}")
-        return MeshShape.for_world(world, pp=cfg.pp)
+        if cfg.tp > 1 and cls.pipeline_replicas(cfg) is None:
+            raise UsageError(f"strategy {cls.name!r} cannot be composed with tensor parallelism (--tp {cfg.tp}): "
+                             f"{cls.why_not_pipelined(cfg)}; for pure tensor parallelism use 'paralab train tp'")
+        return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp)
 
     @classmethod
     def pipeline_replicas(cls, cfg):
-        """The data-parallel flavour (a Replicas class) that wraps each pipeline stage under ``--pp``."""
+        """The data-parallel flavour (a Replicas class) that wraps a part of the model: each pipeline
+        stage under ``--pp``, the sharded model under ``--tp``."""
         return None
 
     @classmethod
@@ -212,7 +230,7 @@ class Strategy:
             with around() if around else nullcontext():
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
-                        loss = cross_entropy(model(xs), ys)
+                        loss = self.ctx.loss(model(xs), ys)
                 with self.rec.span("compute", "backward", mb=i):
                     (loss * weight).backward()
             total += loss.item() * weight

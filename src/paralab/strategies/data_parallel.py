@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn as nn
+
 from ..options import option
 from .base import StepResult, Strategy
 from .replicas import Replicas
@@ -34,10 +36,12 @@ class DataParallel(Strategy):
     replicas_cls: type[Replicas] = Replicas
     options = (AccumulateOptions,)
 
-    def __init__(self, ctx, model_fn, optim_fn):
+    def __init__(self, ctx, model_fn, optim_fn, replicas_cls: type[Replicas] | None = None):
+        """``replicas_cls``: the flavour, when a composed layout (``--tp``) names it; else the class's."""
         super().__init__(ctx, model_fn, optim_fn)
+        self.replicas_cls = replicas_cls or self.replicas_cls
         self.microbatches = ctx.options.accumulate
-        self.model = model_fn().to(ctx.device)
+        self.model = nn.Sequential(*ctx.shard(dict(enumerate(model_fn()))).values()).to(ctx.device)
         dp_comm = ctx.mesh.comm("dp") if ctx.mesh is not None else ctx.comm
         self.dp = self.replicas_cls(self.model, optim_fn, dp_comm, ctx)
         self.dp.broadcast_parameters()  # the same start everywhere

@@ -13,13 +13,16 @@ from dataclasses import dataclass
 
 from ..mesh import MeshOptions
 from ..models.gpt import GPTOptions
+from .compression import CompressOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
 from .fsdp import FSDPOptions
 from .pipeline.strategy import PipelineOptions
+from .tensor.strategy import TensorOptions
 
 #: in the order the command line lists them
-OPTION_CLASSES = (MeshOptions, PipelineOptions, AccumulateOptions, BucketOptions, FSDPOptions, GPTOptions)
+OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
+                  FSDPOptions, GPTOptions)
 
 
 @dataclass

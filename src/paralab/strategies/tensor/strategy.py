@@ -1,0 +1,206 @@
+"""``tp`` and ``--tp T``: tensor parallelism, alone or composed with data and pipeline parallelism.
+
+Tensor parallelism splits the *layers*: every rank of a ``tp`` group holds a
+slice of each weight and computes its share of every layer, with collectives
+inside the forward and backward (``ops.py``, ``gpt.py``, ``vgg.py``). It is a
+transformation of the units a strategy holds, so it composes by being
+applied in the middle of the fixed order::
+
+    stage the model (--pp)  ->  shard each stage's units over tp  ->  wrap them for data parallelism (dp)
+
+(torchtitan's order too). This file holds:
+
+- :class:`TensorParallelism`, the dimension: it shards units, gives the loss
+  (vocabulary-parallel for the gpt), the stage-boundary shapes, and puts
+  the slices back together. A strategy reaches it as ``ctx.tp``: data
+  parallelism shards its model, a pipeline stage its units, and both take
+  their loss from ``ctx.loss``; nothing else in them knows about tp.
+- :class:`TensorParallel`, the strategy that runs a layout with ``tp > 1``:
+  it builds the inner strategy (a data-parallel flavour, or a pipeline of
+  them) with ``ctx.tp`` set, and around it gathers the slices wherever the
+  whole model is asked for (``full_state_dict``, evaluation logits, export).
+
+``paralab train tp --workers 2`` is pure tensor parallelism (tp = workers /
+pp); ``paralab train ddp --workers 4 --tp 2`` is dp 2 x tp 2;
+``paralab train ddp --workers 8 --tp 2 --pp 2 --microbatches 4`` is 3-D.
+Every rank of a tp group sees the same data (the mesh's dp index alone picks
+the shard), so the reference run replays the inner strategy's split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ...errors import UsageError
+from ...losses import cross_entropy
+from ...mesh import MeshShape
+from ...options import option
+from ..base import Strategy
+from ..data_parallel import DataParallel
+from . import gpt as tp_gpt
+from . import vgg as tp_vgg
+from .group import TPGroup
+from .ops import vocab_parallel_cross_entropy
+
+
+@dataclass
+class TensorOptions:
+    """tensor parallelism (tp, or --tp)"""
+    sequence_parallel: bool = option(False, "with --tp on the gpt: LayerNorm, residuals and dropout on sequence "
+                                            "shards; all-gather / reduce-scatter instead of all-reduce",
+                                     identity=True)
+
+
+def _is_transformer(model: nn.Sequential) -> bool:
+    return isinstance(model[0], (tp_gpt.Embedding, tp_gpt.TPEmbedding))
+
+
+class TensorParallelism:
+    """The ``tp`` dimension of one rank: how the units it holds are sharded, and undone."""
+
+    def __init__(self, comm, sequence_parallel: bool, model: nn.Sequential):
+        """``model``: a freshly built whole model, to learn which units exist and how each is split."""
+        self.group = TPGroup(comm, sequence_parallel)
+        self.comm = comm
+        self.transformer = _is_transformer(model)
+        if sequence_parallel and not self.transformer:
+            raise UsageError("--sequence-parallel splits a transformer's sequence; the CNNs have none: drop it")
+        self.units = len(model)
+        self.roles = None if self.transformer else tp_vgg.conv_roles(model)
+        # where every split tensor's slices go, for the whole model (any rank may be asked for all of it)
+        self.layout: dict[str, int] = {}
+        for i, unit in self.shard(dict(enumerate(model))).items():
+            for path, module in unit.named_modules():
+                for key, dim in getattr(module, "split", {}).items():
+                    self.layout[f"{i}.{path}.{key}" if path else f"{i}.{key}"] = dim
+
+    # ------------------------------------------------------------ what strategies ask (ctx.tp)
+    def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
+        """Each unit (keyed by its index in the whole model) replaced by this rank's sharded twin."""
+        if self.transformer:
+            return {i: tp_gpt.shard_unit(self.group, u) for i, u in units.items()}
+        return {i: tp_vgg.shard_unit(self.group, i, u, self.roles) for i, u in units.items()}
+
+    def activation_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sample shape entering unit ``index`` (``len(model)``: the output) once sharded."""
+        if self.transformer:
+            return tp_gpt.activation_shape(self.group, index, self.units, tuple(shape))
+        return tp_vgg.activation_shape(self.group, index, self.roles, tuple(shape))
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The gpt's logits are this rank's vocabulary columns: the vocabulary-parallel loss.
+        The CNN's classifier is replicated: the ordinary one."""
+        if self.transformer:
+            return vocab_parallel_cross_entropy(logits, target, self.group.rank * logits.shape[-1], self.comm)
+        return cross_entropy(logits, target)
+
+    # ------------------------------------------------------------ putting slices back together
+    def gather(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+        """Every rank's slice along ``dim``, concatenated in rank order (a collective over tp)."""
+        moved = t.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * self.comm.world,) + tuple(moved.shape[1:]))
+        self.comm.all_gather_into(out, moved, name=name)
+        return out.movedim(0, dim)
+
+    def unshard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Plain-keyed slices -> the whole tensors (same keys, every tp rank the same call order)."""
+        whole = dict(state)
+        for key in sorted(k for k in state if k in self.layout):
+            whole[key] = self.gather(state[key], self.layout[key], "tp_gather_weights").cpu()
+        return whole
+
+
+class TensorParallel(Strategy):
+    name = "tp"
+    options = (TensorOptions,)
+    data_parallel = False  # the pure form: every rank sees the whole batch
+
+    def __init__(self, ctx, model_fn, optim_fn, inner_cls=None, inner_kwargs=None):
+        super().__init__(ctx, model_fn, optim_fn)
+        self.tp = TensorParallelism(ctx.mesh.comm("tp"), ctx.options.sequence_parallel, model_fn())
+        if inner_cls is None:  # pure tp: one data-parallel replica, or a pipeline of tp stages
+            from ..pipeline import Pipeline
+            inner_cls = Pipeline if ctx.mesh.size("pp") > 1 else DataParallel
+        self.inner_cls = inner_cls
+        self.inner = inner_cls(dataclasses.replace(ctx, tp=self.tp), model_fn, optim_fn, **(inner_kwargs or {}))
+        # what the reference replays and the records read: the inner strategy's
+        self.microbatches, self.bn_rule = self.inner.microbatches, self.inner.bn_rule
+        self.replicated = True  # full_state_dict is gathered whole on every rank: all must agree
+
+    # ------------------------------------------------------------ declarations
+    @classmethod
+    def mesh_shape(cls, cfg, world: int) -> MeshShape:
+        tp = world // cfg.pp if world % cfg.pp == 0 else 0
+        if cfg.tp not in (1, tp) or tp == 0:
+            raise UsageError(f"strategy 'tp' is pure tensor parallelism over the workers left by --pp (here "
+                             f"{world} / {cfg.pp}); for data x tensor parallelism name the data-parallel flavour, "
+                             f"e.g. 'paralab train ddp --workers {world} --tp {cfg.tp}'")
+        return MeshShape.for_world(world, pp=cfg.pp, tp=tp)
+
+    @classmethod
+    def validate(cls, cfg, world: int) -> None:
+        """Checks for any run with tp > 1, pure or composed."""
+        from ...models import MODALITY
+        from ..pipeline import Pipeline
+        shape = MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp if cfg.strategy != cls.name else world // cfg.pp)
+        if shape.pp > 1 and cfg.strategy != "pipeline":  # a named pipeline was validated already
+            Pipeline.validate(cfg, world)
+        if MODALITY[cfg.model] == "text":
+            if cfg.heads % shape.tp:
+                raise UsageError(f"--heads {cfg.heads} must be divisible by tp {shape.tp}: tensor parallelism gives "
+                                 "each rank whole attention heads")
+            if cfg.sequence_parallel and cfg.context % shape.tp:
+                raise UsageError(f"--sequence-parallel: --context {cfg.context} must be divisible by tp {shape.tp} "
+                                 "(each rank holds context / tp tokens)")
+        elif cfg.sequence_parallel:
+            raise UsageError("--sequence-parallel splits a transformer's sequence; the CNNs have none: drop it")
+
+    # ------------------------------------------------------------ the contract: the inner strategy's
+    def replicas(self):
+        return self.inner.replicas()
+
+    def train_step(self, x, y):
+        return self.inner.train_step(x, y)
+
+    @torch.no_grad()
+    def predict(self, x):
+        """For evaluation and --check only: the last stage gathers the gpt's vocabulary columns into
+        whole logits (training never does)."""
+        local = self.inner.predict(x)
+        if local is None or not self.tp.transformer:
+            return local
+        return self.tp.gather(local, local.dim() - 1, "tp_gather_logits")
+
+    def full_state_dict(self):
+        return self.tp.unshard(self.inner.full_state_dict())
+
+    def state_dict(self):
+        inner = type(self.inner)
+        return {"tp": {"rank": self.tp.group.rank, "size": self.tp.group.size, "layout": self.tp.layout,
+                       "inner": f"{inner.__module__}:{inner.__qualname__}"},
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state["inner"])
+
+    @classmethod
+    def consolidate(cls, states, model):
+        """Offline: each tp rank's inner checkpoints put together as the inner strategy does, then the
+        slices concatenated along their split dimension, in tp rank order."""
+        meta = states[0]["tp"]
+        module, name = meta["inner"].split(":")
+        inner_cls = getattr(importlib.import_module(module), name)
+        parts = [inner_cls.consolidate([s["inner"] for s in states if s["tp"]["rank"] == r], model)
+                 for r in range(meta["size"])]
+        return {k: torch.cat([p[k] for p in parts], meta["layout"][k]) if k in meta["layout"] else v
+                for k, v in parts[0].items()}
+
+    def extra_summary(self):
+        return {**self.inner.extra_summary(),
+                "tensor_parallel": {"size": self.tp.group.size, "rank": self.tp.group.rank,
+                                    "sequence_parallel": self.tp.group.sequence_parallel,
+                                    "split_tensors": len(self.tp.layout)}}
