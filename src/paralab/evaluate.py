@@ -1,4 +1,6 @@
-"""Test-split evaluation: loss, accuracy, per-class precision/recall/F1, confusion matrix.
+"""Test-split evaluation: loss, accuracy, per-class precision/recall/F1, confusion matrix;
+for a language model (a text dataset) the validation loss per token, its perplexity,
+bits per byte and next-token accuracy (256 byte classes: no confusion matrix).
 
 Each rank predicts the test samples it is given (data-parallel ranks a
 strided share, padded to equal length and the padding left out of the counts;
@@ -8,21 +10,26 @@ are the same whatever the strategy.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .data.loader import to_device
 from .losses import cross_entropy
 from .progress import Progress
 
 
 def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int | None, device,
              progress: bool = False) -> dict | None:
+    if source.text:
+        return evaluate_text(strategy, source, comm, batch_size, max_batches, device, progress)
     k = len(classes)
     confusion = torch.zeros(k, k, dtype=torch.long)
     loss_sum = 0.0
     batches = list(source.test_batches(batch_size, max_batches))
     bar = Progress(len(batches), "eval", enabled=progress)
     for i, (x, y, real) in enumerate(batches):
-        logits = strategy.predict(x.to(device, strategy.ctx.dtype))
+        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
         if logits is not None:
             logits, y = logits.float().cpu()[real], y[real]
             loss_sum += cross_entropy(logits, y, reduction="sum").item()
@@ -37,6 +44,52 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
     if n == 0:
         return None
     return metrics(confusion, loss_sum / n, classes)
+
+
+def evaluate_text(strategy, source, comm, batch_size: int, max_batches: int | None, device,
+                  progress: bool = False) -> dict | None:
+    """A language model on the validation windows: summed token losses and correct next-token
+    predictions, added over ranks; ``loss`` is their mean per token."""
+    loss_sum, correct, tokens, windows = 0.0, 0, 0, 0
+    batches = list(source.test_batches(batch_size, max_batches))
+    bar = Progress(len(batches), "eval", enabled=progress)
+    for i, (x, y, real) in enumerate(batches):
+        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
+        if logits is not None:
+            logits, y = logits.float().cpu()[real], y[real]
+            loss_sum += cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(-1) == y).sum())
+            tokens += y.numel()
+            windows += len(y)
+        bar.update(i + 1)
+    bar.close()
+    parts = comm.all_gather_objects((loss_sum, correct, tokens, windows))
+    loss_sum, correct, tokens, windows = (sum(p[j] for p in parts) for j in range(4))
+    if tokens == 0:
+        return None
+    return text_metrics(loss_sum / tokens, correct, tokens, windows, source.data.name)
+
+
+def text_metrics(mean_loss: float, correct: int, tokens: int, windows: int, dataset: str) -> dict:
+    """A language model's validation figures; ``loss`` is nats per token (a token is a byte)."""
+    return {
+        "modality": "text",
+        "dataset": dataset,
+        "loss": mean_loss,
+        "perplexity": math.exp(mean_loss) if mean_loss < 700 else math.inf,
+        "bits_per_byte": mean_loss / math.log(2),
+        "accuracy": correct / tokens,
+        "tokens": tokens,
+        "samples": windows,
+    }
+
+
+def headline(m: dict) -> str:
+    """The one line a run prints after evaluating."""
+    if m.get("modality") == "text":
+        return (f"validation: loss {m['loss']:.4f} per token  perplexity {m['perplexity']:.2f}  "
+                f"next-byte accuracy {100 * m['accuracy']:.2f}% ({m['samples']} windows, {m['tokens']} tokens)")
+    return f"test: loss {m['loss']:.4f}  accuracy {100 * m['accuracy']:.2f}% ({m['samples']} samples)"
 
 
 def metrics(confusion: torch.Tensor, mean_loss: float, classes) -> dict:
@@ -63,7 +116,15 @@ def metrics(confusion: torch.Tensor, mean_loss: float, classes) -> dict:
 
 
 def format_report(m: dict) -> str:
-    """The text of eval.txt: a per-class table and the confusion matrix."""
+    """The text of eval.txt: a per-class table and the confusion matrix (a language model:
+    its validation loss, perplexity, bits per byte and next-byte accuracy)."""
+    if m.get("modality") == "text":
+        return (f"validation ({m['dataset']}: {m['samples']} windows, "
+                f"{m['tokens']} tokens)\n"
+                f"loss         {m['loss']:.4f}  (nats per token, mean)\n"
+                f"perplexity   {m['perplexity']:.4f}  (exp of the loss; 256 for a uniform guess)\n"
+                f"bits/byte    {m['bits_per_byte']:.4f}\n"
+                f"accuracy     {100 * m['accuracy']:.2f}%  (next byte, argmax)\n")
     names = m["classes"]
     width = max(12, max(len(c) for c in names) + 2)
     lines = [f"test loss {m['loss']:.4f}   accuracy {100 * m['accuracy']:.2f}%   ({m['samples']} samples)", "",

@@ -3,7 +3,9 @@
 Readers for the real on-disk formats (CIFAR-10 python pickles, read by a
 restricted unpickler that can build nothing but what the official files hold;
 Fashion-MNIST IDX ``.gz``) and a deterministic, learnable synthetic set. Everything is
-loaded once; augmentation and normalisation happen later, batched.
+loaded once; augmentation and normalisation happen later, batched. Text datasets
+(byte tokens for the language model) live in ``text.py``; the functions here
+dispatch to it by name and resolve ``auto`` by the model's modality.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from ..errors import UsageError
+from .text import TEXT_DATASETS, check_text, load_text, resolve_text, text_train_windows
 
 FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
 DEFAULT_DATA_ROOT = Path(os.environ.get("PARALAB_DATA", Path.home() / ".cache" / "paralab"))
@@ -62,6 +66,7 @@ class Dataset:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     source: str  # where it came from, for the run record
+    modality: ClassVar[str] = "image"  # what a model must read to train on it (text: data/text.py)
 
     def describe(self) -> str:
         return (f"{self.name}: {len(self.train_y)} train / {len(self.test_y)} test "
@@ -318,13 +323,22 @@ def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0
                    f"generated (seed {seed})")
 
 
-DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic")
+DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic", *TEXT_DATASETS)
 
 
-def resolve_dataset(name: str, data_dir: Path | None) -> str:
-    """Turn ``auto`` into the first dataset present: cifar10, fashion-mnist, synthetic."""
+def modality_of(model: str | None) -> str:
+    """What ``model`` reads: "image" or "text" (no model named: "image")."""
+    from ..models import MODALITY
+    return MODALITY.get(model, "image") if model else "image"
+
+
+def resolve_dataset(name: str, data_dir: Path | None, model: str | None = None) -> str:
+    """Turn ``auto`` into the first dataset present for the model's modality: for image models
+    cifar10, fashion-mnist, synthetic; for text models the first installed text, else synthetic-text."""
     if name != "auto":
         return name
+    if modality_of(model) == "text":
+        return resolve_text(data_dir)
     if cifar_dir(data_dir) is not None:
         return "cifar10"
     if fashion_dir(data_dir) is not None:
@@ -332,12 +346,21 @@ def resolve_dataset(name: str, data_dir: Path | None) -> str:
     return "synthetic"
 
 
-def check_dataset(name: str, data_dir: Path | None) -> None:
-    """Refuse (UsageError) a dataset that cannot be loaded, before any worker starts."""
+def check_dataset(name: str, data_dir: Path | None, model: str | None = None, context: int | None = None) -> None:
+    """Refuse (UsageError) a dataset that cannot be loaded, or that ``model`` cannot read (a text:
+    one too short for windows of ``context + 1`` bytes), before any worker starts."""
     if name not in DATASETS:
         raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if data_dir is not None and not data_dir.is_dir():
         raise UsageError(f"--data-dir {data_dir} does not exist or is not a directory")
+    if name != "auto" and model is not None:
+        wants, holds = modality_of(model), "text" if name in TEXT_DATASETS else "image"
+        if wants != holds:
+            choices = [d for d in DATASETS if d == "auto" or (d in TEXT_DATASETS) == (wants == "text")]
+            raise UsageError(f"--model {model} reads {wants}s but --dataset {name} holds {holds}s; "
+                             f"pick one of {', '.join(choices)} (or another --model)")
+    if name in TEXT_DATASETS:
+        check_text(name, data_dir, _context(context))
     if name == "cifar10":
         folder = cifar_dir(data_dir)
         if folder is None:
@@ -355,16 +378,31 @@ def check_dataset(name: str, data_dir: Path | None) -> None:
         load_fashion_mnist(data_dir)  # small: reading it checks presence, format and MD5
 
 
-def train_size(name: str, data_dir: Path | None, synthetic_size: int) -> int:
+def train_size(name: str, data_dir: Path | None, synthetic_size: int, *, model: str | None = None,
+               context: int | None = None) -> int:
     """Training samples of a dataset that :func:`check_dataset` accepted, without loading it
-    (the real sets are the official files: their sizes and checksums are checked)."""
-    name = resolve_dataset(name, data_dir)
+    (the real sets are the official files: their sizes and checksums are checked; a text's
+    samples are its training windows of ``context + 1`` bytes)."""
+    name = resolve_dataset(name, data_dir, model)
+    if name in TEXT_DATASETS:
+        return text_train_windows(name, data_dir, synthetic_size, _context(context))
     return {"cifar10": CIFAR_TRAIN_SIZE, "fashion-mnist": FASHION_TRAIN_SIZE}.get(name, synthetic_size)
 
 
+def _context(context: int | None) -> int:
+    if context is None:  # the model's default (GPTOptions, declared once)
+        from ..models import GPTOptions
+        return GPTOptions().context
+    return context
+
+
 def load_dataset(name: str, data_dir: Path | None = None, *, synthetic_size: int = 10000,
-                 seed: int = 0) -> Dataset:
-    name = resolve_dataset(name, data_dir)
+                 seed: int = 0, model: str | None = None, context: int | None = None):
+    """The dataset ``name`` (``auto``: by ``model``'s modality): an image :class:`Dataset`, or a
+    :class:`~paralab.data.text.TextDataset` cut into windows of ``context + 1`` bytes."""
+    name = resolve_dataset(name, data_dir, model)
+    if name in TEXT_DATASETS:
+        return load_text(name, data_dir, context=_context(context), synthetic_size=synthetic_size, seed=seed)
     if name == "cifar10":
         return load_cifar10(data_dir)
     if name == "fashion-mnist":

@@ -1,4 +1,4 @@
-"""``paralab data download cifar10`` and ``paralab data info``."""
+"""``paralab data download cifar10`` and ``paralab data info`` (texts: data/text.py)."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .datasets import (CIFAR_FOLDER, DEFAULT_DATA_ROOT, FASHION_FILES, cifar_dir, fashion_dir, md5sum)
+from .text import SYNTHETIC_TEXT, TEXTS, info_lines as text_info_lines
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -71,9 +72,25 @@ def info(data_dir: Path | None) -> str:
     else:
         lines.append("fashion-mnist  absent   (apt-get install dataset-fashion-mnist, or --data-dir)")
     lines.append("synthetic      always   generated in memory (--synthetic-size, default 10000 train)")
+    lines += text_info_lines(data_dir)
     from .datasets import resolve_dataset
-    lines.append(f"--dataset auto picks: {resolve_dataset('auto', data_dir)}")
+    lines.append(f"--dataset auto picks: {resolve_dataset('auto', data_dir)} for image models, "
+                 f"{resolve_dataset('auto', data_dir, 'gpt')} for --model gpt")
     return "\n".join(lines)
+
+
+def not_downloadable(name: str) -> str:
+    """Why ``paralab data download NAME`` does nothing for a dataset other than cifar10, and what does."""
+    if name == "fashion-mnist":
+        how = "installed by apt (dataset-fashion-mnist)"
+    elif name in TEXTS:
+        how = (f"a text installed by the package manager: `{TEXTS[name].install}` (as root; `make data` "
+               f"does it), or put {TEXTS[name].files[0]} in --data-dir")
+    elif name in ("synthetic", SYNTHETIC_TEXT):
+        how = "generated in memory: nothing to download"
+    else:
+        how = "not a dataset paralab knows (see `paralab data info`)"
+    return f"only cifar10 can be downloaded; {name!r} is {how}"
 
 
 def require_dir(data_dir: str | None) -> Path | None:

@@ -1,4 +1,4 @@
-"""Turn a step number into the float tensors one rank trains on."""
+"""Turn a step number into the tensors one rank trains on: normalised float images, or byte tokens."""
 from __future__ import annotations
 
 import math
@@ -10,12 +10,21 @@ from .sharding import padded_samples, shard_indices, steps_per_epoch
 from .transforms import Augmenter, normalize
 
 
+def to_device(x: torch.Tensor, device, dtype: torch.dtype, non_blocking: bool = False) -> torch.Tensor:
+    """Inputs onto ``device``: images in the run's float ``dtype``; token ids (integers) stay integers."""
+    if x.is_floating_point():
+        return x.to(device, dtype, non_blocking=non_blocking)
+    return x.to(device, non_blocking=non_blocking)
+
+
 class BatchSource:
     """Batches for one data-parallel replica (``replicas`` = 1 for a single process).
 
     ``batch(step)`` is deterministic: the same (seed, step) always returns the
     same samples, augmented the same way, so a resumed run and the reference
-    run read exactly what the original run read.
+    run read exactly what the original run read. A text dataset's samples are
+    windows of byte tokens, handed through as int64 (no augmentation, no
+    normalisation).
     """
 
     def __init__(self, data: Dataset, *, per_rank_batch: int, replicas: int = 1, rank: int = 0,
@@ -24,7 +33,8 @@ class BatchSource:
         self.per_rank_batch = per_rank_batch
         self.replicas, self.rank, self.seed = replicas, rank, seed
         self.drop_last = drop_last
-        self.augmenter = Augmenter(len(data.train_y), seed, augment)
+        self.text = getattr(data, "modality", "image") == "text"
+        self.augmenter = Augmenter(len(data.train_y), seed, augment and not self.text)
         self._orders: dict[int, torch.Tensor] = {}  # rank -> this epoch's shard order
         self._orders_epoch: int | None = None
         if self.steps_per_epoch == 0:
@@ -81,8 +91,11 @@ class BatchSource:
         return epoch, self._orders[rank][i * self.per_rank_batch:(i + 1) * self.per_rank_batch]
 
     def batch(self, step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (or ``rank``'s) training batch at ``step``: normalised float images, labels."""
+        """This rank's (or ``rank``'s) training batch at ``step``: normalised float images, labels;
+        or int64 tokens ``[b, context]`` and the next tokens ``[b, context]``."""
         epoch, idx = self.indices(step, rank)
+        if self.text:
+            return self.data.train_x[idx].long(), self.data.train_y[idx].long()
         images = self.augmenter.apply(self.data.train_x[idx], idx, epoch)
         return normalize(images, self.data.mean, self.data.std), self.data.train_y[idx]
 
@@ -105,5 +118,8 @@ class BatchSource:
         idx = torch.where(real, positions, positions % n)
         for start in range(0, per_rank, batch_size):
             sel = idx[start:start + batch_size]
+            if self.text:
+                yield self.data.test_x[sel].long(), self.data.test_y[sel].long(), real[start:start + batch_size]
+                continue
             yield (normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel],
                    real[start:start + batch_size])
