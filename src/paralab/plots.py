@@ -40,7 +40,10 @@ SPLIT_COLORS = {"data": "#9e9e9e", "compute": "#4c72b0", "comm": "#dd8452", "opt
                 "idle": "#f2b5b5", "other": "#d9d9d9"}
 SPLIT_ORDER = ("data", "compute", "comm", "optimizer", "idle", "other")
 TIMELINE_COLORS = {"forward": "#4c72b0", "backward": "#8172b3", "compute": "#64b5cd", "comm": "#dd8452",
-                   "optimizer": "#55a868", "data": "#9e9e9e", "idle": "#f2b5b5", "async": "#c44e52"}
+                   "optimizer": "#55a868", "data": "#9e9e9e", "idle": "#f2b5b5", "async": "#c44e52",
+                   "backward_input": "#b07aa1", "backward_weight": "#5a3d8a"}
+#: a pipeline's compute spans and the letter drawn in their boxes (zero-bubble: I and W apart)
+PIPELINE_LETTERS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 WORKER_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 
 
@@ -258,7 +261,7 @@ def _span_kind(s: dict) -> str:
     if s.get("args", {}).get("async"):
         return "async"
     if s["category"] == "compute":
-        return s["name"] if s["name"] in ("forward", "backward") else "compute"
+        return s["name"] if s["name"] in PIPELINE_LETTERS else "compute"
     return s["category"]
 
 
@@ -289,7 +292,8 @@ def _draw_boxes(ax, boxes, total, y_of, height_of):
 
 def _legend(ax, kinds):
     from matplotlib.patches import Patch
-    names = {"forward": "forward", "backward": "backward", "compute": "compute (other)",
+    names = {"forward": "forward", "backward": "backward", "backward_input": "backward: input gradient (I)",
+             "backward_weight": "backward: weight gradients (W)", "compute": "compute (other)",
              "comm": "communication (blocking)", "async": "async communication (overlapped)",
              "optimizer": "optimizer", "data": "data", "idle": "idle (waiting on a peer)"}
     handles = [Patch(facecolor=TIMELINE_COLORS[k], hatch="xx" if k == "idle" else None, label=names[k])
@@ -303,7 +307,7 @@ def _run_boxes(run: Run, step: int | None):
     for s in sorted(spans, key=lambda s: (s["t0"], -s["t1"])):  # outer spans first: nested ones draw on top
         kind = _span_kind(s)
         mb = s.get("args", {}).get("mb")
-        letter = {"forward": "F", "backward": "B"}.get(kind, "")
+        letter = PIPELINE_LETTERS.get(kind, "")
         unit = s.get("args", {}).get("unit")
         text = (f"{letter}{mb}" if letter and mb is not None else
                 f"{letter} u{unit}" if letter and unit is not None else letter)
@@ -318,9 +322,10 @@ def ideal_schedule_boxes(run: Run):
     """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason).
 
     For runs whose ranks report pipeline stages and a schedule (``Run.pipeline``); a stage's
-    forward and backward times are the means over the measured steps of the ranks holding it.
-    A schedule the simulator does not know (a stage that runs each batch whole) is drawn as
-    GPipe over its microbatches, which is what it is.
+    forward and backward times (input and weight parts where the backward is split) are the
+    means over the measured steps of the ranks holding it (``args.stage`` tells a rank's
+    interleaved stages apart). A schedule the simulator does not know (a stage that runs each
+    batch whole) is drawn as GPipe over its microbatches, which is what it is.
     """
     pipe = run.pipeline
     if pipe is None:
@@ -331,35 +336,44 @@ def ideal_schedule_boxes(run: Run):
         return None, f"paralab.strategies.pipeline.schedules not importable ({exc})"
     m, schedule = pipe["microbatches"], pipe["schedule"]
     known = schedule in SCHEDULES
+    if not known and m > 1:
+        return None, f"no simulator for schedule {schedule} (PyTorch's own)"
     simulated = schedule if known else SCHEDULES[0]
     stage_of = run.stages
-    stages = sorted(set(stage_of.values()))
+    ranks_of_pp = sorted(set(stage_of.values()))
+    details = run.rank_details(next(iter(stage_of)))
+    v = int(details.get("virtual_stages") or 1) if known else 1
     measured = set(run.measured_steps())
-    fwd, bwd = [], []
-    for stage in stages:
-        ranks = {r for r, s in stage_of.items() if s == stage}
-        mine = [s for s in run.spans if s["rank"] in ranks and s["step"] in measured and s["category"] == "compute"]
-        f = [s["t1"] - s["t0"] for s in mine if s["name"] == "forward"]
-        b = [s["t1"] - s["t0"] for s in mine if s["name"] == "backward"]
-        if not f or not b:
+    times: dict[str, list[float]] = {k: [] for k in PIPELINE_LETTERS}
+    for stage in range(len(ranks_of_pp) * v):
+        ranks = {r for r, s in stage_of.items() if s == stage % len(ranks_of_pp)}
+        mine = [s for s in run.spans if s["rank"] in ranks and s["step"] in measured and s["category"] == "compute"
+                and s.get("args", {}).get("stage", stage_of[s["rank"]]) == stage]
+        for name, out in times.items():
+            d = [s["t1"] - s["t0"] for s in mine if s["name"] == name]
+            out.append(1000 * sum(d) / len(d) if d else None)
+        split = times["backward_input"][-1] is not None
+        if times["forward"][-1] is None or (times["backward"][-1] is None and not split):
             return None, f"stage {stage} recorded no forward/backward spans"
-        fwd.append(1000 * sum(f) / len(f))
-        bwd.append(1000 * sum(b) / len(b))
+    fill = lambda xs: [x if x is not None else 0.0 for x in xs]  # noqa: E731 - kinds a schedule does not run
     try:
-        timed = simulate(build_schedule(simulated, len(stages), m), fwd, bwd, 0.0)
+        timed = simulate(build_schedule(simulated, len(ranks_of_pp), m, v), fill(times["forward"]),
+                         fill(times["backward"]), 0.0, input_time=fill(times["backward_input"]),
+                         weight_time=fill(times["backward_weight"]))
     except Exception as exc:  # noqa: BLE001 - drawn without the ideal panel, and said why
         return None, f"schedule simulation failed: {exc}"
     boxes = []
     for row in timed:
         for t in row:
             kind = str(getattr(t.action.kind, "value", t.action.kind))
-            if kind in ("forward", "backward"):
-                boxes.append((t.rank, t.t0, t.t1, kind, f"{kind[0].upper()}{t.action.microbatch}", False))
+            if kind in PIPELINE_LETTERS:
+                text = f"{PIPELINE_LETTERS[kind]}{t.action.microbatch}" + (f"s{t.action.stage}" if v > 1 else "")
+                boxes.append((t.rank, t.t0, t.t1, kind, text, False))
             elif kind.startswith("recv") and t.t1 > t.t0:
                 boxes.append((t.rank, t.t0, t.t1, "idle", "", False))
-    n = len(stages)
-    desc = (f"{schedule}, {n} stages, {m} microbatch{'es' if m > 1 else ''}" if known or m > 1
-            else f"model parallelism, {n} stages, whole batch (no pipelining)")
+    n = len(ranks_of_pp)
+    desc = (f"{schedule}, {n} stages{f' x {v} virtual' if v > 1 else ''}, {m} microbatch{'es' if m > 1 else ''}"
+            if known or m > 1 else f"model parallelism, {n} stages, whole batch (no pipelining)")
     return (boxes, desc), None
 
 

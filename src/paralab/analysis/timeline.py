@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..kinds import ASYNC, BACKWARD, COMPUTE, COMM, FORWARD, IDLE, WAIT_PREFIX
+from ..kinds import ASYNC, BACKWARD, BACKWARD_WEIGHT, COMPUTE, COMM, FORWARD, IDLE, WAIT_PREFIX
 from ..recorder import union_length
 
 
@@ -107,14 +107,18 @@ def peak_in_flight(spans: list[dict], rank: int) -> int:
     """The most microbatches this rank had forwarded but not yet backwarded, in any step.
 
     Read from its ``compute`` spans named forward/backward with ``args.mb``:
-    a microbatch is alive from the end of its forward to the end of its backward.
+    a microbatch is alive from the end of its forward to the end of its backward
+    (of its ``backward_weight`` where the backward is split: the activations
+    stay until the weight gradients are done). A rank holding several stages
+    counts each (stage, microbatch) pair.
     """
     peak = 0
     for (r, _), mine in _by_rank_step(spans).items():
         if r != rank:
             continue
         events = sorted((s["t1"], 1 if s["name"] == FORWARD else -1) for s in mine
-                        if s["category"] == COMPUTE and s["name"] in (FORWARD, BACKWARD) and "mb" in s["args"])
+                        if s["category"] == COMPUTE and s["name"] in (FORWARD, BACKWARD, BACKWARD_WEIGHT)
+                        and "mb" in s["args"])
         alive = 0
         for _, delta in events:
             alive += delta

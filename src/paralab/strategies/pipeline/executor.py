@@ -8,23 +8,33 @@ For each action of ``schedules.Action``:
   this rank computes; the time spent blocked in the wait is an ``idle`` span
   (the rank has nothing else to do; it includes the transfer when that was
   not hidden).
-- ``forward`` / ``backward``: run the stage on a microbatch (``compute`` spans
-  named ``forward`` / ``backward`` with ``mb=i``). The last stage computes the
-  microbatch's loss in its forward and weights it by the microbatch's share of
-  the batch, so the gradients add up to those of the batch's mean loss.
+- ``forward`` / ``backward``: run a stage on a microbatch (``compute`` spans
+  named ``forward`` / ``backward`` with ``mb=i`` and ``stage=s``). The last
+  stage computes the microbatch's loss in its forward and weights it by the
+  microbatch's share of the batch, so the gradients add up to those of the
+  batch's mean loss.
+- ``backward_input`` / ``backward_weight`` (zero-bubble ``I`` and ``W``): the
+  backward in two parts, spans of those names; the input gradient is ready
+  to send after ``I``, the weight gradients are complete after ``W``.
 - ``send_act`` / ``send_grad``: post an ``isend`` and go on; every send is
   waited for at the end of the step (``comm`` spans ``wait:send_*``).
 
-The stage's last backward of the step (the one that completes its
-gradients) runs inside ``last_backward()``, the data-parallel flavour's
-context (``replicas.py``): there a flavour that overlaps its all-reduce with
+A rank may hold several stages (``interleaved-1f1b``); a tensor passed
+between two stages of the same rank is handed over in memory. Each stage's
+last action of the step that completes its weight gradients (its last
+``backward``, or its last ``backward_weight``) runs inside
+``last_backward(stage)``, the stage's data-parallel flavour's context
+(``replicas.py``): there a flavour that overlaps its all-reduce with
 backward (``ddp``, ``torch-ddp``) launches it; the earlier microbatches only
-accumulate. Peers are pipeline ranks (stage indices); the pipeline's Comm
-maps them to global ranks.
+accumulate. Peers are pipeline ranks; the pipeline's Comm maps them to
+global ranks. Receives are posted one ahead per peer, in the order this
+rank receives from it, which is the order the peer sends (the schedule's
+first-in-first-out channels, checked by ``schedules.simulate``): gloo pairs
+the k-th send with the k-th receive between two ranks.
 
 Shapes are known ahead: a microbatch of ``n`` samples crosses the boundary in
-front of the stage as ``(n, *stage.in_shape)`` and behind it as
-``(n, *stage.out_shape)``, in fp32.
+front of stage ``s`` as ``(n, *stages[s].in_shape)`` and behind it as
+``(n, *stages[s].out_shape)``, in the run's dtype.
 """
 from __future__ import annotations
 
@@ -33,8 +43,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ...losses import cross_entropy
-from .schedules import Action, Kind
+from .schedules import Action, Kind, message_of
 
 
 class Executor:
@@ -42,76 +51,96 @@ class Executor:
         self.comm, self.rec, self.device, self.autocast = comm, recorder, device, autocast
         self.dtype = dtype  # what crosses between stages: the parameters' dtype (bf16 autocast: fp32)
 
-    def run(self, stage, actions: list[Action], chunks: list[tuple[torch.Tensor, torch.Tensor, float]],
-            last_backward=nullcontext) -> float | None:
-        """Run ``actions`` on ``stage`` for the microbatches ``chunks`` ((x, y, weight) each).
+    def run(self, stages: dict, actions: list[Action], chunks: list[tuple[torch.Tensor, torch.Tensor, float]],
+            last_backward=lambda stage: nullcontext()) -> float | None:
+        """Run ``actions`` on this rank's ``stages`` ({stage index: Stage}) for the microbatches
+        ``chunks`` ((x, y, weight) each).
 
-        ``last_backward``: a context-manager factory entered around the final
-        backward action. Returns the batch's mean loss on the last stage
-        (weighted sum of the microbatch losses), None elsewhere.
+        ``last_backward(s)``: a context manager entered around the action that
+        completes stage ``s``'s gradients for the step. Returns the batch's mean
+        loss on the rank holding the last stage (weighted sum of the microbatch
+        losses), None elsewhere.
         """
         sizes = [len(ys) for _, ys, _ in chunks]
-        final_backward = max(n for n, a in enumerate(actions) if a.kind is Kind.BACKWARD)
-        received: dict[tuple[Kind, int], torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}       # forward results waiting to be sent
-        grad_inputs: dict[int, torch.Tensor] = {}   # input gradients waiting to be sent
-        losses: dict[int, torch.Tensor] = {}        # weighted microbatch losses (last stage)
-        loss_sum = torch.zeros((), device=self.device) if stage.last else None
+        last_stage = next((s for s, st in stages.items() if st.last), None)
+        completes = {a.stage: n for n, a in enumerate(actions) if a.kind.completes_weights}
+        finals = {n: s for s, n in completes.items()}
+        received: dict[tuple, torch.Tensor] = {}   # messages in, by (channel, consuming stage, mb)
+        held: dict[tuple, torch.Tensor] = {}       # produced here: to send, or for a stage of this rank
+        losses: dict[int, torch.Tensor] = {}       # weighted microbatch losses (last stage)
+        loss_sum = torch.zeros((), device=self.device) if last_stage is not None else None
         sends = []
 
-        upcoming = {kind: deque(a for a in actions if a.kind is kind) for kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
+        upcoming: dict[int, deque] = {}
+        for a in actions:
+            if a.kind.is_recv:
+                upcoming.setdefault(a.peer, deque()).append(a)
         posted = {}
 
-        def post_next(kind: Kind) -> None:
-            if upcoming[kind]:
-                a = upcoming[kind].popleft()
-                per_sample = stage.in_shape if kind is Kind.RECV_ACT else stage.out_shape
+        def post_next(peer: int) -> None:
+            if upcoming[peer]:
+                a = upcoming[peer].popleft()
+                st = stages[a.stage]
+                per_sample = st.in_shape if a.kind is Kind.RECV_ACT else st.out_shape
                 buf = torch.empty((sizes[a.microbatch],) + per_sample, device=self.device, dtype=self.dtype)
-                posted[(kind, a.microbatch)] = (self.comm.irecv(buf, a.peer, name=kind.value), buf)
+                posted[peer] = (a, self.comm.irecv(buf, a.peer, name=a.kind.value), buf)
 
-        for kind in upcoming:
-            post_next(kind)
+        for peer in upcoming:
+            post_next(peer)
+
+        def incoming(channel: str, s: int, i: int) -> torch.Tensor:
+            """What stage ``s`` needs for microbatch ``i``: from a stage of this rank, or received."""
+            key = (channel, s, i)
+            return held.pop(key) if key in held else received.pop(key)
+
+        def produced(channel: str, to_stage: int, i: int, t: torch.Tensor) -> None:
+            held[(channel, to_stage, i)] = t.detach().to(self.dtype) if channel == "act" else t.to(self.dtype)
 
         for n, a in enumerate(actions):
-            i = a.microbatch
+            i, s = a.microbatch, a.stage
             if a.kind.is_recv:
-                pending, buf = posted.pop((a.kind, i))
+                expected, pending, buf = posted.pop(a.peer)
+                if expected != a:
+                    raise RuntimeError(f"receives out of order from rank {a.peer}: {a.label()} vs {expected.label()}")
                 pending.wait(category="idle", mb=i)
-                post_next(a.kind)
-                received[(a.kind, i)] = buf
+                post_next(a.peer)
+                received[message_of(a)] = buf
             elif a.kind is Kind.FORWARD:
+                st = stages[s]
                 xs, ys, weight = chunks[i]
-                inp = xs if stage.first else received.pop((Kind.RECV_ACT, i))
-                with self.rec.span("compute", "forward", mb=i):
-                    out = stage.forward(i, inp)
-                    if stage.last:
+                inp = xs if st.first else incoming("act", s, i)
+                with self.rec.span("compute", "forward", mb=i, stage=s):
+                    out = st.forward(i, inp)
+                    if st.last:
                         with self.autocast():
-                            losses[i] = cross_entropy(out, ys) * weight
+                            losses[i] = st.ctx.loss(out, ys) * weight  # tensor parallelism's loss where it applies
                         loss_sum += losses[i].detach().float()
-                if not stage.last:
-                    outputs[i] = out
-            elif a.kind is Kind.SEND_ACT:
-                t = outputs.pop(i).detach().to(self.dtype).contiguous()
-                sends.append((self.comm.isend(t, a.peer, name="send_act"), t))
-            elif a.kind is Kind.BACKWARD:
-                with last_backward() if n == final_backward else nullcontext():
-                    with self.rec.span("compute", "backward", mb=i):
-                        if stage.last:
-                            g = stage.backward(i, loss=losses.pop(i))
+                if not st.last:
+                    produced("act", s + 1, i, out)
+            elif a.kind.is_send:
+                t = held.pop(message_of(a)).contiguous()
+                sends.append((self.comm.isend(t, a.peer, name=a.kind.value), t))
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+                st = stages[s]
+                with last_backward(s) if n in finals else nullcontext():
+                    with self.rec.span("compute", a.kind.value, mb=i, stage=s):
+                        if a.kind is Kind.BACKWARD_WEIGHT:
+                            st.backward_weight(i)
+                            continue
+                        run = st.backward if a.kind is Kind.BACKWARD else st.backward_input
+                        if st.last:
+                            g = run(i, loss=losses.pop(i))
                         else:
-                            g = stage.backward(i, grad_output=received.pop((Kind.RECV_GRAD, i)))
-                if not stage.first:
-                    grad_inputs[i] = g
-            elif a.kind is Kind.SEND_GRAD:
-                t = grad_inputs.pop(i).to(self.dtype).contiguous()
-                sends.append((self.comm.isend(t, a.peer, name="send_grad"), t))
+                            g = run(i, grad_output=incoming("grad", s, i))
+                if not st.first:
+                    produced("grad", s - 1, i, g)
             else:
                 raise ValueError(f"unknown action {a}")
 
         for pending, _ in sends:  # keep each tensor alive until its send is done
             pending.wait()
-        leftover = [k for k, v in (("received", received), ("outputs", outputs), ("gradients", grad_inputs),
-                                   ("losses", losses), ("posted", posted)) if v]
-        if leftover or stage.alive():
-            raise RuntimeError(f"schedule left work undone on this stage: {leftover or 'activations'}")
+        leftover = [k for k, v in (("received", received), ("held", held), ("losses", losses),
+                                   ("posted", posted)) if v]
+        if leftover or any(st.alive() for st in stages.values()):
+            raise RuntimeError(f"schedule left work undone on this rank: {leftover or 'activations'}")
         return float(loss_sum) if loss_sum is not None else None

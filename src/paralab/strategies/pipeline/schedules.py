@@ -1,43 +1,76 @@
 """Pipeline schedules as data: one ordered list of actions per rank.
 
-A schedule says, for every rank (stage) of a ``W``-stage pipeline fed ``M``
+A schedule says, for every rank of a ``p``-rank pipeline fed ``m``
 microbatches, what to do and in which order: run the forward or backward of a
-microbatch, send or receive an activation (forward direction) or a gradient
-(backward direction). One executor (``executor.py``) runs any such list, so
-adding a schedule is adding a function here; the tests check the lists
-without running a model (:func:`check_schedule`, :func:`simulate`).
+microbatch on one of its stages, send or receive an activation (forward
+direction) or a gradient (backward direction). One executor
+(``executor.py``) runs any such list, so adding a schedule is adding a
+function here; the tests check the lists without running a model
+(:func:`check_local`, :func:`simulate`).
 
-Channels: a message from rank ``a`` to rank ``b`` of one kind (activation or
-gradient) travels on its own first-in-first-out channel, so the k-th send on
-a channel meets the k-th receive. Sends never block (the executor posts them
-with ``isend`` and waits for them at the end of the step); a receive blocks
-until its message has arrived.
+Stages and ranks. The model is cut into ``S`` stages; a schedule's
+``placement`` says which rank holds each stage. Most schedules hold one stage
+per rank (``S = p``, stage ``k`` on rank ``k``); ``interleaved-1f1b`` holds
+``v`` non-adjacent stages per rank (``S = p·v``, rank ``r`` holds stages
+``r, r+p, r+2p, ...``). Every action names its stage; a send or receive also
+names the peer rank. Two consecutive stages on one rank hand their tensors
+over in memory, without a transfer.
+
+Backward comes whole (``B``: input and weight gradients in one pass) or split
+(zero-bubble): ``I`` computes only the gradient of the stage's input (what
+the stage before waits for) and ``W`` later the gradients of the weights
+(what only the optimizer waits for), filling time the stage would idle.
+
+Channels: the messages from rank ``a`` to rank ``b`` travel on one
+first-in-first-out channel, whatever their kind or stage, so the k-th send
+from ``a`` to ``b`` meets ``b``'s k-th receive from ``a``. The builders write
+the compute order only; :func:`with_transfers` adds the sends (right after
+the compute that produced the tensor) and the receives (right before the
+compute that needs it, preceded by whatever the same peer sent earlier), so
+every built schedule pairs up by construction, and :func:`simulate` checks
+any list. Sends never block (the executor posts them with ``isend`` and waits
+for them at the end of the step); a receive blocks until its message has
+arrived.
 
 Schedules:
 
-- ``gpipe`` (GPipe): every forward, then every backward (microbatches in
-  order). Stage ``k`` keeps all ``M`` microbatches' activations alive.
-- ``1f1b`` (PipeDream-flush, one-forward-one-backward): stage ``k`` first
-  runs ``W - 1 - k`` warm-up forwards, then alternates one forward and one
-  backward, then drains the remaining backwards. The bubble is the same as
-  GPipe's, ``(W - 1) / (M + W - 1)`` with equal stage times, but at most
-  ``W - k`` microbatches are alive on stage ``k``. With ``M < W`` the warm-up
-  is cut to ``M`` forwards (every microbatch is in flight at once, as in
-  GPipe): handled, not refused.
+- ``gpipe`` (GPipe, Huang et al. 2019): every forward, then every backward
+  (microbatches in order). Stage ``k`` keeps all ``m`` microbatches alive.
+- ``1f1b`` (PipeDream-flush, Narayanan et al. 2021): stage ``k`` first runs
+  ``p - 1 - k`` warm-up forwards, then alternates one forward and one
+  backward, then drains the remaining backwards. The bubble is GPipe's,
+  ``(p - 1) / (m + p - 1)`` with equal stage times, but at most ``p - k``
+  microbatches are alive on stage ``k``. With ``m < p`` the warm-up is cut to
+  ``m`` forwards: handled, not refused.
+- ``zb-h1`` (zero bubble, Qi et al., ICLR 2024, "ZB-H1"): 1F1B with the
+  backward split into ``I`` and ``W``; stage ``k`` runs its ``I`` as 1F1B runs
+  its backward but holds back ``k`` of its ``W`` (the last stage the most), so
+  the input gradients reach the earlier stages sooner, and runs the held-back
+  ``W`` in the drain where 1F1B idles. With ``T_F = T_I = T_W`` its idle time
+  is ``(p-1)(T_F + T_I - T_W)`` against 1F1B's ``(p-1)(T_F + T_I + T_W)``; at
+  most ``p`` microbatches are alive on any stage (1F1B's stage 0).
+- ``interleaved-1f1b`` (Megatron-LM's interleaved schedule, Narayanan et al.
+  2021): ``v`` stages per rank; microbatches enter in groups of ``p``, each
+  group running through a rank's stages in order (forward) and back
+  (backward); ``(p - 1 - r)·2 + (v - 1)·p`` warm-up forwards on rank ``r``,
+  then one forward / one backward. Needs ``m`` a multiple of ``p``; bubble
+  ``(p - 1) / (v·m + p - 1)`` (the ``(p-1)/m`` of 1F1B divided by ``v``).
 
-``M = 1`` with either schedule is naive model parallelism.
+``m = 1`` with gpipe or 1f1b is naive model parallelism.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
 class Kind(str, Enum):
     """What an action does. A ``str`` enum: each kind compares equal to its name in records."""
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"                # input and weight gradients in one pass
+    BACKWARD_INPUT = "backward_input"    # zero-bubble I: the gradient of the stage's input only
+    BACKWARD_WEIGHT = "backward_weight"  # zero-bubble W: the gradients of the stage's weights
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
@@ -48,7 +81,7 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in COMPUTE_KINDS
 
     @property
     def is_send(self) -> bool:
@@ -59,18 +92,33 @@ class Kind(str, Enum):
         return self in (Kind.RECV_ACT, Kind.RECV_GRAD)
 
     @property
+    def sends_gradient_back(self) -> bool:
+        """The compute after which the stage's input gradient exists (whole or input-only backward)."""
+        return self in (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+
+    @property
+    def completes_weights(self) -> bool:
+        """The compute that finishes a microbatch's weight gradients on its stage."""
+        return self in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
+
+    @property
     def channel(self) -> str | None:
-        """Which channel a transfer travels on: "act" (forward direction) or "grad"."""
+        """What a transfer carries: "act" (forward direction) or "grad"."""
         return {Kind.SEND_ACT: "act", Kind.RECV_ACT: "act", Kind.SEND_GRAD: "grad", Kind.RECV_GRAD: "grad"}.get(self)
 
     @property
     def short(self) -> str:
-        return {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.SEND_ACT: "sA", Kind.RECV_ACT: "rA",
-                Kind.SEND_GRAD: "sG", Kind.RECV_GRAD: "rG"}[self]
+        return {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I", Kind.BACKWARD_WEIGHT: "W",
+                Kind.SEND_ACT: "sA", Kind.RECV_ACT: "rA", Kind.SEND_GRAD: "sG", Kind.RECV_GRAD: "rG"}[self]
 
 
+COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 KINDS = tuple(Kind)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+#: schedules that hold several stages per rank (``--virtual-stages``)
+VIRTUAL = ("interleaved-1f1b",)
+#: PyTorch's V-shaped zero-bubble schedules, which only ``torch-pipeline`` runs (see its module)
+TORCH_ONLY = ("zbv", "dualpipev")
 
 
 class ScheduleError(Exception):
@@ -81,7 +129,8 @@ class ScheduleError(Exception):
 class Action:
     kind: Kind
     microbatch: int
-    peer: int | None = None  # the other stage of a send/recv (its pipeline rank); None for compute
+    peer: int | None = None   # the other rank of a send/recv (its pipeline rank); None for compute
+    stage: int | None = None  # the stage it runs on / sends from / receives for; None: the rank's own
 
     def __post_init__(self):
         object.__setattr__(self, "kind", Kind(self.kind))  # also accepts the kind's name
@@ -93,76 +142,290 @@ class Action:
     def __str__(self) -> str:
         return f"{self.kind.short}{self.microbatch}" + ("" if self.peer is None else f"@{self.peer}")
 
-
-def _forward(rank: int, world: int, mb: int) -> list[Action]:
-    acts = []
-    if rank > 0:
-        acts.append(Action(Kind.RECV_ACT, mb, rank - 1))
-    acts.append(Action(Kind.FORWARD, mb))
-    if rank < world - 1:
-        acts.append(Action(Kind.SEND_ACT, mb, rank + 1))
-    return acts
+    def label(self) -> str:
+        """``str`` with the stage: ``F3s2`` is microbatch 3's forward on stage 2."""
+        return (f"{self.kind.short}{self.microbatch}" + ("" if self.stage is None else f"s{self.stage}")
+                + ("" if self.peer is None else f"@{self.peer}"))
 
 
-def _backward(rank: int, world: int, mb: int) -> list[Action]:
-    acts = []
-    if rank < world - 1:
-        acts.append(Action(Kind.RECV_GRAD, mb, rank + 1))
-    acts.append(Action(Kind.BACKWARD, mb))
-    if rank > 0:
-        acts.append(Action(Kind.SEND_GRAD, mb, rank - 1))
-    return acts
+@dataclass
+class Schedule:
+    """Every rank's ordered action list, and which rank holds which stage.
+
+    Indexing and iterating go over the ranks' lists, so a Schedule reads as
+    the plain list of lists it wraps.
+    """
+    name: str
+    microbatches: int
+    placement: tuple[int, ...]          # stage -> rank
+    actions: list[list[Action]] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def stages(self) -> int:
+        return len(self.placement)
+
+    def held(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in pipeline order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def __getitem__(self, rank: int) -> list[Action]:
+        return self.actions[rank]
+
+    def __setitem__(self, rank: int, actions: list[Action]) -> None:
+        self.actions[rank] = actions
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def __iter__(self):
+        return iter(self.actions)
+
+
+def as_schedule(schedule: Schedule | list[list[Action]]) -> Schedule:
+    """A Schedule with every action's stage filled in. A plain list of lists is read as one stage
+    per rank (stage ``k`` on rank ``k``); an action without a stage runs on its rank's only stage."""
+    if isinstance(schedule, Schedule):
+        name, placement, rows = schedule.name, schedule.placement, schedule.actions
+    else:
+        name, placement, rows = "custom", tuple(range(len(schedule))), schedule
+    fixed = []
+    for r, row in enumerate(rows):
+        held = [s for s, owner in enumerate(placement) if owner == r]
+        if any(a.stage is None for a in row) and len(held) != 1:
+            raise ScheduleError(f"rank {r} holds stages {held}: every action must name its stage")
+        fixed.append([a if a.stage is not None else Action(a.kind, a.microbatch, a.peer, held[0]) for a in row])
+    microbatches = (schedule.microbatches if isinstance(schedule, Schedule)
+                    else sum(a.kind is Kind.FORWARD for a in fixed[0]) if fixed else 0)
+    return Schedule(name, microbatches, placement, fixed)
+
+
+# ---------------------------------------------------------------- the compute orders
+def _c(kind: Kind, mb: int, stage: int) -> Action:
+    return Action(kind, mb, stage=stage)
 
 
 def gpipe(world: int, microbatches: int) -> list[list[Action]]:
     """All forwards, then all backwards, on every stage."""
-    out = []
-    for rank in range(world):
-        acts: list[Action] = []
-        for mb in range(microbatches):
-            acts += _forward(rank, world, mb)
-        for mb in range(microbatches):
-            acts += _backward(rank, world, mb)
-        out.append(acts)
-    return out
+    return [[_c(Kind.FORWARD, mb, r) for mb in range(microbatches)]
+            + [_c(Kind.BACKWARD, mb, r) for mb in range(microbatches)] for r in range(world)]
 
 
 def one_f_one_b(world: int, microbatches: int) -> list[list[Action]]:
     """Warm-up forwards, then one forward / one backward, then the remaining backwards."""
     out = []
-    for rank in range(world):
-        warmup = min(world - 1 - rank, microbatches)
-        acts: list[Action] = []
-        for mb in range(warmup):
-            acts += _forward(rank, world, mb)
+    for r in range(world):
+        warmup = min(world - 1 - r, microbatches)
+        acts = [_c(Kind.FORWARD, mb, r) for mb in range(warmup)]
         for j in range(microbatches - warmup):
-            acts += _forward(rank, world, warmup + j)
-            acts += _backward(rank, world, j)
-        for mb in range(microbatches - warmup, microbatches):
-            acts += _backward(rank, world, mb)
+            acts += [_c(Kind.FORWARD, warmup + j, r), _c(Kind.BACKWARD, j, r)]
+        acts += [_c(Kind.BACKWARD, mb, r) for mb in range(microbatches - warmup, microbatches)]
         out.append(acts)
     return out
 
 
-BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zb_h1(world: int, microbatches: int) -> list[list[Action]]:
+    """1F1B with the backward split into I and W; stage ``k`` holds back ``k`` W's for the drain."""
+    out = []
+    for r in range(world):
+        warmup = min(world - 1 - r, microbatches)
+        held = r  # W's this stage may keep waiting: the later the stage, the sooner its I must go back
+        acts = [_c(Kind.FORWARD, mb, r) for mb in range(warmup)]
+        waiting: deque[int] = deque()
+
+        def backward_input(mb: int) -> None:
+            acts.append(_c(Kind.BACKWARD_INPUT, mb, r))
+            waiting.append(mb)
+
+        for j in range(microbatches - warmup):
+            acts.append(_c(Kind.FORWARD, warmup + j, r))
+            backward_input(j)
+            if len(waiting) > held:
+                acts.append(_c(Kind.BACKWARD_WEIGHT, waiting.popleft(), r))
+        for mb in range(microbatches - warmup, microbatches):
+            backward_input(mb)  # the drain: after each I, one W where 1F1B would wait for a gradient
+            if waiting:
+                acts.append(_c(Kind.BACKWARD_WEIGHT, waiting.popleft(), r))
+        acts += [_c(Kind.BACKWARD_WEIGHT, mb, r) for mb in waiting]
+        out.append(acts)
+    return out
 
 
-def build_schedule(name: str, workers: int, microbatches: int) -> list[list[Action]]:
-    """Every rank's ordered action list for schedule ``name``."""
-    if name not in BUILDERS:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(BUILDERS)}")
+def interleaved_warmup(world: int, virtual: int, microbatches: int, rank: int) -> int:
+    """Megatron-LM's warm-up forwards on ``rank`` (chunk-microbatches), capped at all of them."""
+    return min((world - 1 - rank) * 2 + (virtual - 1) * world, microbatches * virtual)
+
+
+def interleaved_1f1b(world: int, microbatches: int, virtual: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: rank ``r`` holds stages ``r + c·p`` (``c < v``).
+
+    The k-th forward of a rank is chunk ``(k // p) % v`` of microbatch
+    ``(k // (p·v))·p + k % p`` (groups of ``p`` microbatches go through the
+    rank's chunks in order); the k-th backward the same with the chunks
+    reversed. Needs ``m`` a multiple of ``p``.
+    """
+    p, v, m = world, virtual, microbatches
+
+    def which(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        return (v - 1 - chunk if backward else chunk), (k // (p * v)) * p + k % p
+
+    out = []
+    for r in range(p):
+        total, warmup = m * v, interleaved_warmup(p, v, m, r)
+
+        def step(kind: Kind, k: int) -> Action:
+            chunk, mb = which(k, kind is Kind.BACKWARD)
+            return _c(kind, mb, chunk * p + r)
+
+        acts = [step(Kind.FORWARD, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [step(Kind.FORWARD, warmup + k), step(Kind.BACKWARD, k)]
+        acts += [step(Kind.BACKWARD, k) for k in range(total - warmup, total)]
+        out.append(acts)
+    return out
+
+
+def virtual_gpipe(world: int, microbatches: int, virtual: int) -> list[list[Action]]:
+    """GPipe over the interleaved layout: each rank's stages in order forward, in reverse backward.
+
+    What ``interleaved-1f1b`` runs for a batch whose microbatches are not a
+    multiple of ``p`` (an epoch's short last batch)."""
+    out = []
+    for r in range(world):
+        held = [c * world + r for c in range(virtual)]
+        out.append([_c(Kind.FORWARD, mb, s) for s in held for mb in range(microbatches)]
+                   + [_c(Kind.BACKWARD, mb, s) for s in reversed(held) for mb in range(microbatches)])
+    return out
+
+
+# ---------------------------------------------------------------- transfers
+def message_of(a: Action) -> tuple[str, int, int]:
+    """What a send carries or a receive expects: (channel, the stage that consumes it, microbatch)."""
+    if a.kind is Kind.SEND_ACT:
+        return "act", a.stage + 1, a.microbatch
+    if a.kind is Kind.SEND_GRAD:
+        return "grad", a.stage - 1, a.microbatch
+    return a.kind.channel, a.stage, a.microbatch
+
+
+def with_transfers(compute: list[list[Action]], placement: tuple[int, ...]) -> list[list[Action]]:
+    """Add the sends and receives to per-rank compute orders.
+
+    A send follows the compute that produced its tensor (a forward's output
+    for the next stage, an input gradient for the stage before) when that
+    stage lives on another rank. A receive precedes the compute that needs
+    it, preceded in turn by the receives of whatever that peer sent earlier
+    (one first-in-first-out channel per pair of ranks): receiving them sooner
+    costs no wait, since the peer sent them before the one needed now.
+    """
+    last = len(placement) - 1
+    sends: list[list[Action]] = []   # per rank, in order
+    for r, acts in enumerate(compute):
+        mine = []
+        for a in acts:
+            s = a.stage
+            if a.kind is Kind.FORWARD and s < last and placement[s + 1] != r:
+                mine.append(Action(Kind.SEND_ACT, a.microbatch, placement[s + 1], s))
+            elif a.kind.sends_gradient_back and s > 0 and placement[s - 1] != r:
+                mine.append(Action(Kind.SEND_GRAD, a.microbatch, placement[s - 1], s))
+        sends.append(mine)
+    streams = {(src, dst): deque(message_of(a) for a in sends[src] if a.peer == dst)
+               for src in range(len(compute)) for dst in range(len(compute))}
+
+    out = []
+    for r, acts in enumerate(compute):
+        got: set[tuple[str, int, int]] = set()
+        row: list[Action] = []
+
+        def receive(channel: str, stage: int, mb: int, src: int) -> None:
+            while (channel, stage, mb) not in got:
+                if not streams[(src, r)]:
+                    raise ScheduleError(f"rank {r} needs {channel} for stage {stage} microbatch {mb} "
+                                        f"from rank {src}, which never sends it")
+                ch, st, m = streams[(src, r)].popleft()
+                row.append(Action(Kind.RECV_ACT if ch == "act" else Kind.RECV_GRAD, m, src, st))
+                got.add((ch, st, m))
+
+        for a in acts:
+            s = a.stage
+            if a.kind is Kind.FORWARD and s > 0 and placement[s - 1] != r:
+                receive("act", s, a.microbatch, placement[s - 1])
+            if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s < last and placement[s + 1] != r:
+                receive("grad", s, a.microbatch, placement[s + 1])
+            row.append(a)
+            if a.kind is Kind.FORWARD and s < last and placement[s + 1] != r:
+                row.append(Action(Kind.SEND_ACT, a.microbatch, placement[s + 1], s))
+            elif a.kind.sends_gradient_back and s > 0 and placement[s - 1] != r:
+                row.append(Action(Kind.SEND_GRAD, a.microbatch, placement[s - 1], s))
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- building
+def placement_for(name: str, workers: int, virtual: int = 1) -> tuple[int, ...]:
+    """Which rank holds each stage: one stage per rank, or ``v`` interleaved (stage s on rank s mod p)."""
+    stages = workers * (virtual if name in VIRTUAL else 1)
+    return tuple(s % workers for s in range(stages))
+
+
+def layout_problem(name: str, workers: int, microbatches: int, virtual: int = 1) -> str | None:
+    """Why schedule ``name`` cannot run this layout (None if it can), in words for the user."""
+    if name in TORCH_ONLY:
+        return (f"{name} is run by torch-pipeline only (PyTorch's schedule); ours are {', '.join(SCHEDULES)}: "
+                f"'paralab train torch-pipeline --schedule {name}'")
+    if name not in SCHEDULES:
+        return f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+    if name in VIRTUAL:
+        if virtual < 2:
+            return f"{name} holds several stages per rank: give --virtual-stages 2 or more"
+        if microbatches % workers:
+            return (f"{name} feeds microbatches in groups of one per pipeline rank: --microbatches "
+                    f"{microbatches} must be a multiple of the {workers} pipeline stages")
+    elif virtual != 1:
+        return f"--virtual-stages {virtual} applies to {', '.join(VIRTUAL)} only, not {name}"
+    return None
+
+
+def build_schedule(name: str, workers: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Every rank's ordered action list for schedule ``name``.
+
+    ``interleaved-1f1b`` with ``m`` not a multiple of ``p`` (only an epoch's
+    short last batch: the configured ``m`` is checked before start) runs
+    GPipe's order over the same interleaved layout.
+    """
     if workers < 1 or microbatches < 1:
         raise ValueError("workers and microbatches must be positive")
-    return BUILDERS[name](workers, microbatches)
+    problem = layout_problem(name, workers, microbatches, virtual)
+    short_batch = name in VIRTUAL and virtual >= 2 and microbatches % workers
+    if problem and not short_batch:
+        raise ValueError(problem)
+    placement = placement_for(name, workers, virtual)
+    if name == "gpipe":
+        compute = gpipe(workers, microbatches)
+    elif name == "1f1b":
+        compute = one_f_one_b(workers, microbatches)
+    elif name == "zb-h1":
+        compute = zb_h1(workers, microbatches)
+    elif short_batch:
+        compute = virtual_gpipe(workers, microbatches, virtual)
+    else:
+        compute = interleaved_1f1b(workers, microbatches, virtual)
+    return Schedule(name, microbatches, placement, with_transfers(compute, placement))
 
 
+# ---------------------------------------------------------------- reading a list
 def in_flight(actions: list[Action]) -> list[int]:
-    """Microbatches whose activations are alive (forward done, backward not yet) after each action."""
+    """(Stage, microbatch) pairs whose activations are alive after each action: from the forward to
+    the compute that completes the weight gradients (``B``, or ``W`` when the backward is split)."""
     alive, trace = 0, []
     for a in actions:
         if a.kind is Kind.FORWARD:
             alive += 1
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.completes_weights:
             alive -= 1
         trace.append(alive)
     return trace
@@ -172,37 +435,70 @@ def peak_in_flight(actions: list[Action]) -> int:
     return max(in_flight(actions), default=0)
 
 
-def check_local(actions: list[Action], rank: int, world: int, microbatches: int) -> None:
-    """One rank's list on its own: complete, and every action after what it depends on."""
-    done: set[tuple[Kind, int]] = set()
+def check_local(actions: list[Action], rank: int, world: int, microbatches: int,
+                placement: tuple[int, ...] | None = None) -> None:
+    """One rank's list on its own: complete, and every action after what it depends on.
+
+    For every stage it holds and every microbatch: one ``F``, then either one
+    ``B`` or one ``I`` followed by one ``W``; the receives it needs before
+    them; the sends after the compute that produces them.
+    """
+    placement = tuple(range(world)) if placement is None else tuple(placement)
+    last = len(placement) - 1
+    held = [s for s, r in enumerate(placement) if r == rank]
+    done: set[tuple[Kind, int, int]] = set()
     for a in actions:
+        s = rank if a.stage is None else a.stage
+        if s not in held:
+            raise ScheduleError(f"rank {rank}: {a.label()} runs on stage {s}, which rank {rank} does not hold")
         if not 0 <= a.microbatch < microbatches:
-            raise ScheduleError(f"rank {rank}: {a} names microbatch {a.microbatch} of {microbatches}")
-        if (a.kind, a.microbatch) in done:
-            raise ScheduleError(f"rank {rank}: {a} appears twice")
-        expected_peer = {Kind.SEND_ACT: rank + 1, Kind.RECV_GRAD: rank + 1,
-                         Kind.RECV_ACT: rank - 1, Kind.SEND_GRAD: rank - 1}.get(a.kind)
-        if a.peer != expected_peer:
-            raise ScheduleError(f"rank {rank}: {a} should have peer {expected_peer}")
-        if expected_peer is not None and not 0 <= expected_peer < world:
-            raise ScheduleError(f"rank {rank}: {a} talks to a rank outside the pipeline")
+            raise ScheduleError(f"rank {rank}: {a.label()} names microbatch {a.microbatch} of {microbatches}")
+        if (a.kind, s, a.microbatch) in done:
+            raise ScheduleError(f"rank {rank}: {a.label()} appears twice")
+        remote = {Kind.SEND_ACT: s + 1, Kind.RECV_GRAD: s + 1, Kind.RECV_ACT: s - 1, Kind.SEND_GRAD: s - 1}
+        if a.kind in remote:
+            other = remote[a.kind]
+            if not 0 <= other <= last:
+                raise ScheduleError(f"rank {rank}: {a.label()} talks to a rank outside the pipeline")
+            if placement[other] == rank or a.peer != placement[other]:
+                raise ScheduleError(f"rank {rank}: {a.label()} should have peer {placement[other]}"
+                                    + (" (a stage on this rank: no transfer)" if placement[other] == rank else ""))
+        elif a.peer is not None:
+            raise ScheduleError(f"rank {rank}: {a.label()} is compute and names a peer")
         mb = a.microbatch
-        needs = {Kind.FORWARD: [(Kind.RECV_ACT, mb)] if rank > 0 else [],
-                 Kind.SEND_ACT: [(Kind.FORWARD, mb)],
-                 Kind.BACKWARD: [(Kind.FORWARD, mb)] + ([(Kind.RECV_GRAD, mb)] if rank < world - 1 else []),
-                 Kind.SEND_GRAD: [(Kind.BACKWARD, mb)]}.get(a.kind, [])
-        for need in needs:
-            if need not in done:
-                raise ScheduleError(f"rank {rank}: {a} comes before {need[0]} of microbatch {need[1]}")
-        done.add((a.kind, a.microbatch))
-    kinds = [Kind.FORWARD, Kind.BACKWARD]
-    if rank > 0:
-        kinds += [Kind.RECV_ACT, Kind.SEND_GRAD]
-    if rank < world - 1:
-        kinds += [Kind.SEND_ACT, Kind.RECV_GRAD]
-    want = {(k, m) for k in kinds for m in range(microbatches)}
+        local_prev = s > 0 and placement[s - 1] == rank
+        local_next = s < last and placement[s + 1] == rank
+        grad_in = [] if s == last else (
+            [(Kind.BACKWARD, s + 1, mb), (Kind.BACKWARD_INPUT, s + 1, mb)] if local_next
+            else [(Kind.RECV_GRAD, s, mb)])
+        needs: list[list[tuple[Kind, int, int]]] = {  # each inner list: one of them must be done
+            Kind.FORWARD: [] if s == 0 else [[(Kind.FORWARD, s - 1, mb)] if local_prev else [(Kind.RECV_ACT, s, mb)]],
+            Kind.SEND_ACT: [[(Kind.FORWARD, s, mb)]],
+            Kind.BACKWARD: [[(Kind.FORWARD, s, mb)]] + ([grad_in] if grad_in else []),
+            Kind.BACKWARD_INPUT: [[(Kind.FORWARD, s, mb)]] + ([grad_in] if grad_in else []),
+            Kind.BACKWARD_WEIGHT: [[(Kind.BACKWARD_INPUT, s, mb)]],
+            Kind.SEND_GRAD: [[(Kind.BACKWARD, s, mb), (Kind.BACKWARD_INPUT, s, mb)]],
+        }.get(a.kind, [])
+        for options in needs:
+            if not any(n in done for n in options):
+                k, st, m = options[0]
+                raise ScheduleError(f"rank {rank}: {a.label()} comes before {k.short} of microbatch {m} "
+                                    f"on stage {st}")
+        if a.kind is Kind.BACKWARD and (Kind.BACKWARD_INPUT, s, mb) in done or \
+                a.kind is Kind.BACKWARD_INPUT and (Kind.BACKWARD, s, mb) in done:
+            raise ScheduleError(f"rank {rank}: microbatch {mb} on stage {s} has both a whole and a split backward")
+        done.add((a.kind, s, a.microbatch))
+    want = set()
+    for s in held:
+        split = any((Kind.BACKWARD_INPUT, s, m) in done for m in range(microbatches))
+        kinds = [Kind.FORWARD] + ([Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT] if split else [Kind.BACKWARD])
+        if s > 0 and placement[s - 1] != rank:
+            kinds += [Kind.RECV_ACT, Kind.SEND_GRAD]
+        if s < last and placement[s + 1] != rank:
+            kinds += [Kind.SEND_ACT, Kind.RECV_GRAD]
+        want |= {(k, s, m) for k in kinds for m in range(microbatches)}
     if done != want:
-        show = lambda pairs: sorted(f"{k.short}{m}" for k, m in pairs)[:4]  # noqa: E731
+        show = lambda items: sorted(f"{k.short}{m}s{s}" for k, s, m in items)[:4]  # noqa: E731
         raise ScheduleError(f"rank {rank}: missing {show(want - done)} extra {show(done - want)}")
 
 
@@ -215,57 +511,65 @@ class Timed:
     t1: float
 
 
-def simulate(schedule: list[list[Action]], forward_time: float | list[float] = 1.0,
-             backward_time: float | list[float] = 2.0, comm_time: float = 0.0) -> list[list[Timed]]:
+def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list[float] = 1.0,
+             backward_time: float | list[float] = 2.0, comm_time: float = 0.0,
+             input_time: float | list[float] | None = None,
+             weight_time: float | list[float] | None = None) -> list[list[Timed]]:
     """Run the lists on an ideal machine and return every action's start and end.
 
-    Times may be one number or one per stage. Sends take no time on the sender
-    and arrive ``comm_time`` later; a receive waits (idle) until its message
-    is there. Raises ScheduleError if a list is inconsistent, if a receive
-    would take a message for another microbatch, if some rank can never
-    proceed (deadlock) or if a message is never received. The result draws
-    the ideal timeline of a schedule.
+    Times may be one number or one per stage (``B`` whole; ``I`` and ``W``
+    default to half of it each). Sends take no time on the sender and arrive
+    ``comm_time`` later; a receive waits (idle) until its message is there.
+    Raises ScheduleError if a list is inconsistent, if a receive would take
+    a message meant for another stage or microbatch (the channel between two
+    ranks is first-in-first-out), if some rank can never proceed (deadlock)
+    or if a message is never received. The result draws the ideal timeline
+    of a schedule.
     """
-    world = len(schedule)
-    microbatches = sum(a.kind is Kind.FORWARD for a in schedule[0]) if schedule else 0
-    for rank, acts in enumerate(schedule):
-        check_local(acts, rank, world, microbatches)
+    sched = as_schedule(schedule)
+    world, stages = sched.ranks, sched.stages
+    for rank, acts in enumerate(sched):
+        check_local(acts, rank, world, sched.microbatches, sched.placement)
 
-    def per_stage(t):
-        return list(t) if isinstance(t, (list, tuple)) else [float(t)] * world
+    def per_stage(t, default):
+        t = default if t is None else t
+        return list(t) if isinstance(t, (list, tuple)) else [float(t)] * stages
 
-    fwd, bwd = per_stage(forward_time), per_stage(backward_time)
+    bwd = per_stage(backward_time, None)
+    cost = {Kind.FORWARD: per_stage(forward_time, None), Kind.BACKWARD: bwd,
+            Kind.BACKWARD_INPUT: per_stage(input_time, [b / 2 for b in bwd]),
+            Kind.BACKWARD_WEIGHT: per_stage(weight_time, [b / 2 for b in bwd])}
     clock = [0.0] * world
     pos = [0] * world
-    channels: dict[tuple[int, int, str], deque] = {}
+    channels: dict[tuple[int, int], deque] = {}
     timeline: list[list[Timed]] = [[] for _ in range(world)]
     while True:
         progressed = False
         for rank in range(world):
-            while pos[rank] < len(schedule[rank]):
-                a = schedule[rank][pos[rank]]
+            while pos[rank] < len(sched[rank]):
+                a = sched[rank][pos[rank]]
                 t = clock[rank]
                 if a.kind.is_compute:
-                    clock[rank] = t + (fwd if a.kind is Kind.FORWARD else bwd)[rank]
+                    clock[rank] = t + cost[a.kind][a.stage]
                 elif a.kind.is_send:
-                    channels.setdefault((rank, a.peer, a.kind.channel), deque()).append((a.microbatch,
-                                                                                        t + comm_time))
+                    channels.setdefault((rank, a.peer), deque()).append((message_of(a), t + comm_time))
                 else:
-                    queue = channels.get((a.peer, rank, a.kind.channel))
+                    queue = channels.get((a.peer, rank))
                     if not queue:
                         break  # blocked: the message has not been sent yet
-                    mb, ready = queue.popleft()
-                    if mb != a.microbatch:
-                        raise ScheduleError(f"rank {rank}: {a} would receive microbatch {mb} "
-                                            f"(sends and receives on {a.peer}->{rank} are out of order)")
+                    message, ready = queue.popleft()
+                    if message != message_of(a):
+                        raise ScheduleError(f"rank {rank}: {a.label()} would receive {message[0]} of microbatch "
+                                            f"{message[2]} for stage {message[1]} (sends and receives on "
+                                            f"{a.peer}->{rank} are out of order)")
                     clock[rank] = max(t, ready)
                 timeline[rank].append(Timed(rank, a, t, clock[rank]))
                 pos[rank] += 1
                 progressed = True
-        if all(pos[r] == len(schedule[r]) for r in range(world)):
+        if all(pos[r] == len(sched[r]) for r in range(world)):
             break
         if not progressed:
-            stuck = [f"rank {r} at {schedule[r][pos[r]]}" for r in range(world) if pos[r] < len(schedule[r])]
+            stuck = [f"rank {r} at {sched[r][pos[r]].label()}" for r in range(world) if pos[r] < len(sched[r])]
             raise ScheduleError("deadlock: " + ", ".join(stuck))
     left = {k: list(q) for k, q in channels.items() if q}
     if left:

@@ -32,6 +32,7 @@ class Stage:
         self.ctx = ctx
         self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.saved_bytes: dict[int, int] = {}
+        self.weight_work: dict[int, list] = {}  # per microbatch, what its W needs (after its I)
         self.peak_bytes = 0
         self._param_ptrs: set[int] | None = None  # the parameters' storage, left out of the saved bytes
 
@@ -43,6 +44,7 @@ class Stage:
         self.units.train(mode)
 
     def alive(self) -> int:
+        """Microbatches forwarded whose weight gradients are not yet done (B, or W after I)."""
         return len(self.saved)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -109,6 +111,45 @@ class Stage:
                 torch.autograd.backward(out, grad_tensors=grad.to(out.dtype), inputs=wrt)
             grad = inp.grad if inp.requires_grad else None
         return grad
+
+    # ------------------------------------------------------------ zero-bubble: backward in two parts
+    def backward_input(self, mb: int, grad_output: torch.Tensor | None = None,
+                       loss: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The input-gradient part (``I``) of microbatch ``mb``'s backward, last unit to first.
+
+        Each unit's input gradient is ``torch.autograd.grad`` of its output
+        with respect to its input alone, keeping the unit's graph
+        (``retain_graph``) when the unit has weights, with the gradient of its
+        output, for :meth:`backward_weight`. Parameter gradients are not
+        touched. Returns the gradient of the stage's input (None on the first
+        stage). Between a unit's weights and its output lies work both parts
+        walk (a BatchNorm and ReLU after a convolution): ``I`` plus ``W`` cost
+        a little more than one whole backward.
+        """
+        pairs = self.saved[mb]
+        pending = []
+        grad = grad_output
+        for unit, (inp, out) in zip(reversed(self.units), reversed(pairs)):
+            params = [p for p in unit.parameters() if p.requires_grad]
+            root, root_grad = (loss, None) if loss is not None else (out, grad.to(out.dtype))
+            loss = None
+            if params:
+                pending.append((root, root_grad, params))
+            if inp.requires_grad:
+                (grad,) = torch.autograd.grad(root, inp, grad_outputs=root_grad, retain_graph=bool(params))
+            else:
+                grad = None
+        self.weight_work[mb] = pending
+        return grad
+
+    def backward_weight(self, mb: int) -> None:
+        """The weight-gradient part (``W``) of microbatch ``mb``: each unit's ``torch.autograd.backward``
+        limited to its parameters, from the output gradient ``I`` kept; ``.grad`` accumulates and a
+        data-parallel flavour's hooks fire as in a whole backward. Frees the microbatch."""
+        for root, root_grad, params in self.weight_work.pop(mb):
+            torch.autograd.backward(root, grad_tensors=root_grad, inputs=params)
+        self.saved.pop(mb)
+        self.saved_bytes.pop(mb)
 
     @torch.no_grad()
     def infer(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,17 @@ every stage, the forwards, backwards, sends and receives of all of them:
   ``M < P`` is handled (the warm-up shrinks to ``M``), not refused.
 
 Both have the bubble ``(P - 1) / (M + P - 1)`` with equal stage times.
+
+- ``zb-h1``: 1F1B with each backward split into its input-gradient part and
+  its weight-gradient part, the latter held back to fill the drain
+  (``(P - 1) / (3M + P - 1)``);
+- ``interleaved-1f1b --virtual-stages V``: the model cut into ``P·V`` stages,
+  rank ``k`` holding stages ``k, k+P, ...`` (``(P - 1) / (V·M + P - 1)``;
+  ``M`` a multiple of ``P``).
+
+Each of a rank's stages has its own data-parallel flavour, whose
+``last_backward()`` wraps the action that completes that stage's gradients
+(its last backward, or its last weight-gradient part).
 Schedules are data (``schedules.py``); one executor runs them
 (``executor.py``). Each microbatch's loss is weighted by its share of the
 batch (``1/M``), so the accumulated gradients are those of the batch's mean
@@ -37,6 +48,7 @@ microbatches one after another, as one process would (``bn_rule =
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +63,7 @@ from ...partition import (boundary_shapes, measure_unit_times, parse_spec, parti
 from ..base import StepResult, Strategy, split_microbatches
 from ..replicas import Replicas
 from .executor import Executor
-from .schedules import SCHEDULES, build_schedule
+from .schedules import SCHEDULES, TORCH_ONLY, VIRTUAL, build_schedule, layout_problem, placement_for
 from .stage import Stage
 
 
@@ -66,8 +78,10 @@ class PartitionOptions:
 class PipelineOptions(PartitionOptions):
     """pipelines (pipeline, model, or --pp): stages, microbatches, schedule"""
     microbatches: int = option(1, "pipeline (or --pp): microbatches per step", minimum=1, identity=True)
-    schedule: str = option("gpipe", "pipeline (or --pp): the order of forwards and backwards",
-                           choices=SCHEDULES)
+    schedule: str = option("gpipe", "pipeline (or --pp), torch-pipeline: the order of forwards and backwards "
+                                    "(zbv, dualpipev: torch-pipeline only)", choices=SCHEDULES + TORCH_ONLY)
+    virtual_stages: int = option(1, "pipeline (or --pp), interleaved-1f1b: stages per rank (rank r holds "
+                                    "stages r, r+p, ...; the model is cut into pp x this)", minimum=1, identity=True)
 
 
 class Pipeline(Strategy):
@@ -84,6 +98,8 @@ class Pipeline(Strategy):
         self.bn_rule = "first-replica" if self.dp_size > 1 else "sequential"
         self.microbatches = self.planned_microbatches()
         self.schedule = self.planned_schedule()
+        self.virtual = self.planned_virtual_stages()
+        self.placement = self.planned_placement()  # stage -> pipeline rank
         self._model_fn, self._optim_fn, self._replicas_cls = model_fn, optim_fn, replicas_cls
         model = model_fn()
         self.unit_labels = [unit_label(u) for u in model]
@@ -100,25 +116,50 @@ class Pipeline(Strategy):
     def planned_schedule(self) -> str:
         return self.ctx.options.schedule
 
+    def planned_virtual_stages(self) -> int:
+        return self.ctx.options.virtual_stages if self.schedule in VIRTUAL else 1
+
+    def planned_placement(self) -> tuple[int, ...]:
+        return placement_for(self.schedule, self.pp.world, self.virtual)
+
+    @classmethod
+    def stages_per_rank(cls, cfg) -> int:
+        return cfg.virtual_stages if cfg.schedule in VIRTUAL else 1
+
+    @classmethod
+    def schedule_problem(cls, cfg, ranks: int) -> str | None:
+        """Why ``cfg``'s schedule cannot run on ``ranks`` pipeline ranks, or None."""
+        return layout_problem(cfg.schedule, ranks, cfg.microbatches, cfg.virtual_stages)
+
     @classmethod
     def mesh_shape(cls, cfg, world: int) -> MeshShape:
-        if cfg.pp not in (1, world):
-            raise UsageError(f"strategy {cls.name!r} is pure pipeline parallelism over all {world} workers; "
-                             f"for data x pipeline parallelism name the data-parallel flavour instead, e.g. "
+        stages = world // cfg.tp if world % cfg.tp == 0 else 0
+        if cfg.pp not in (1, stages) or stages == 0:
+            raise UsageError(f"strategy {cls.name!r} is pure pipeline parallelism over all {world} workers"
+                             f"{f' (with --tp {cfg.tp}: workers / tp stages)' if cfg.tp > 1 else ''}; for data x "
+                             f"pipeline parallelism name the data-parallel flavour instead, e.g. "
                              f"'paralab train ddp --workers {world} --pp {cfg.pp}'")
-        return MeshShape(pp=world)
+        return MeshShape(pp=stages, tp=cfg.tp)
 
     @classmethod
     def validate(cls, cfg, world: int) -> None:
         """Checks for any pipelined run, pure or under a data-parallel flavour (``--pp``)."""
         from ...models import build_model, model_shape
-        stages = cfg.pp if cfg.pp > 1 else world
+        stages = cfg.pp if cfg.pp > 1 else world // cfg.tp
         if cfg.accumulate != 1:
-            raise UsageError(f"--accumulate does not apply to a pipeline, which splits a batch "
-                             f"with --microbatches (strategy pipeline, or --pp)")
+            raise UsageError("--accumulate does not apply to a pipeline, which splits a batch "
+                             "with --microbatches (strategy pipeline, or --pp)")
         units = len(build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg)))
-        parse_spec(cfg.partition, stages, units)
-        shard = cfg.global_batch() // (world // stages)
+        problem = cls.schedule_problem(cfg, stages)
+        if problem:
+            raise UsageError(problem)
+        per_rank = cls.stages_per_rank(cfg)
+        if per_rank > 1 and stages * per_rank > units:
+            raise UsageError(f"--schedule {cfg.schedule} with {per_rank} stages per rank cuts the model into "
+                             f"{stages} x {per_rank} = {stages * per_rank} stages, but it has only {units} units; "
+                             "lower --virtual-stages or the stages")
+        parse_spec(cfg.partition, stages * per_rank, units)
+        shard = cfg.global_batch() // (world // (stages * cfg.tp))
         if shard % cfg.microbatches:
             raise UsageError(f"--microbatches {cfg.microbatches} does not divide the batch of {shard}"
                              f"{' per data-parallel replica' if world > stages else ''}; pick a divisor so "
@@ -127,7 +168,7 @@ class Pipeline(Strategy):
     # ------------------------------------------------------------ set-up
     def _agree_on_partition(self, model: nn.Module):
         """Rank 0 cuts the model (timing differs between processes) and every rank takes its cut."""
-        ctx, stages = self.ctx, self.pp.world
+        ctx, stages = self.ctx, len(self.placement)
         answer = None
         if ctx.rank == 0:
             method = parse_spec(self.partition_method, stages, len(model))
@@ -145,12 +186,23 @@ class Pipeline(Strategy):
         return [tuple(r) for r in ranges], times
 
     def _build_stage(self, model: nn.Module) -> None:
-        k, stages = self.pp.rank, self.pp.world
-        a, b = self.ranges[k]
-        self.stage = Stage({i: model[i] for i in range(a, b)}, first=k == 0, last=k == stages - 1,
-                           in_shape=self.unit_shapes[a], out_shape=self.unit_shapes[b], ctx=self.ctx)
-        self.dp = self._replicas_cls(self.stage.units, self._optim_fn, self.dp_comm, self.ctx)
-        self.dp.broadcast_parameters()
+        """This rank's stages (one; ``v`` under interleaved-1f1b), each wrapped in the data-parallel
+        flavour over the dp group (one flavour object per stage: each stage's gradients are complete,
+        and synchronised, at its own last backward)."""
+        last = len(self.ranges) - 1
+        self.stages, self.flavours = {}, {}
+        for s in (s for s, r in enumerate(self.placement) if r == self.pp.rank):
+            a, b = self.ranges[s]
+            stage = Stage(self.ctx.shard({i: model[i] for i in range(a, b)}), first=s == 0, last=s == last,
+                          in_shape=self.ctx.activation_shape(a, self.unit_shapes[a]),
+                          out_shape=self.ctx.activation_shape(b, self.unit_shapes[b]), ctx=self.ctx)
+            self.stages[s] = stage
+            if len(self.placement) > len(set(self.placement)) and not stage.parameters():
+                continue  # one of several stages on this rank, with nothing to train (a pooling unit)
+            self.flavours[s] = self._replicas_cls(stage.units, self._optim_fn, self.dp_comm, self.ctx)
+            self.flavours[s].broadcast_parameters()
+        # the rank's first stage and its flavour (its only ones unless several stages per rank)
+        self.stage, self.dp = self.stages[min(self.stages)], self.flavours[min(self.flavours)]
 
     @property
     def optimizer(self):
@@ -158,11 +210,11 @@ class Pipeline(Strategy):
 
     @property
     def first(self) -> bool:
-        return self.stage.first
+        return 0 in self.stages
 
     @property
     def last(self) -> bool:
-        return self.stage.last
+        return len(self.ranges) - 1 in self.stages
 
     def check_input(self, x: torch.Tensor) -> None:
         if tuple(x.shape[1:]) != tuple(self.unit_shapes[0]):
@@ -172,57 +224,83 @@ class Pipeline(Strategy):
     # ------------------------------------------------------------ the step
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         self.check_input(x)
-        self.stage.train()
+        for stage in self.stages.values():
+            stage.train()
         chunks = split_microbatches(x, y, self.microbatches)
         # an epoch's last batch can hold fewer samples than microbatches: plan the
         # schedule for the chunks there are (every stage sees the same batch size)
-        actions = build_schedule(self.schedule, self.pp.world, len(chunks))[self.pp.rank]
-        self.dp.start()
-        loss = self.executor.run(self.stage, actions, chunks, last_backward=self.dp.last_backward)
-        self.dp.finish()
-        self.dp.step()
-        self.dp.sync_buffers()
+        actions = build_schedule(self.schedule, self.pp.world, len(chunks), self.virtual)[self.pp.rank]
+        flavours = [self.flavours[s] for s in sorted(self.flavours)]
+        for dp in flavours:
+            dp.start()
+        loss = self.executor.run(self.stages, actions, chunks,
+                                 last_backward=lambda s: self.flavours[s].last_backward() if s in self.flavours
+                                 else nullcontext())
+        for dp in flavours:
+            dp.finish()
+        for dp in flavours:
+            dp.step()
+        for dp in flavours:
+            dp.sync_buffers()
         return StepResult(loss, len(y))
 
     # ------------------------------------------------------------ the rest of the contract
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Collective over the pipeline: its stages call it with the same batch; the last returns logits."""
+        """Collective over the pipeline: its ranks call it with the same batch; the last stage's
+        rank returns logits. Every rank walks the stages in order, so each blocking send meets
+        the receive of the rank holding the next stage."""
         self.check_input(x)
-        self.dp.sync_buffers(after_step=False)
-        self.stage.train(False)
-        k = self.pp.rank
-        if self.first:
-            h = x
-        else:
-            h = torch.empty((len(x),) + self.stage.in_shape, device=self.ctx.device, dtype=self.ctx.dtype)
-            self.pp.recv(h, k - 1, name="recv_act")
-        out = self.stage.infer(h)
-        if not self.last:
-            self.pp.send(out.to(self.ctx.dtype).contiguous(), k + 1, name="send_act")
-            return None
-        return out.to(self.ctx.dtype)
+        for s in sorted(self.stages):
+            if s in self.flavours:
+                self.flavours[s].sync_buffers(after_step=False)
+            self.stages[s].train(False)
+        h, last = x, len(self.ranges) - 1
+        for s in sorted(self.stages):
+            stage = self.stages[s]
+            if s > 0 and self.placement[s - 1] != self.pp.rank:
+                h = torch.empty((len(x),) + stage.in_shape, device=self.ctx.device, dtype=self.ctx.dtype)
+                self.pp.recv(h, self.placement[s - 1], name="recv_act")
+            h = stage.infer(h).to(self.ctx.dtype)
+            if s < last and self.placement[s + 1] != self.pp.rank:
+                self.pp.send(h.contiguous(), self.placement[s + 1], name="send_act")
+        return h if self.last else None
+
+    def _stage_tensors(self) -> dict[str, torch.Tensor]:
+        """Every stage of this rank's tensors under the plain model's keys."""
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self.stages):
+            out.update(self.stages[s].state_dict())
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers every stage's tensors (plain model keys) from its pipeline."""
-        self.dp.sync_buffers(after_step=False)
-        mine = {k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items()}
+        for s in sorted(self.flavours):
+            self.flavours[s].sync_buffers(after_step=False)
+        mine = {k: v.detach().cpu().clone() for k, v in self._stage_tensors().items()}
         whole: dict[str, torch.Tensor] = {}
         for part in self.pp.all_gather_objects(mine):
             whole.update(part)
         return whole
 
     def state_dict(self) -> dict:
-        return {"ranges": [list(r) for r in self.ranges], "stage": self.stage.state_dict(),
-                **self.dp.state_dict()}
+        state = {"ranges": [list(r) for r in self.ranges], "stage": self._stage_tensors()}
+        if len(self.stages) == 1:
+            return state | self.dp.state_dict()
+        return state | {"flavours": [self.flavours[s].state_dict() for s in sorted(self.flavours)]}
 
     def load_state_dict(self, state: dict) -> None:
         ranges = [tuple(r) for r in state["ranges"]]
         if ranges != self.ranges:  # a balanced cut is re-measured at start: keep the checkpoint's
             self.ranges = ranges
             self._build_stage(self._model_fn())
-        self.stage.load_state_dict(state["stage"])
-        self.dp.load_state_dict(state)
+        for s in sorted(self.stages):
+            self.stages[s].load_state_dict(state["stage"])
+        if len(self.stages) == 1:
+            self.dp.load_state_dict(state)
+        else:
+            for s, flavour_state in zip(sorted(self.flavours), state["flavours"]):
+                self.flavours[s].load_state_dict(flavour_state)
 
     @classmethod
     def consolidate(cls, states, model):
@@ -239,15 +317,24 @@ class Pipeline(Strategy):
     # ------------------------------------------------------------ records
     def extra_summary(self) -> dict:
         """What only this stage knows. Its bubble and microbatches alive are derived from the
-        spans, beside their theory (``analysis/timeline.py``, ``records.py``)."""
-        a, b = self.ranges[self.pp.rank]
+        spans, beside their theory (``analysis/timeline.py``, ``records.py``). Under
+        interleaved-1f1b ``units`` is the rank's first stage's; ``held_stages`` and
+        ``held_units`` list all of them."""
+        held = sorted(self.stages)
+        a, b = self.ranges[held[0]]
         share = None
         if self.unit_times:
-            share = sum(self.unit_times[a:b]) / sum(self.unit_times)
-        return StageRecord(
+            share = sum(sum(self.unit_times[i:j]) for i, j in (self.ranges[s] for s in held)) / sum(self.unit_times)
+        record = StageRecord(
             stage=self.pp.rank, stages=self.pp.world, microbatches=self.microbatches, schedule=self.schedule,
-            dp_replica=self.dp_comm.rank, units=[a, b], unit_labels=self.unit_labels[a:b],
-            stage_parameters=sum(p.numel() for p in self.stage.parameters()), partition=self.partition_method,
-            ranges=[list(r) for r in self.ranges], time_share=share, peak_activation_bytes=self.stage.peak_bytes,
+            dp_replica=self.dp_comm.rank, units=[a, b], unit_labels=[l for s in held for l in
+                                                                     self.unit_labels[slice(*self.ranges[s])]],
+            stage_parameters=sum(p.numel() for st in self.stages.values() for p in st.parameters()),
+            partition=self.partition_method, ranges=[list(r) for r in self.ranges], time_share=share,
+            peak_activation_bytes=sum(st.peak_bytes for st in self.stages.values()),
             data_parallel={"flavour": self.dp.flavour, "replicas": self.dp_size, **self.dp.summary()},
         ).to_dict()
+        if self.virtual > 1:
+            record |= {"virtual_stages": self.virtual, "held_stages": held,
+                       "held_units": [list(self.ranges[s]) for s in held]}
+        return record

@@ -1,0 +1,122 @@
+"""Pipeline schedules side by side: ours (gpipe, 1f1b, interleaved-1f1b, zb-h1) and torch-pipeline's.
+
+One run of each schedule on the same model, batch, microbatches and cut, in
+rounds (``bench/common.best_of``: every configuration once per round, the
+fastest of each kept), meant to hold the shared CPU lock for its whole run:
+
+  flock /tmp/paralab-cpu.lock .venv/bin/python bench/schedules.py [--workers 2] [--width 0.5]
+      [--batch-size 64] [--microbatches 8] [--steps 6] [--repeats 2]
+
+The cut is measured once here (``balanced``: forward+backward time of each
+unit, median of 5) for each number of stages a schedule needs (p, or 2p for
+interleaved v = 2 and PyTorch's V schedules) and passed to every run as
+explicit counts, so ours and PyTorch's run the very same stages. For each:
+samples/s (global batch / slowest rank's step, warm-up left out), each
+rank's measured bubble (idle / step time, from the spans) beside the
+schedule's formula (``analysis/cost.schedule_bubble``), and the most
+microbatches alive per rank (interleaved and V: (stage, microbatch) pairs).
+PyTorch's idle time is the time inside its ``step()`` outside the rank's
+compute calls (see ``strategies/torch_pipeline.py``).
+
+Writes bench/results/schedules.json (with the CPU named from ``lscpu``) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from common import RESULTS, SRC, best_of, train, write_result
+
+sys.path.insert(0, str(SRC))
+
+from paralab.analysis.cost import SCHEDULE_SOURCES, schedule_bubble  # noqa: E402
+from paralab.models import build_model  # noqa: E402
+from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
+
+#: name -> (strategy, schedule, stages per rank)
+CONFIGS = {
+    "gpipe": ("pipeline", "gpipe", 1),
+    "1f1b": ("pipeline", "1f1b", 1),
+    "interleaved-1f1b": ("pipeline", "interleaved-1f1b", 2),
+    "zb-h1": ("pipeline", "zb-h1", 1),
+    "torch gpipe": ("torch-pipeline", "gpipe", 1),
+    "torch 1f1b": ("torch-pipeline", "1f1b", 1),
+    "torch interleaved-1f1b": ("torch-pipeline", "interleaved-1f1b", 2),
+    "torch zbv": ("torch-pipeline", "zbv", 2),
+}
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="bench/schedules.py", description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", default="vgg11")
+    p.add_argument("--width", type=float, default=0.5)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="rounds; the fastest run of each schedule is kept")
+    p.add_argument("--schedules", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS))
+    p.add_argument("--out", default=str(RESULTS / "schedules.json"))
+    args = p.parse_args(argv)
+    args.cores_per_worker = None
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"unknown schedules {unknown}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    w, m = args.workers, args.microbatches
+    model = build_model(args.model, width=args.width)
+    times = measure_unit_times(model, sample_batch(max(1, args.batch_size // m)), repeats=5)
+    cuts = {k: ",".join(str(b - a) for a, b in split_costs(times, w * k)) for k in {c[2] for c in CONFIGS.values()}}
+
+    def run(name: str, tmp: Path, tag: str) -> dict:
+        strategy, schedule, per_rank = CONFIGS[name]
+        options = ["--schedule", schedule, "--microbatches", str(m), "--partition", cuts[per_rank], "--lr", "0.01"]
+        if schedule == "interleaved-1f1b":
+            options += ["--virtual-stages", str(per_rank)]
+        summary, _ = train(name, [strategy], args, tmp / f"{name.replace(' ', '-')}-{tag}", options=options)
+        details = summary["strategy_details"]
+        return {"name": name, "strategy": strategy, "schedule": schedule, "stages_per_rank": per_rank,
+                "samples_per_s": summary["samples_per_s"], "seconds_per_iter": summary["seconds_per_iter"],
+                "bubble": [details[str(r)]["bubble"] for r in range(w)],
+                "bubble_formula": (schedule_bubble(schedule, w, m, per_rank).parts["fraction"]
+                                   if schedule in SCHEDULE_SOURCES else None),
+                "peak_alive": [details[str(r)]["peak_microbatches_alive"] for r in range(w)],
+                "peak_activation_bytes": [details[str(r)]["peak_activation_bytes"] for r in range(w)],
+                "split": summary["split"]}
+
+    out = best_of("schedules", names, args.repeats, run)
+    if out is None:
+        return 1
+    runs, best, machine = out
+    machine["cpu"] = cpu_name()
+    print(f"\n{args.model} width {args.width}, batch {args.batch_size}, {m} microbatches, {w} ranks; "
+          f"cuts {cuts}; best of {args.repeats}; {machine['cpu']}, {machine['cpu_count']} cores, load "
+          f"{machine['load_average_before'][0]:.1f} -> {machine['load_average_after'][0]:.1f}")
+    print(f"{'schedule':<24}{'samples/s':>10}  {'bubble per rank':<{7 * w}}{'formula':>8}  {'peak alive':>10}")
+    for name in names:
+        r = best[name]
+        formula = "-" if r["bubble_formula"] is None else f"{r['bubble_formula']:.3f}"
+        print(f"{name:<24}{r['samples_per_s']:>10.1f}  {' '.join(f'{b:.3f}' for b in r['bubble']):<{7 * w}}"
+              f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}")
+    path = write_result(args.out, {"benchmark": "schedules", "settings": {k: v for k, v in vars(args).items()},
+                                   "cuts": cuts, "unit_seconds": times, "machine": machine, "best": best,
+                                   "runs": runs})
+    print(f"\nwritten {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
