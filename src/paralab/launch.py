@@ -36,6 +36,11 @@ With gloo across hosts, the interface gloo uses is the one that routes to
 
 The rendezvous has no authentication (a property of torch.distributed):
 local runs bind to 127.0.0.1; multi-node runs belong on a trusted network.
+
+``--network RATE`` (local workers only, ``network.py``): each rank runs in
+a network namespace of its own on a shaped link to a bridge, the rendezvous
+is rank 0's address there, and the namespaces are deleted however the run
+ends (:func:`_run_on_network`).
 """
 from __future__ import annotations
 
@@ -185,11 +190,45 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
         choose_gloo_interface(cfg, cfg.rank)
         _leave(_run_here(cfg, cfg.rank, cfg.world_size, 0, tcp_url(cfg.master_addr, cfg.master_port or 29500),
                          run_dir))
+    if cfg.network and cfg.workers > 1:
+        return _run_on_network(cfg, run_dir)
     init_method = tcp_url("127.0.0.1", cfg.master_port or free_port())
     if cfg.workers == 1:
         pin(0, cfg, 1)
         return _run_here(cfg, 0, 1, 0, init_method, run_dir)
     return _run_local(cfg, init_method, run_dir)
+
+
+def _run_on_network(cfg: RunConfig, run_dir: str) -> int:
+    """``--network``: the local ranks, each in its own namespace on a shaped link (``network.py``).
+
+    The namespaces are deleted however the run ends: success, a failed or killed rank, Ctrl-C, or
+    SIGTERM (what ``paralab compare`` sends a run it stops), which is turned into an exception here
+    so that the ranks are stopped and the ``finally`` below deletes the namespaces.
+    """
+    from . import network
+
+    def terminated(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        try:
+            net = network.Network(network.parse(cfg.network), cfg.workers)
+            net.up()
+        except network.NetworkError as exc:
+            print(f"paralab: error: --network {cfg.network}: could not build the emulated network: {exc}",
+                  file=sys.stderr, flush=True)
+            emit("error", message=f"--network: {exc}")
+            return 2
+        try:
+            cfg.network_emulated = net.record()
+            print(f"paralab: emulated network: {network.describe(cfg.network_emulated)}", file=sys.stderr, flush=True)
+            return _run_local(cfg, net.init_method(cfg.master_port), run_dir)
+        finally:
+            net.down()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _leave(code: int):
@@ -255,6 +294,9 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
     from .worker import run_worker
     pin(rank, cfg, world)
     try:
+        if cfg.network_emulated:  # --network: into this rank's own namespace before any socket exists
+            from .network import join
+            join(cfg.network_emulated, rank)
         run_worker(cfg, rank, world, rank, init_method, run_dir)
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)

@@ -57,8 +57,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UsageError
 from ..kinds import BUCKETS
 from ..options import option
+from .compression import CompressOptions, make_compressor
 from .data_parallel import AccumulateOptions, DataParallel
 from .replicas import Replicas
 
@@ -139,6 +141,9 @@ class DDPReplicas(Replicas):
             for i, view in zip(bucket.params, bucket.views):
                 self.slot[i] = (bucket, view)
 
+        # what a bucket sends: itself, or a compressed form of it (--compress, compression.py)
+        self.compressor = make_compressor(ctx.options, comm.world)
+
         # 3. one hook per parameter
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._hook(i))
@@ -168,8 +173,8 @@ class DDPReplicas(Replicas):
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
             bucket = self.buckets[self._next_bucket]
-            self._in_flight.append(self.comm.all_reduce(bucket.buffer, name=f"ddp_bucket{bucket.index}",
-                                                        async_op=True))
+            self._in_flight.append(self.compressor.launch(self.comm, bucket.index, bucket.buffer, bucket.views,
+                                                          f"ddp_bucket{bucket.index}"))
             self._next_bucket += 1
 
     # ------------------------------------------------------------------ the step
@@ -200,9 +205,12 @@ class DDPReplicas(Replicas):
                     self._ready[i] = True
             bucket.missing = 0
         self._launch_ready_buckets()
+        for pending in self._in_flight:  # a second round where the compression has one (PowerSGD's Q)
+            pending.proceed()
         for pending in self._in_flight:  # the one wait: whatever is still in flight is exposed time
-            pending.wait()
+            pending.complete()
         self._in_flight = []
+        self.compressor.end_step()
         for p, (_, view) in zip(self.params, self.slot):
             p.grad = view  # the mean gradient, in place in the bucket
 
@@ -211,6 +219,7 @@ class DDPReplicas(Replicas):
         """The bucket layout (the overlap it achieved is derived from the spans: analysis/timeline.py)."""
         return {
             "bucket_mb": self.bucket_mb,
+            **self.compressor.summary(),
             BUCKETS: [{"index": b.index, "MiB": round(b.nbytes / MiB, 3), "tensors": len(b.params),
                        "first": b.names[0], "last": b.names[-1]} for b in self.buckets],
         }
@@ -219,5 +228,14 @@ class DDPReplicas(Replicas):
 class DDP(DataParallel):
     name = "ddp"
     roles = ("scaling",)
-    options = (AccumulateOptions, BucketOptions)
+    options = (AccumulateOptions, BucketOptions, CompressOptions)
     replicas_cls = DDPReplicas
+
+    @classmethod
+    def validate(cls, cfg, world: int) -> None:
+        super().validate(cfg, world)
+        if cfg.check and cfg.compress in ("fp16", "bf16") and cls.mesh_shape(cfg, world).dp > 2:
+            raise UsageError(f"--compress {cfg.compress} --check: the all-reduce sums {cfg.compress} numbers in "
+                             f"{cfg.compress}, in gloo's ring order, which the reference does not replay beyond 2 "
+                             "replicas (a sum of two is the same in any order); check with 2 data-parallel "
+                             "workers, or drop --check")

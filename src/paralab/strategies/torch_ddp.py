@@ -16,6 +16,19 @@ built-in one does (divide the bucket by N, all-reduce it) but through
 every other strategy's. ``--accumulate K`` runs K-1 microbatches under
 ``DDP.no_sync()``.
 
+``--compress`` uses PyTorch's own ``ddp_comm_hooks``: fp16 and bf16 through
+``fp16_compress_wrapper`` / ``bf16_compress_wrapper`` around the hook above
+(PyTorch casts the bucket, our hook divides and all-reduces it through
+``comm.py``: the same as its ``fp16_compress_hook``, with the bytes
+counted; PyTorch refuses its bf16 hook and wrapper on anything but
+NCCL/XCCL, by the hook's name, so bf16 uses :func:`bf16_mean_hook`, ours,
+which casts, divides and all-reduces the same way); PowerSGD through
+``powerSGD_hook`` with a ``PowerSGDState``
+(rank ``--powersgd-rank``, ``start_powerSGD_iter = --powersgd-start-iter``,
+error feedback and warm start on). PowerSGD's all-reduces are PyTorch's
+own calls, so they are not in this run's ``comm`` spans (its bytes are
+not counted); our ``ddp --compress powersgd`` records them.
+
 Pure data parallelism runs forward through the DDP wrapper, as users do:
 its forward arms the reducer (and broadcasts rank 0's buffers). A pipeline
 stage (``--pp``) runs its units itself, one microbatch at a time, so the
@@ -34,8 +47,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import UsageError
+from .compression import CompressOptions
 from .data_parallel import AccumulateOptions, DataParallel
 from .ddp import BucketOptions
 from .replicas import Replicas
@@ -61,7 +77,7 @@ class TorchDDPReplicas(Replicas):
         device_ids = [ctx.device] if ctx.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=comm.group,
                                            bucket_cap_mb=ctx.options.bucket_mb)
-        self.ddp.register_comm_hook(self, allreduce_mean_hook)
+        register_hook(self.ddp, self, ctx.options)
         self.forward_arms_reducer = False  # True once the wrapper runs the forward (pure data parallelism)
 
     def broadcast_parameters(self) -> None:
@@ -86,7 +102,50 @@ class TorchDDPReplicas(Replicas):
         super().sync_buffers(after_step)
 
 
+def bf16_mean_hook(replicas, bucket):
+    """DDP communication hook for ``--compress bf16``: the bucket cast to bfloat16, divided by N,
+    all-reduced through comm.py, cast back into the bucket (what PyTorch's ``bf16_compress_hook`` does;
+    PyTorch allows that one only on NCCL/XCCL)."""
+    buffer = bucket.buffer()
+    narrow = buffer.to(torch.bfloat16).div_(replicas.comm.world)
+    pending = replicas.comm.all_reduce(narrow, name=f"torch_ddp_bucket{bucket.index()}_bf16", async_op=True)
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+    return pending.work.get_future().then(decompress)
+
+
+def register_hook(ddp, replicas, options) -> None:
+    """The communication hook ``--compress`` names: PyTorch's own, around ours where it can be."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    if options.compress == "fp16":
+        ddp.register_comm_hook(replicas, default_hooks.fp16_compress_wrapper(allreduce_mean_hook))
+    elif options.compress == "bf16":
+        ddp.register_comm_hook(replicas, bf16_mean_hook)
+    elif options.compress == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=replicas.comm.group,
+                                            matrix_approximation_rank=options.powersgd_rank,
+                                            start_powerSGD_iter=options.powersgd_start_iter,
+                                            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        ddp.register_comm_hook(replicas, allreduce_mean_hook)
+
+
 class TorchDDP(DataParallel):
     name = "torch-ddp"
     replicas_cls = TorchDDPReplicas
-    options = (AccumulateOptions, BucketOptions)
+    options = (AccumulateOptions, BucketOptions, CompressOptions)
+
+    @classmethod
+    def validate(cls, cfg, world: int) -> None:
+        super().validate(cfg, world)
+        if cfg.compress == "powersgd" and cfg.powersgd_start_iter < 2:
+            raise UsageError("torch-ddp --compress powersgd: PyTorch's PowerSGD hook needs "
+                             "--powersgd-start-iter of at least 2 (DDP rebuilds its buckets after the first step)")
+        if cfg.compress != "none" and cfg.check:
+            raise UsageError(f"torch-ddp --compress {cfg.compress} --check: compression changes the arithmetic and "
+                             "the reference replays only our ddp's (PyTorch's hooks divide after casting, and its "
+                             "PowerSGD differs in detail): check `paralab train ddp --compress "
+                             f"{cfg.compress} --check`, or drop --check")

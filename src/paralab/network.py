@@ -1,0 +1,296 @@
+"""An emulated cluster network on one machine: one shaped link per local rank.
+
+``paralab train ... --workers N --network 1gbit`` puts every local rank in a
+Linux network namespace of its own, as if each were a host of a small
+cluster on one switch::
+
+    namespace <run>-r0          namespace <run>-sw           namespace <run>-r1
+    eth0 10.213.0.1 ──veth── r0 ┐                       ┌ r1 ──veth── eth0 10.213.0.2
+         (tbf RATE)   (tbf RATE)└────── bridge br0 ─────┘(tbf RATE)   (tbf RATE)
+
+- **The switch** is a bridge in a namespace of its own (``<run>-sw``), so
+  nothing of a run touches the host's own network: every address and link
+  lives in a namespace the run created.
+- **A link** is a veth pair: ``eth0`` inside the rank's namespace, ``r<i>``
+  on the bridge. Each end's egress is shaped by a token-bucket filter
+  (``tbf``) to RATE, so the link is full duplex: RATE out of the rank
+  (rank -> switch, shaped on ``eth0``) and RATE into it (switch -> rank,
+  shaped on ``r<i>``), independently per rank, as on a switched cluster.
+  Two ranks' traffic shares no link except through the switch.
+- **The ranks** enter their namespace (``setns``) before torch.distributed
+  starts, and talk over real TCP through real interfaces: gloo is told to
+  use ``eth0`` (``GLOO_SOCKET_IFNAME``) and the rendezvous is rank 0's
+  address. Nothing is simulated in Python.
+
+Token-bucket settings (tbf), chosen, not defaulted:
+
+- ``burst`` (the bucket: bytes that may leave at once above RATE) is the
+  larger of 64 KiB (one GSO/TSO super-packet of a veth, which tbf would
+  otherwise split) and 1 ms at RATE. A larger bucket lets a short message
+  leave faster than the link allows; this one keeps the error below 1 ms
+  per message (about 1/80 of a 1 MB message at 100 Mbit).
+- ``limit`` (bytes queued before drops) is 50 ms at RATE, at least 1 MiB:
+  TCP fills the queue rather than losing packets, so the link runs at RATE
+  instead of backing off; the queue adds delay, not loss.
+- MTU 1500 (Ethernet's default): the rate counts whole frames, so TCP
+  payload gets about 95 % of RATE (1448 B of every 1514 B on the wire).
+
+Latency (``--network 1gbit,200us``: one-way, rank to rank) needs the
+kernel's ``netem`` qdisc; half of it is added on each of the two links a
+packet crosses. Where ``netem`` is missing the latency is refused (only
+bandwidth is emulated then); it is never faked with sleeps.
+
+Permissions: creating namespaces needs root (CAP_NET_ADMIN and
+CAP_SYS_ADMIN). Without root the run is refused before it starts, saying
+what to do.
+
+Nothing is left behind: :meth:`Network.down` deletes the run's namespaces,
+which removes their links and qdiscs with them; the launcher calls it on
+success, failure, Ctrl-C and SIGTERM. A launcher killed with SIGKILL cannot
+clean up; the next network run removes namespaces whose launcher process
+is gone (:func:`remove_orphans`). Names carry the launcher's pid and a
+random tag, so runs at the same time never collide; addresses can repeat
+between runs because each run's are visible only inside its namespaces.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+from .errors import UsageError
+
+PREFIX = "paralab-"                 # every namespace of every run starts with this
+SUBNET = "10.213.0"                 # rank i has SUBNET.(i+1)/24; private to the run's namespaces
+INTERFACE = "eth0"                  # the rank's end of its link (what gloo is told to use)
+RENDEZVOUS_PORT = 29400             # rank 0's store: free in a namespace that was just created
+MIN_BURST = 64 * 1024               # one veth GSO super-packet
+BURST_S = 0.001                     # the bucket holds this much time at RATE
+QUEUE_S = 0.050                     # the queue holds this much time at RATE ...
+MIN_LIMIT = 1 << 20                 # ... and at least this many bytes
+UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+class NetworkError(Exception):
+    """Setting up the emulated network failed (the message says which command and why)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What ``--network`` asks for: a link rate and, optionally, a one-way latency."""
+    text: str
+    rate_bps: float                 # bits per second, each direction of each rank's link
+    latency_s: float | None = None  # one-way, rank to rank
+
+    @property
+    def gbps(self) -> float:
+        return self.rate_bps / 1e9
+
+    @property
+    def burst_bytes(self) -> int:
+        return int(max(MIN_BURST, self.rate_bps / 8 * BURST_S))
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(max(MIN_LIMIT, self.rate_bps / 8 * QUEUE_S))
+
+
+def parse(text: str) -> Spec:
+    """``100mbit``, ``1gbit``, ``2.5gbit``, ``1gbit,200us`` -> Spec (UsageError otherwise)."""
+    rate_text, _, latency_text = text.strip().lower().partition(",")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)", rate_text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--network {text!r}: give a link rate such as 100mbit, 1gbit or 10gbit "
+                         "(optionally ,LATENCY such as ,200us where the kernel has netem)")
+    rate = float(m.group(1)) * UNITS[m.group(2)]
+    if rate < 1e6:
+        raise UsageError(f"--network {text!r}: at least 1mbit (a slower link would take minutes per step)")
+    latency = None
+    if latency_text:
+        t = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|ms|us)", latency_text.strip())
+        if not t:
+            raise UsageError(f"--network {text!r}: the latency after the comma must be like 200us or 1ms")
+        latency = float(t.group(1)) * TIME_UNITS[t.group(2)]
+    return Spec(text.strip(), rate, latency)
+
+
+# ---------------------------------------------------------------------------- can we?
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise NetworkError(f"`{' '.join(args)}` failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def has_netem() -> bool:
+    """Whether the kernel offers the netem qdisc (tried on the loopback of a scratch namespace)."""
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}-probe"
+    if _run("ip", "netns", "add", name, check=False).returncode != 0:
+        return False
+    try:
+        return _run("tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                    check=False).returncode == 0
+    finally:
+        _run("ip", "netns", "del", name, check=False)
+
+
+def check_can_emulate(spec: Spec) -> None:
+    """UsageError (exit 2, before any rank starts) where this machine cannot give these links."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UsageError(f"--network needs the iproute2 tools ({', '.join(missing)} not found): install them "
+                         "(Debian/Ubuntu: apt-get install iproute2), or drop --network")
+    if os.geteuid() != 0:
+        raise UsageError("--network creates a network namespace per rank, which needs root (CAP_NET_ADMIN and "
+                         "CAP_SYS_ADMIN); this process is not root. Run the command as root (e.g. with sudo, or "
+                         "inside `unshare --user --map-root-user --net --mount` where the kernel allows "
+                         "unprivileged user namespaces and /run/netns is writable), or drop --network")
+    if spec.latency_s is not None and not has_netem():
+        raise UsageError(f"--network {spec.text}: this kernel has no netem qdisc, so latency cannot be emulated "
+                         "(only bandwidth is); drop the latency part (e.g. --network "
+                         f"{spec.text.split(',')[0]})")
+
+
+# ---------------------------------------------------------------------------- the network of one run
+@dataclass
+class Link:
+    """One rank's place on the emulated network (recorded in config.json)."""
+    rank: int
+    namespace: str
+    address: str
+    interface: str = INTERFACE
+
+
+class Network:
+    """The namespaces, links and qdiscs of one run: ``up()`` builds them, ``down()`` removes them.
+
+    Use as a context manager; ``down()`` runs however the block ends.
+    """
+
+    def __init__(self, spec: Spec, ranks: int):
+        self.spec, self.ranks = spec, ranks
+        self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+        self.switch = f"{self.tag}-sw"
+        self.links = [Link(r, f"{self.tag}-r{r}", f"{SUBNET}.{r + 1}") for r in range(ranks)]
+        self.created: list[str] = []  # namespaces made so far (removed by down())
+
+    def __enter__(self) -> "Network":
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.switch] + [link.namespace for link in self.links]
+
+    def up(self) -> None:
+        """Create the switch, then each rank's namespace and its shaped link to the switch."""
+        remove_orphans()
+        try:
+            self._add_namespace(self.switch)
+            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for link in self.links:
+                self._add_namespace(link.namespace)
+                port = f"r{link.rank}"
+                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth",
+                     "peer", "name", INTERFACE, "netns", link.namespace)
+                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                _run("ip", "-n", self.switch, "link", "set", port, "up")
+                _run("ip", "-n", link.namespace, "addr", "add", f"{link.address}/24", "dev", INTERFACE)
+                _run("ip", "-n", link.namespace, "link", "set", INTERFACE, "up")
+                _run("ip", "-n", link.namespace, "link", "set", "lo", "up")
+                self._shape(link.namespace, INTERFACE)   # out of the rank
+                self._shape(self.switch, port)           # into the rank
+        except BaseException:
+            self.down()
+            raise
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.created.append(name)
+
+    def _shape(self, namespace: str, device: str) -> None:
+        """Egress of ``device``: tbf at RATE (and, with a latency, netem's half of it in front)."""
+        s = self.spec
+        tbf = ["tbf", "rate", f"{int(s.rate_bps)}bit", "burst", str(s.burst_bytes), "limit", str(s.limit_bytes)]
+        if s.latency_s is None:
+            _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *tbf)
+        else:  # one-way latency L: each of the two links a packet crosses delays it L/2
+            half_us = max(1, round(s.latency_s / 2 * 1e6))
+            _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:",
+                 "netem", "delay", f"{half_us}us", "limit", "100000")
+            _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "parent", "1:1", "handle", "10:", *tbf)
+
+    def down(self) -> None:
+        """Delete the run's namespaces (their links and qdiscs go with them); safe to call twice."""
+        for name in reversed(self.created):
+            _run("ip", "netns", "del", name, check=False)
+        self.created = []
+
+    def init_method(self, port: int | None = None) -> str:
+        return f"tcp://{self.links[0].address}:{port or RENDEZVOUS_PORT}"
+
+    def record(self) -> dict:
+        """What config.json keeps (``network_emulated``): the link and every rank's place on it."""
+        s = self.spec
+        return {"rate_bps": s.rate_bps, "gbps": s.gbps, "latency_s": s.latency_s, "qdisc": "tbf",
+                "burst_bytes": s.burst_bytes, "limit_bytes": s.limit_bytes, "mtu": 1500, "duplex": "full",
+                "topology": "one bridge; each rank's veth shaped on both ends",
+                "links": [asdict(link) for link in self.links]}
+
+
+def describe(record: dict | None, asked: str | None = None) -> str:
+    """One line for people: what the emulated network of a run was (``asked``: its --network)."""
+    if not record:
+        if asked:
+            return f"--network {asked} asked for, but one rank has no link to emulate"
+        return "none (loopback: the ranks shared this machine's own network stack)"
+    rate = record["rate_bps"]
+    text = f"{rate / 1e9:g} Gbit/s" if rate >= 1e9 else f"{rate / 1e6:g} Mbit/s"
+    latency = (f", {record['latency_s'] * 1e6:g} us one-way latency (netem)" if record.get("latency_s")
+               else ", no added latency (bandwidth only)")
+    return (f"{len(record['links'])} ranks, each on its own full-duplex {text} link to one switch (tbf, burst "
+            f"{record['burst_bytes']} B, queue {record['limit_bytes']} B, MTU {record['mtu']}){latency}")
+
+
+# ---------------------------------------------------------------------------- inside a rank
+def join(record: dict, rank: int) -> None:
+    """Move this process (a rank, before torch.distributed starts) into its namespace; point gloo at eth0."""
+    import ctypes
+    link = record["links"][rank]
+    libc = ctypes.CDLL(None, use_errno=True)
+    CLONE_NEWNET = 0x40000000
+    fd = os.open(f"/run/netns/{link['namespace']}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {link['namespace']}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = link["interface"]
+
+
+# ---------------------------------------------------------------------------- leftovers
+def namespaces_of(tag: str | None = None) -> list[str]:
+    """The network namespaces whose names start with ``tag`` (default: any paralab run's)."""
+    proc = _run("ip", "netns", "list", check=False)
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(tag or PREFIX)]
+
+
+def remove_orphans() -> list[str]:
+    """Delete the namespaces of runs whose launcher process no longer exists (one killed by SIGKILL)."""
+    removed = []
+    for name in namespaces_of():
+        m = re.match(re.escape(PREFIX) + r"(\d+)-", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
