@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup data demo test test-slow bench clean
+.PHONY: setup data demo test test-slow bench gpu-check clean
 
 # A virtual environment with torch installed first, pinned (a bare `torch`
 # requirement can pull gigabytes of CUDA wheels). If the Python that creates
@@ -21,7 +21,8 @@ $(VENV)/.paralab-setup: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
 
-# Real data offline: Debian's dataset-fashion-mnist, where root and apt allow.
+# Real data offline: Debian's dataset-fashion-mnist and jargon-text (the text for --model gpt),
+# where root and apt allow.
 data:
 	@if [ -d /usr/share/datasets/fashion-mnist ]; then \
 	  echo "data: Fashion-MNIST present in /usr/share/datasets/fashion-mnist"; \
@@ -31,8 +32,16 @@ data:
 	else \
 	  echo "data: not root or no apt-get; the demo uses synthetic data (see README for real data)"; \
 	fi
+	@if [ -f /usr/share/doc/jargon-text/jargon.txt.gz ]; then \
+	  echo "data: the Jargon File (text) present in /usr/share/doc/jargon-text"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -q jargon-text || (apt-get update -q && apt-get install -y -q jargon-text)) \
+	  || echo "data: could not install jargon-text; --model gpt uses synthetic-text"; \
+	else \
+	  echo "data: not root or no apt-get; --model gpt uses synthetic-text (apt-get install jargon-text)"; \
+	fi
 
-# The main job: every strategy at 1 and 2 workers, checked against the
+# The main job: single at 1 worker, every other strategy at 2, checked against the
 # single-process reference, into reports/compare-<time>/report.html.
 demo: setup data
 	$(BIN)/paralab compare
@@ -46,6 +55,12 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/python bench/run.py
+
+# The GPU path, proven on a machine with a CUDA device: the CUDA-marked tests, every strategy's --check on
+# the GPU(s), samples/s and MFU at 1 GPU -> bench/results/gpu-*.json. Needs no setup (it runs paralab from
+# src/ with the first Python whose torch sees a GPU); without one it says so and exits 2, having run nothing.
+gpu-check:
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs reports .pytest_cache

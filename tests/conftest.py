@@ -10,6 +10,17 @@ from pathlib import Path
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip, saying why, where no CUDA device is visible (`make gpu-check` runs them)."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `make gpu-check` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
 # Small and fast: every multi-worker test uses these unless it needs otherwise.
 FAST = ["--dataset", "synthetic", "--synthetic-size", "512", "--width", "0.125", "--batch-size", "32",
         "--no-progress", "--eval-batches", "1", "--eval-batch-size", "64", "--timeout", "30"]

@@ -33,12 +33,14 @@ def test_allreduce_bench(tmp_path):
     assert d["rows"] and all(row["busbw_GBps"] > 0 for row in d["rows"])
 
 
+@pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
 def test_dp_bench(tmp_path):
     d = bench(tmp_path, "dp", *TOY, "--strategies", "single,ddp,torch-ddp")
     assert set(d["best"]) == {"single", "ddp", "torch-ddp"}
     assert d["ratios"]["ddp_over_torch_ddp"] > 0 and "scaling_efficiency_ddp" in d["ratios"]
 
 
+@pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
 def test_pipeline_bench(tmp_path):
     d = bench(tmp_path, "pipeline", "--width", "0.125", "--batch-size", "16", "--num-batches", "3", "--warmup", "1",
               "--microbatches", "1,2")
@@ -56,6 +58,7 @@ def test_fsdp_bench_memory_figures(tmp_path):
     assert m["resident_peak_bytes"] == pytest.approx(m["predicted_bytes"]["peak"], rel=1e-3)
 
 
+@pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
 def test_mesh_bench(tmp_path):
     d = bench(tmp_path, "mesh", "--width", "0.125", "--batch-size", "16", "--steps", "2", "--microbatches", "2",
               "--layouts", "pipeline-pp2,ddp-dp2xpp2")

@@ -13,7 +13,6 @@ through the same functions; they land at step -1 and stay out of averages.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +39,9 @@ class Pending:
     name: str
     op: str
     bytes: int
-    t_launch: float
+    t_launch: object  # a recorder mark: seconds, or a device event (recorder.Recorder.mark)
     step: int
-    done_at: float | None = None
+    done_at: object = None
     on_wait: object = None  # records the interval at wait() where the work has no future (gloo send/recv)
 
     def wait(self, category: str = "comm", **args) -> None:
@@ -77,14 +76,15 @@ class Comm:
 
     def _launch(self, name: str, kind: str, size: int, fn, *args, **kwargs) -> Pending:
         rec = self.recorder
-        t0 = rec.now()
+        t0 = rec.mark()  # on CUDA an event on the stream, read after the step (recorder.py)
         work = fn(*args, async_op=True, **kwargs)
         pending = Pending(self, work, name, kind, size, t0, rec.step)
 
         def finished(_fut):
-            pending.done_at = rec.now() if not rec.cuda else time.perf_counter() - rec.origin
-            # runs on the backend's thread: the span carries the step it was launched in,
-            # whatever step the training thread has reached by now
+            # runs on the backend's thread (on CUDA with the operation's stream current, so the mark is
+            # its completion on the device): the span carries the step it was launched in, whatever
+            # step the training thread has reached by now
+            pending.done_at = rec.mark()
             rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind, **{"async": True})
             return None
 

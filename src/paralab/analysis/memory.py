@@ -238,3 +238,15 @@ def optimizer_kind(optimizer: str, momentum: float = 0.0) -> str:
     if optimizer == "adam":
         return "adam"
     return "sgd-momentum" if momentum else "sgd"
+
+
+def beside_prediction(allocator: dict, predicted: dict) -> dict:
+    """A rank's measured allocator peak (``kinds.ALLOCATOR``: ``max_memory_allocated``) beside the
+    model's predicted peak (``MemoryEstimate.to_dict()``): bytes, and measured / predicted. The
+    allocator also holds activations, buffers and fragmentation-free rounding that the model
+    leaves out, so a ratio above 1 is expected; below 1 means the model counts something the
+    strategy does not hold."""
+    measured = allocator["peak_bytes"]
+    model = predicted["bytes"].get("peak", predicted["bytes"]["total"])
+    return {"peak_bytes": measured, "predicted_peak_bytes": model,
+            "measured_over_predicted": measured / model if model else None}

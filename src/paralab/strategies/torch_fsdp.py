@@ -18,11 +18,15 @@ and its bytes counted like every other strategy's. FSDP issues them from
 inside the unit's forward and backward (synchronously on CPU: there are no
 streams to overlap on), so they are ``comm`` spans nested in the ``compute``
 spans; the recorder counts each moment once, in the innermost span. On CUDA
-the hooks are not installed: FSDP2 runs its collectives on side streams to
-overlap them with compute, and the recorder's clock synchronises the device
-at every reading, which would serialise exactly that overlap; there its
-communication stays inside the ``compute`` spans (``collectives_timed``:
-false in summary.json).
+the hooks are installed as well: FSDP2 runs its collectives on side streams
+to overlap them with compute, and the recorder times spans with CUDA events
+on the current stream (FSDP's own, inside its hooks), read after the step,
+so timing no longer serialises that overlap (until the recorder used events,
+a clock that synchronised the device at every reading kept the hooks off
+CUDA). There a collective's span may start inside a unit's ``compute`` span
+and end after it; the split counts the shared moments once, as ``comm``.
+Not yet run on a GPU (``make gpu-check`` does: ``collectives_timed`` in
+summary.json says whether the hooks ran).
 
 BatchNorm buffers are not sharded by FSDP; as everywhere else rank 0's are
 authoritative and broadcast after every step (``first-replica``).
@@ -122,7 +126,7 @@ class TorchFSDP(Strategy):
             fully_shard(unit, mesh=self.mesh)
         fully_shard(self.model, mesh=self.mesh)
         self.reduce_scatter = None
-        if AllGather is not None and ctx.device.type == "cpu":  # see the module docstring for CUDA
+        if AllGather is not None:  # on CUDA too: spans are device events, nothing synchronises (docstring)
             self.reduce_scatter = TimedReduceScatter(self.comm)
             gather = TimedAllGather(self.comm)
             for unit in self.units:

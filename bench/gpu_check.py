@@ -1,0 +1,301 @@
+"""GPU check: prove paralab's CUDA path on a GPU machine in minutes; results in bench/results/gpu-*.json.
+
+    python3 bench/gpu_check.py          (or `make gpu-check`)
+
+Needs only this repository and a Python whose torch sees a CUDA device: it
+runs paralab from ``src`` (PYTHONPATH), installs nothing, and uses the first
+of these interpreters whose torch sees a GPU: the one running it, the
+repository's ``.venv``, ``python3``. Without one it says so and exits 2
+having run nothing. Steps, each recorded even when it fails:
+
+1. the CUDA-marked tests (``pytest -m cuda``; they skip without a GPU),
+   where pytest is installed (else: said, and left out);
+2. every registered strategy's ``--check`` on the GPU(s): at 1 worker where
+   the strategy runs there (torch-dp: ``--gpus 1``), else at 2 workers where
+   2 GPUs are visible, else left out with why;
+3. benchmarks at 1 GPU: samples/s of ``single``, ``ddp`` and ``fsdp`` on
+   VGG-11 (width 1, batch 256), and model FLOPs utilisation (MFU) for VGG-11
+   and ``--model gpt``: FLOPs of one training step counted by
+   ``torch.utils.flop_counter`` over the measured step time, against the
+   device's dense peak (the table below; an unknown device gets no MFU).
+
+Writes ``bench/results/gpu-check.json`` (steps 1-2) and
+``bench/results/gpu-bench.json`` (step 3), naming the device; exits 1 if a
+test or a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SRC = ROOT / "src"
+RESULTS = HERE / "results"
+
+#: dense peak FLOP/s by device name fragment and arithmetic (NVIDIA datasheets, SXM parts, no sparsity);
+#: fp32 runs may use TF32 tensor cores only where torch allows it (off by default for matmuls)
+PEAKS = {"H200": {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12},
+         "H100": {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12},
+         "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12}}
+
+PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+         "'gpus': torch.cuda.device_count() if torch.cuda.is_available() else 0, "
+         "'name': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))")
+
+
+# ---------------------------------------------------------------------------- the interpreter
+def probe(python: str) -> dict | None:
+    try:
+        p = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or ["no torch"])[-1]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def choose_python() -> tuple[str | None, list[str]]:
+    """The first interpreter whose torch sees a GPU, and what each candidate said."""
+    import shutil
+    seen, said = [], []
+    for python in (sys.executable, str(ROOT / ".venv" / "bin" / "python"), shutil.which("python3") or "python3"):
+        if python in seen or (os.sep in python and not Path(python).exists()):
+            continue
+        seen.append(python)
+        info = probe(python)
+        if info is None:
+            said.append(f"{python}: could not run")
+        elif "error" in info:
+            said.append(f"{python}: {info['error']}")
+        else:
+            said.append(f"{python}: torch {info['torch']} (CUDA {info['cuda'] or 'none: a CPU build'}), "
+                        f"{info['gpus']} GPU(s)")
+            if info["gpus"] >= 1:
+                return python, said
+    return None, said
+
+
+# ---------------------------------------------------------------------------- running paralab
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def paralab(*args: str, timeout: float = 600) -> tuple[int, str, float]:
+    t = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-m", "paralab", *args], capture_output=True, text=True,
+                           timeout=timeout, env=env(), cwd=ROOT)
+        return p.returncode, (p.stdout + p.stderr)[-4000:], time.monotonic() - t
+    except subprocess.TimeoutExpired as exc:
+        return 124, f"timed out after {timeout}s: {(exc.stdout or '')[-2000:]}", time.monotonic() - t
+
+
+def read_summary(out: Path) -> dict:
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cuda_tests() -> dict:
+    import importlib.util
+    if importlib.util.find_spec("pytest") is None:
+        return {"status": "left out", "why": "pytest is not installed for this interpreter"}
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=1800)
+    tail = (p.stdout + p.stderr).strip().splitlines()
+    return {"status": "passed" if p.returncode == 0 else "FAILED", "returncode": p.returncode,
+            "summary": tail[-1] if tail else "", "output_tail": "\n".join(tail[-40:]),
+            "seconds": round(time.monotonic() - t, 1)}
+
+
+CHECK_ARGS = ["--device", "cuda", "--dataset", "synthetic", "--synthetic-size", "512", "--width", "0.25",
+              "--batch-size", "32", "--num-batches", "4", "--eval-batches", "1", "--eval-batch-size", "64",
+              "--no-progress", "--check"]
+
+
+def plan_checks(gpus: int) -> list[tuple[str, int, list[str], str | None]]:
+    """(strategy, workers, extra args, why left out) for every registered strategy."""
+    sys.path.insert(0, str(SRC))
+    from paralab.config import RunConfig
+    from paralab.errors import UsageError
+    from paralab.strategies import strategy_names
+    out = []
+    for name in strategy_names():
+        extra = ["--gpus", "1"] if name == "torch-dp" else []
+        chosen, why = None, None
+        for w in (1, 2):
+            if w > gpus:
+                why = f"needs {w} GPUs, {gpus} visible" + (f" (at {w - 1}: {why})" if why else "")
+                break
+            cfg = RunConfig(strategy=name, workers=w, device="cuda", dataset="synthetic", width=0.25,
+                            batch_size=32, check=True, gpus=1 if name == "torch-dp" else 0)
+            try:
+                cfg.validate()
+                chosen = w
+                break
+            except UsageError as exc:
+                why = str(exc)
+        out.append((name, chosen or 0, extra, None if chosen else why))
+    return out
+
+
+def strategy_checks(gpus: int, tmp: Path) -> list[dict]:
+    rows = []
+    for name, workers, extra, why in plan_checks(gpus):
+        if why:
+            rows.append({"strategy": name, "status": "left out", "why": why})
+            print(f"gpu-check: {name}: left out ({why})", flush=True)
+            continue
+        out = tmp / f"check-{name}"
+        rc, text, seconds = paralab("train", name, "--workers", str(workers), *CHECK_ARGS, *extra, "--out", str(out),
+                                    timeout=600)
+        s = read_summary(out)
+        details = s.get("strategy_details") or {}
+        row = {"strategy": name, "workers": workers, "returncode": rc, "seconds": round(seconds, 1),
+               "check": (s.get("check") or {}).get("result"), "status": "passed" if rc == 0 else "FAILED",
+               "allocator_peak_bytes": {r: (d.get("allocator") or {}).get("peak_bytes") for r, d in details.items()},
+               "collectives_timed": {r: d.get("collectives_timed") for r, d in details.items()
+                                     if "collectives_timed" in d} or None}
+        if rc != 0:
+            row["output_tail"] = text
+        rows.append(row)
+        print(f"gpu-check: {name} at {workers} worker(s): {row['status']} (check {row['check']}, {seconds:.0f}s)",
+              flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- benchmarks
+def step_flops(model: str, width: float, batch: int, **shape) -> int:
+    """FLOPs of one training step (forward and backward, no optimizer) of ``model`` on ``batch`` samples,
+    counted on the meta device by ``torch.utils.flop_counter`` (matmuls and convolutions)."""
+    sys.path.insert(0, str(SRC))
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from paralab.losses import cross_entropy
+    from paralab.models import MODALITY, build_model
+    with torch.device("meta"):
+        net = build_model(model, width=width, **shape)
+        if MODALITY[model] == "text":
+            context = shape.get("context", 64)
+            x = torch.randint(0, 256, (batch, context))
+            y = torch.randint(0, 256, (batch, context))
+        else:
+            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        cross_entropy(net(x), y).backward()
+    return int(counter.get_total_flops())
+
+
+def peak_flops(device_name: str | None, arithmetic: str) -> float | None:
+    for fragment, peaks in PEAKS.items():
+        if device_name and fragment in device_name:
+            return peaks[arithmetic]
+    return None
+
+
+BENCH = [("single", "vgg11", []), ("ddp", "vgg11", []), ("fsdp", "vgg11", []), ("single", "gpt", [])]
+
+
+def benchmarks(device: str, tmp: Path, steps: int) -> list[dict]:
+    import torch
+    # the arithmetic torch uses for fp32 by default: cuDNN convolutions in TF32, matmuls in fp32
+    arithmetic = {"vgg11": "tf32" if torch.backends.cudnn.allow_tf32 else "fp32",
+                  "gpt": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"}
+    rows = []
+    for strategy, model, extra in BENCH:
+        batch = 256 if model == "vgg11" else 64
+        shape = dict(layers=4, heads=4, embed=128, context=64) if model == "gpt" else {}
+        dataset = ["--dataset", "synthetic"] if model == "vgg11" else []
+        out = tmp / f"bench-{strategy}-{model}"
+        rc, text, seconds = paralab("train", strategy, "--workers", "1", "--device", "cuda", "--model", model,
+                                    "--batch-size", str(batch), "--num-batches", str(steps), "--warmup", "5",
+                                    "--eval-batches", "1", "--no-progress", *dataset, *extra, "--out", str(out))
+        s = read_summary(out)
+        row = {"strategy": strategy, "model": model, "width": 1.0, "batch": batch, "returncode": rc,
+               "seconds_per_iter": s.get("seconds_per_iter"), "samples_per_s": s.get("samples_per_s")}
+        if rc != 0:
+            row["output_tail"] = text
+        try:
+            flops = step_flops(model, 1.0, batch, **shape)
+            peak = peak_flops(device, arithmetic[model])
+            row.update(flops_per_step=flops, arithmetic=arithmetic[model], peak_flops=peak)
+            if peak and s.get("seconds_per_iter"):
+                row["achieved_flops"] = flops / s["seconds_per_iter"]
+                row["mfu"] = row["achieved_flops"] / peak
+        except Exception as exc:  # noqa: BLE001 - the samples/s still stand
+            row["flops_error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+        print(f"gpu-check: bench {strategy} {model}: {row.get('samples_per_s')} samples/s, MFU {row.get('mfu')}",
+              flush=True)
+    return rows
+
+
+def write(name: str, obj: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p.add_argument("--skip-tests", action="store_true", help="leave out the CUDA-marked tests")
+    p.add_argument("--skip-checks", action="store_true", help="leave out the strategies' --check runs")
+    p.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
+    p.add_argument("--bench-steps", type=int, default=30, help="training steps per benchmark run (5 warm-up)")
+    a = p.parse_args(argv)
+    if os.environ.get("PARALAB_GPU_CHECK_CHILD") != "1":
+        python, said = choose_python()
+        if python is None:
+            print("gpu-check: no CUDA device visible, so nothing was run (the GPU run is still owed). "
+                  "Interpreters tried:\n  " + "\n  ".join(said)
+                  + "\nRun this on a machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
+            return 2
+        if python != sys.executable:  # a venv's python links to the system's: compare the paths as given
+            os.environ["PARALAB_GPU_CHECK_CHILD"] = "1"
+            os.execv(python if os.sep in python else _which(python), [python, __file__, *(argv or sys.argv[1:])])
+    import torch
+    device = torch.cuda.get_device_name(0)
+    gpus = torch.cuda.device_count()
+    header = {"device": device, "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    print(f"gpu-check: {gpus} x {device}, torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True)
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="paralab-gpu-") as d:
+        tmp = Path(d)
+        result = dict(header)
+        if not a.skip_tests:
+            result["cuda_tests"] = cuda_tests()
+            failed |= result["cuda_tests"]["status"] == "FAILED"
+            print(f"gpu-check: CUDA tests: {result['cuda_tests']['status']} {result['cuda_tests'].get('summary', '')}",
+                  flush=True)
+            write("gpu-check.json", result)
+        if not a.skip_checks:
+            result["checks"] = strategy_checks(gpus, tmp)
+            failed |= any(r["status"] == "FAILED" for r in result["checks"])
+            write("gpu-check.json", result)
+        if not a.skip_bench:
+            path = write("gpu-bench.json", {**header, "runs": benchmarks(device, tmp, a.bench_steps)})
+            print(f"gpu-check: benchmarks -> {path}", flush=True)
+    print(f"gpu-check: {'FAILED' if failed else 'passed'}; results in {RESULTS}/gpu-*.json", flush=True)
+    return 1 if failed else 0
+
+
+def _which(name: str) -> str:
+    import shutil
+    return shutil.which(name) or name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
