@@ -29,6 +29,7 @@ SCANNED = ["plots.py", "report.py", "analysis/*.py", "commands/*.py"]
 ALLOWED = {
     ("analysis/memory.py", "ddp"): "the cost model's label for ZeRO stage 0 (DDP's layout of model states)",
     ("commands/partition.py", "model"): "a key of the JSON `paralab partition --json` prints (the model's name)",
+    ("commands/calc.py", "tp"): "`calc tp`'s own --tp option and the mesh dimension it reads, not the strategy",
 }
 
 

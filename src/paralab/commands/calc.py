@@ -2,7 +2,8 @@
 
   memory      model-state bytes per worker: DDP and ZeRO stages 1, 2, 3
   allreduce   gradient synchronisation time: ring all-reduce and gather/scatter through a root
-  bubble      pipeline bubble (p-1)/(m+p-1) and microbatches alive, GPipe and 1F1B
+  bubble      pipeline bubble (p-1)/(m+p-1) and microbatches alive, GPipe and 1F1B; --schedule zb-h1 |
+              interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source
   comm        model/pipeline traffic at the partition boundaries (the real partition)
   run         from a run directory: achieved bandwidth and utilisation (HPML Lab 4 Q3.2),
               predicted vs measured communication time, measured vs predicted bubble
@@ -16,6 +17,7 @@ examples:
   paralab calc allreduce --parameters 10e9 --precision fp16 --workers 8 --bandwidth 100
   paralab calc allreduce --model vgg11 --workers 4 --bandwidth 10 --latency 50 --per-tensor
   paralab calc bubble --stages 4 --microbatches 1,4,8,32
+  paralab calc bubble --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages 2
   paralab calc comm --model vgg11 --workers 4 --batch-size 256
   paralab calc run runs/ddp-w2-20250101-120000 --bandwidth 10
 """
@@ -78,7 +80,29 @@ def add_arguments(p) -> None:
     q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
     q.add_argument("--forward-ms", type=float, help="one stage's forward of one microbatch (ms): adds the step time")
     q.add_argument("--backward-ms", type=float, help="one stage's backward of one microbatch (ms, default 2 x forward)")
+    q.add_argument("--schedule", help="one schedule's bubble and peak activation memory, with its source: "
+                                      "gpipe | 1f1b | zb-h1 | interleaved-1f1b (default: GPipe and 1F1B)")
+    q.add_argument("--virtual-stages", type=int, default=None,
+                   help="interleaved-1f1b: stages per rank v (default 2)")
     q.set_defaults(calc=calc_bubble)
+
+    q = sub.add_parser("tp", help="tensor parallelism on the gpt: communication, activation memory, FLOPs, MFU",
+                       description="Per microbatch: every tensor-parallel collective (calls and bytes), activation "
+                                   "memory per block with and without sequence parallelism (Korthikanti et al. "
+                                   "2022), training FLOPs per token (6N + 12 L h s). With RUN: the shape from the "
+                                   "run, the collectives it recorded per step beside the prediction, and its MFU.")
+    q.add_argument("run", nargs="?", help="a run directory of --model gpt with --tp (optional)")
+    q.add_argument("--layers", type=int, default=4)
+    q.add_argument("--embed", type=int, default=128, help="model width h")
+    q.add_argument("--heads", type=int, default=4)
+    q.add_argument("--context", type=int, default=64, help="tokens per sequence s")
+    q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
+    q.add_argument("--tp", type=int, default=2)
+    q.add_argument("--sequence-parallel", action="store_true")
+    q.add_argument("--peak-tflops", type=float,
+                   help="peak FLOP/s for MFU (default with RUN: this machine's measured fp32 matmul rate per "
+                        "core, times the run's workers; stated as such)")
+    q.set_defaults(calc=calc_tp)
 
     q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
                        description="Cut the model as `paralab train model|pipeline` would and count the "
@@ -100,7 +124,8 @@ def add_arguments(p) -> None:
                                    "achieved bandwidth, HPML Lab 4 Q3.2's bandwidth utilisation, the ring "
                                    "all-reduce prediction beside the measurement, and a pipeline's bubble.")
     q.add_argument("run", help="run directory written by `paralab train`")
-    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds predictions and link share")
+    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds predictions and link share "
+                   "(default: the link rate of a run made with --network)")
     q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
     q.set_defaults(calc=calc_run)
 
@@ -255,6 +280,8 @@ def calc_bubble(args) -> int:
     if args.forward_ms is not None:
         _positive("forward-ms", args.forward_ms)
     p = args.stages
+    if args.schedule is not None or args.virtual_stages is not None:
+        return _calc_schedule_bubble(args, p, ms)
     rows = []
     for m in ms:
         print(f"--- p = {p} stages, m = {m} microbatches")
@@ -270,7 +297,125 @@ def calc_bubble(args) -> int:
     return 0
 
 
+def _calc_schedule_bubble(args, p: int, ms: list[int]) -> int:
+    """``--schedule NAME``: that schedule's bubble and peak activation memory formulas, substituted."""
+    from ..analysis.cost import SCHEDULE_SOURCES, schedule_bubble, schedule_memory
+    from ..strategies.pipeline.schedules import VIRTUAL, layout_problem
+    name = args.schedule or "interleaved-1f1b"
+    if name not in SCHEDULE_SOURCES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULE_SOURCES)} (got {name!r})")
+    v = args.virtual_stages if args.virtual_stages is not None else (2 if name in VIRTUAL else 1)
+    rows = []
+    for m in ms:
+        problem = layout_problem(name, p, m, v)
+        if problem:
+            raise UsageError(problem)
+    for m in ms:
+        print(f"--- {name}: p = {p} ranks, m = {m} microbatches" + (f", v = {v} stages per rank" if v > 1 else ""))
+        fs = [schedule_bubble(name, p, m, v), schedule_memory(name, p, m, v)]
+        _print(*fs)
+        rows.append([m, f"{fs[0].value:.1f}", f"{fs[1].value:g}"])
+    if len(ms) > 1:
+        from ..report import text_table
+        print(text_table(["microbatches", "bubble %", "peak alive (busiest rank)"], rows))
+    return 0
+
+
 # ======================================================================== comm (partition)
+def calc_tp(args) -> int:
+    from ..analysis.cost import fmt_bytes as fmt
+    from ..analysis.tensor import activation_memory, flops_per_token, tp_communication
+    from ..models import build_model, count_parameters
+    run = None
+    if args.run:
+        from ..analysis.runs import load_run
+        run = load_run(args.run)
+        if not is_tp_gpt_run(run):
+            raise UsageError(f"{args.run} is not a --model gpt run with tensor parallelism: nothing to compare")
+        shape = run.config["mesh"]["shape"]
+        for k in ("layers", "embed", "heads", "context", "sequence_parallel"):
+            setattr(args, k, run.config[k])
+        args.tp = shape["tp"]
+        args.batch_size = _tp_microbatch(run)
+    for name in ("layers", "embed", "heads", "context", "batch_size", "tp"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.embed % args.heads or args.heads % args.tp:
+        raise UsageError("--embed must be divisible by --heads, and --heads by --tp")
+    b, s, h, a, L, t = args.batch_size, args.context, args.embed, args.heads, args.layers, args.tp
+    comm = tp_communication(b, s, h, L, t, args.sequence_parallel)
+    n = count_parameters(build_model("gpt", layers=L, heads=a, embed=h, context=s))
+    _print(comm, activation_memory(b, s, h, a, 1, False), activation_memory(b, s, h, a, t, False),
+           activation_memory(b, s, h, a, t, True), flops_per_token(n, L, h, s))
+    print("\nper microbatch:  " + ", ".join(f"{k} {calls} x ({fmt(size)})" for k, (calls, size) in
+                                          comm.parts["messages"].items()))
+    if run is not None:
+        tp_run_table(run, args.peak_tflops)
+    return 0
+
+
+def is_tp_gpt_run(run) -> bool:
+    return run.config.get("model") == "gpt" and run.config.get("mesh", {}).get("shape", {}).get("tp", 1) > 1
+
+
+def _tp_microbatch(run) -> int:
+    """Sequences per microbatch on one rank: the global batch over dp, over the pipeline's microbatches."""
+    shape = run.config["mesh"]["shape"]
+    micro = int(run.config.get("microbatches", 1)) if shape["pp"] > 1 else 1
+    return run.summary["global_batch"] // shape["dp"] // micro
+
+
+def tp_run_table(run, peak_tflops: float | None = None) -> None:
+    """A gpt run with tensor parallelism: each tp collective it recorded per measured step (rank 0 of each
+    stage) beside the cost model's count and bytes, and its MFU."""
+    from ..analysis.cost import fmt_bytes as fmt
+    from ..analysis.tensor import flops_per_token, mfu, tp_communication
+    from ..analysis.timeline import measured_steps
+    c, shape = run.config, run.config["mesh"]["shape"]
+    micro = int(c.get("microbatches", 1)) if shape["pp"] > 1 else 1
+    b, s = _tp_microbatch(run), c["context"]
+    comm = tp_communication(b, s, c["embed"], c["layers"], shape["tp"], c["sequence_parallel"])
+    # one rank per pipeline stage (dp 0, tp 0): each tp collective happens on exactly one stage
+    stage_ranks = [p * shape["dp"] * shape["tp"] for p in range(shape["pp"])]
+    spans = [sp for sp in run.spans if sp["rank"] in stage_ranks and sp["category"] == "comm"]
+    steps = measured_steps(sorted({sp["step"] for sp in spans if sp["step"] >= 0}), int(c.get("warmup", 1)))
+    if not steps:
+        raise UsageError(f"{run.path} has no measured step (all within --warmup)")
+    print(f"\n{run.path}: tensor parallelism per step ({len(steps)} measured), {micro} microbatch(es) of {b}, "
+          f"recorded on rank(s) {', '.join(map(str, stage_ranks))} (tp 0 of each stage):")
+    print(f"  {'collective':<28}{'predicted':>22}{'measured':>22}")
+    for k, (calls, size) in comm.parts["messages"].items():
+        got = [sp for sp in spans if sp["name"] == k and sp["step"] in steps]
+        predicted = f"{calls * micro} x, {fmt(size * micro)}"
+        measured = f"{len(got) / len(steps):g} x, {fmt(sum(sp['bytes'] for sp in got) / len(steps))}"
+        print(f"  {k:<28}{predicted:>22}{measured:>22}")
+    if run.summary.get("samples_per_s"):
+        from ..models import build_model, count_parameters
+        n = count_parameters(build_model("gpt", layers=c["layers"], heads=c["heads"], embed=c["embed"], context=s))
+        per_token = flops_per_token(n, c["layers"], c["embed"], s).value
+        peak, source = (peak_tflops * 1e12, f"--peak-tflops {peak_tflops:g}") if peak_tflops \
+            else _measured_peak(run.workers)
+        print(f"\npeak: {source}")
+        _print(mfu(run.summary["samples_per_s"] * s, per_token, peak))
+
+
+def _measured_peak(workers: int) -> tuple[float, str]:
+    """This machine's fp32 matmul rate on one core (best of 5, 1024^3), times the workers."""
+    import time
+
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x = torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x @ x
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    rate = 2 * 1024 ** 3 / best
+    return rate * workers, f"measured fp32 matmul on one core here, {rate / 1e9:.1f} GFLOP/s x {workers} worker(s)"
+
+
 def calc_comm(args) -> int:
     from ..analysis.cost import allreduce_bytes_per_rank, boundary_traffic, fmt_bytes, fmt_seconds, bytes_per_second
     from ..models import count_parameters
@@ -322,13 +467,18 @@ def calc_comm(args) -> int:
 
 # ======================================================================== from a run
 def calc_run(args) -> int:
-    from ..analysis.cost import (bandwidth_utilisation, bubble_fraction, fmt_bytes, fmt_seconds,
+    from ..analysis.cost import (bandwidth_utilisation, fmt_bytes, fmt_seconds,
                                  gather_scatter_time, link_share, ring_allreduce_time)
     from ..analysis.runs import load_run
     from ..report import text_table
     r = load_run(args.run)
     if args.bandwidth is not None:
         _positive("bandwidth", args.bandwidth)
+    elif (r.config.get("network_emulated") or {}).get("gbps"):  # --network: the link the run had
+        from ..network import describe
+        args.bandwidth = r.config["network_emulated"]["gbps"]
+        print(f"link bandwidth from the run's --network: {args.bandwidth:g} Gb/s "
+              f"({describe(r.config['network_emulated'])})")
     if args.latency < 0:
         raise UsageError("--latency must be zero or positive (microseconds)")
     n = r.workers
@@ -387,9 +537,20 @@ def calc_run(args) -> int:
             print(f"  at {args.bandwidth:g} Gb/s that is {fmt_seconds(sent * n / bytes_per_second(args.bandwidth))} "
                   "of transfers per step")
         print()
+    if is_tp_gpt_run(r):  # tensor parallelism: its collectives beside the cost model's
+        tp_run_table(r)
+        print()
     bubbles, pipe = r.bubbles, r.pipeline
     if bubbles and pipe:  # ranks that are pipeline stages and measured their idle share
-        theory = bubble_fraction(pipe["stages"], pipe["microbatches"])
+        from ..analysis.cost import SCHEDULE_SOURCES, schedule_bubble
+        schedule = "gpipe" if pipe["schedule"] == "naive" else pipe["schedule"]
+        if schedule not in SCHEDULE_SOURCES:
+            print(f"schedule {schedule}: no bubble formula in the cost model; measured bubble per rank: "
+                  + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in bubbles.items()))
+            return 0
+        v = int(r.rank_details(next(iter(r.stages))).get("virtual_stages") or 1)
+        theory = schedule_bubble(schedule, pipe["stages"], pipe["microbatches"], v)
+        print(f"schedule {schedule}" + (f", {v} stages per rank" if v > 1 else "") + ":")
         _print(theory)
         print("measured bubble (idle / step time) per rank: "
               + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in bubbles.items()))

@@ -114,7 +114,7 @@ def write(tensors: dict, output: Path) -> None:
 
 def consolidate(run_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
     """(the whole model's tensors, facts about them) from RUN's rank files; offline, one process."""
-    from ..models import build_model, model_shape
+    from ..models import MODALITY, build_model, model_shape
     from ..strategies import plan
     files, step, ident = read_states(run_dir, tag)
     cfg = run_config(run_dir, ident)
@@ -134,10 +134,14 @@ def consolidate(run_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
         raise RuntimeError(f"the consolidated {cfg.strategy} checkpoint does not fit the model: "
                            f"missing {missing[:5]}, unexpected {extra[:5]}, shapes {wrong[:5]}")
     model.load_state_dict(tensors)  # strict: keys, shapes, and values it can take
-    layout = strategy_cls.__name__ + (f" with {composition['replicas_cls'].__name__} stages" if composition else "")
+    parts = [composition[k].__name__ for k in ("inner_cls", "replicas_cls") if k in composition]
+    parts += [v.__name__ for v in (composition.get("inner_kwargs") or {}).values() if isinstance(v, type)]
+    layout = strategy_cls.__name__ + (f" around {' with '.join(parts)}" if parts else "")
     facts = {"strategy": cfg.strategy, "layout": layout, "step": step, "world": world, "mesh": shape.to_dict(),
              "parameters": sum(p.numel() for p in model.parameters()),
-             "build": f"build_model({cfg.model!r}, width={cfg.width}, norm={cfg.norm!r}, num_classes={NUM_CLASSES})"}
+             "build": f"build_model({cfg.model!r}, width={cfg.width}, norm={cfg.norm!r}, num_classes={NUM_CLASSES}"
+                      + "".join(f", {k}={v}" for k, v in model_shape(cfg).items() if MODALITY[cfg.model] == "text")
+                      + ")"}
     return {k: tensors[k] for k in expected}, facts
 
 

@@ -41,7 +41,10 @@ class DataParallel(Strategy):
         super().__init__(ctx, model_fn, optim_fn)
         self.replicas_cls = replicas_cls or self.replicas_cls
         self.microbatches = ctx.options.accumulate
-        self.model = nn.Sequential(*ctx.shard(dict(enumerate(model_fn()))).values()).to(ctx.device)
+        model = model_fn()
+        if ctx.tp is not None:  # tensor parallelism: this rank's slice of every unit
+            model = nn.Sequential(*ctx.shard(dict(enumerate(model))).values())
+        self.model = model.to(ctx.device)
         dp_comm = ctx.mesh.comm("dp") if ctx.mesh is not None else ctx.comm
         self.dp = self.replicas_cls(self.model, optim_fn, dp_comm, ctx)
         self.dp.broadcast_parameters()  # the same start everywhere

@@ -159,6 +159,17 @@ class TensorParallel(Strategy):
         elif cfg.sequence_parallel:
             raise UsageError("--sequence-parallel splits a transformer's sequence; the CNNs have none: drop it")
 
+    @classmethod
+    def check_limit(cls, cfg) -> str | None:
+        from ...models import DEFAULT_NORM, MODALITY
+        norm = cfg.norm or DEFAULT_NORM[cfg.model]
+        if MODALITY[cfg.model] == "image" and norm == "batch" and cfg.precision == "fp32":
+            return ("a row-parallel convolution sums its input channels in two halves, so its outputs round "
+                    "differently from one process's, and BatchNorm over the 2x2 maps of a narrow VGG amplifies "
+                    "that past fp32's check within a few steps (in fp64 the same run matches to 1e-14): "
+                    "check it with --precision fp64 or --norm none, or compare --model gpt")
+        return None
+
     # ------------------------------------------------------------ the contract: the inner strategy's
     def replicas(self):
         return self.inner.replicas()

@@ -1,0 +1,222 @@
+"""``torch-tp``: PyTorch's DTensor tensor parallelism (``parallelize_module``), the comparison for ``tp``.
+
+The gpt (``paralab.models.gpt``) is laid out as our ``tp`` lays it out
+(Megatron's layout, ``strategies/tensor/gpt.py``), but by PyTorch: each
+rank builds the whole model from the seed, then ``parallelize_module``
+turns the split weights into ``DTensor`` shards over a ``DeviceMesh`` made
+from the tp group (``DeviceMesh.from_group``), with one ``ParallelStyle``
+per submodule::
+
+    0.tokens            RowwiseParallel     vocabulary split; partial rows summed (all-reduce)
+    i.attn, i.mlp       PrepareModuleInput  the block's input made Replicate once: one all-reduce of its
+                                            gradient in backward for q, k and v together (f)
+    i.attn.q / k / v    ColwiseParallel     heads / tp heads on each rank
+    i.attn.proj         RowwiseParallel     partial sums all-reduced (g)
+    i.mlp.fc            ColwiseParallel
+    i.mlp.proj          RowwiseParallel
+    L+1.out             ColwiseParallel     vocabulary columns, kept a DTensor sharded on the last dim
+
+The attention module computes ``view(b, t, self.heads, -1)``; with q, k, v
+column-split each rank holds ``heads / tp`` heads, so ``heads`` is set to
+that on each block's attention here (torchtitan does the same); the model's
+code is untouched.
+
+The loss is PyTorch's own vocabulary-parallel cross-entropy: the logits
+stay a DTensor sharded on the vocabulary and ``F.cross_entropy`` runs
+inside ``loss_parallel()`` (forward and backward), which runs on gloo: no
+rank holds whole logits in training, as in our ``tp``.
+
+``--sequence-parallel``: LayerNorms become ``SequenceParallel`` (replicated
+weights, inputs sharded along the sequence, their gradients summed by
+DTensor), the attention / MLP inputs are all-gathered from sequence shards
+(``PrepareModuleInput``: ``Shard(1)`` -> ``Replicate``) and the
+row-parallel outputs reduce-scattered onto them (``output_layouts
+Shard(1)``); the head all-gathers before its column-parallel projection.
+One difference from ours: the gpt's embedding adds a learned position
+embedding to the token rows, which no ``ParallelStyle`` splits along the
+sequence, so here the token rows are all-reduced whole, the positions
+added on every rank, and the result cut to this rank's sequence shard
+(``PrepareModuleOutput``: ``Replicate`` -> ``Shard(1)``, a local slice;
+its backward all-gathers). Ours reduce-scatters there instead.
+
+Communication: DTensor issues its collectives itself (functional
+collectives on the tp group's gloo/NCCL group), from inside the
+forward and backward; there is no hook to route them through
+``comm.py``, so they are not ``comm`` spans here: their time is inside the
+``compute`` spans and their bytes are not counted (``collectives_timed``:
+false in summary.json), as for torch-ddp's PowerSGD. What this file
+gathers itself (the whole weights for ``full_state_dict``, the logits for
+evaluation) goes through ``comm.py``.
+
+Pure tensor parallelism only (tp = workers): composing with ``--pp`` or
+data parallelism is refused (exit 2; our ``tp`` composes). The CNNs are
+refused too (DTensor's styles are for linear and embedding layers; our
+``tp`` has a channel split for them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
+
+from ..errors import UsageError
+from ..mesh import MeshShape
+from .base import StepResult, Strategy
+from .tensor.strategy import TensorOptions
+
+
+def tp_plan(model: nn.Sequential, sequence_parallel: bool) -> dict:
+    """The ``parallelize_module`` plan for the gpt's units: submodule path -> ParallelStyle."""
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between regions
+    plan = {"0.tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    if sequence_parallel:  # the whole embedding (tokens + positions) cut to this rank's sequence shard
+        plan["0"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    head = len(model) - 1
+    for i in range(1, head):
+        if sequence_parallel:
+            plan[f"{i}.ln1"], plan[f"{i}.ln2"] = SequenceParallel(), SequenceParallel()
+        for region, column, row in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc",), "proj")):
+            plan[f"{i}.{region}"] = PrepareModuleInput(input_layouts=between, desired_input_layouts=Replicate())
+            for name in column:
+                plan[f"{i}.{region}.{name}"] = ColwiseParallel()
+            plan[f"{i}.{region}.{row}"] = RowwiseParallel(output_layouts=between)
+    if sequence_parallel:
+        plan[f"{head}.ln"] = SequenceParallel()
+    plan[f"{head}.out"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _shard_dim(t) -> int | None:
+    """The dimension a DTensor is split along on the (one-dimensional) tp mesh; None if it is whole."""
+    if isinstance(t, DTensor):
+        placement = t.placements[0]
+        if isinstance(placement, Shard):
+            return placement.dim % t.dim()
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TorchTP(Strategy):
+    name = "torch-tp"
+    data_parallel = False  # every tp rank sees the whole batch
+    options = (TensorOptions,)
+
+    @classmethod
+    def mesh_shape(cls, cfg, world: int) -> MeshShape:
+        if cfg.pp > 1 or cfg.tp not in (1, world):
+            raise UsageError(f"strategy 'torch-tp' is pure tensor parallelism over all {world} workers (tp = "
+                             f"workers); composing PyTorch's DTensor layout with --pp / data parallelism is not "
+                             f"built here: drop --pp/--tp, or use our tp, which composes (e.g. 'paralab train tp "
+                             f"--workers {world} --pp {max(cfg.pp, 2)}', 'paralab train ddp --workers {world} --tp 2')")
+        return MeshShape.for_world(world, tp=world)
+
+    @classmethod
+    def validate(cls, cfg, world: int) -> None:
+        from ..models import MODALITY
+        from ..models.gpt import VOCAB
+        if MODALITY[cfg.model] != "text":
+            raise UsageError(f"torch-tp lays out the gpt (--model gpt) only: DTensor's styles split linear and "
+                             f"embedding layers; for tensor parallelism of {cfg.model} use our channel split, "
+                             f"'paralab train tp --model {cfg.model}'")
+        if cfg.heads % world:
+            raise UsageError(f"--heads {cfg.heads} must be divisible by tp {world}: tensor parallelism gives each "
+                             "rank whole attention heads")
+        if VOCAB % world:
+            raise UsageError(f"torch-tp: the vocabulary ({VOCAB} bytes) must divide over tp {world}: use a power "
+                             "of two workers")
+        if cfg.sequence_parallel and cfg.context % world:
+            raise UsageError(f"--sequence-parallel: --context {cfg.context} must be divisible by tp {world} "
+                             "(each rank holds context / tp tokens)")
+
+    def __init__(self, ctx, model_fn, optim_fn):
+        super().__init__(ctx, model_fn, optim_fn)
+        self.tp = ctx.mesh.comm("tp") if ctx.mesh is not None else ctx.comm
+        self.sequence_parallel = ctx.options.sequence_parallel
+        group = self.tp.group if self.tp.group is not None else dist.group.WORLD
+        self.device_mesh = DeviceMesh.from_group(group, ctx.device.type)
+        self.model = model_fn().to(ctx.device)
+        parallelize_module(self.model, self.device_mesh, tp_plan(self.model, self.sequence_parallel))
+        for unit in list(self.model)[1:-1]:  # this rank's heads (q, k, v are column-split)
+            unit.attn.heads //= self.tp.world
+        self.layout = {k: d for k, v in self.model.state_dict().items() if (d := _shard_dim(v)) is not None}
+        self.params = list(self.model.parameters())
+        self.optimizer = optim_fn(self.params)
+
+    # ------------------------------------------------------------ gathering through comm.py
+    def _gather(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+        """Every tp rank's slice along ``dim``, concatenated in rank order."""
+        moved = t.detach().movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * self.tp.world,) + tuple(moved.shape[1:]))
+        self.tp.all_gather_into(out, moved, name=name)
+        return out.movedim(0, dim)
+
+    # ------------------------------------------------------------ contract
+    def train_step(self, x, y) -> StepResult:
+        self.model.train()
+        loss = self.forward_backward(self.model, x, y, last=loss_parallel)  # forward and backward inside it
+        with self.rec.span("optimizer", "step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, len(y))
+
+    @torch.no_grad()
+    def predict(self, x):
+        """Whole logits (evaluation and --check only): the vocabulary columns gathered."""
+        logits = self.eval_logits(self.model, x)
+        return self._gather(_local(logits), logits.dim() - 1, "torch_tp_gather_logits")
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        return {k: (self._gather(_local(v), self.layout[k], "torch_tp_gather_weights") if k in self.layout
+                    else _local(v).detach()).clone()
+                for k, v in self.model.state_dict().items()}
+
+    def state_dict(self):
+        opt = self.optimizer.state_dict()
+        opt["state"] = {pid: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                        for pid, s in opt["state"].items()}
+        return {"tp": {"rank": self.tp.rank, "size": self.tp.world, "layout": self.layout},
+                "model": {k: _local(v).detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": opt}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        if state["tp"]["size"] != self.tp.world:
+            raise ValueError(f"checkpoint is from tp {state['tp']['size']}; this run has tp {self.tp.world}")
+        for k, v in self.model.state_dict().items():
+            _local(v).copy_(state["model"][k])
+        opt = state["optimizer"]
+        for pid, s in opt["state"].items():
+            p = self.params[int(pid)]
+            for k, v in s.items():
+                if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0:
+                    s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride(), run_check=False)
+        self.optimizer.load_state_dict(opt)
+
+    @classmethod
+    def consolidate(cls, states, model):
+        """Offline: each split tensor's slices concatenated along its split dimension in tp rank order;
+        the replicated ones (equal on every rank) from rank 0."""
+        meta = states[0]["tp"]
+        if len(states) != meta["size"]:
+            raise ValueError(f"torch-tp: {len(states)} rank state(s) for a run on tp {meta['size']}")
+        ordered = sorted(states, key=lambda s: s["tp"]["rank"])
+        return {k: torch.cat([s["model"][k] for s in ordered], meta["layout"][k]) if k in meta["layout"] else v
+                for k, v in ordered[0]["model"].items()}
+
+    def extra_summary(self):
+        return {"tensor_parallel": {"size": self.tp.world, "rank": self.tp.rank,
+                                    "sequence_parallel": self.sequence_parallel, "split_tensors": len(self.layout),
+                                    "local_parameters": sum(_local(p).numel() for p in self.params),
+                                    "parameters": sum(p.numel() for p in self.params),
+                                    "implementation": "torch.distributed.tensor.parallel (DTensor)"},
+                "collectives_timed": False}
