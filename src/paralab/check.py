@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .data.loader import to_device
+from .strategies.compression import ReferenceCompression
 from .verify import TOLERANCES, Comparison, compare_tensors, reference_train
 
 
@@ -43,14 +45,20 @@ class Reference:
         self.microbatches, self.bn_rule = strategy.microbatches, strategy.bn_rule
         self.source, self.lr_for = source, lr_for
         self.step = 0
+        # --compress: the reference applies the same compression to each shard's gradient
+        options = strategy.ctx.options
+        self.compression = (ReferenceCompression(options, self.replicas)
+                            if getattr(options, "compress", "none") != "none" else None)
 
     def describe(self) -> str:
         return (f"{self.replicas} shard(s) x {self.microbatches} microbatch(es), BN rule {self.bn_rule}, "
-                f"{str(next(self.model.parameters()).dtype).replace('torch.', '')}")
+                f"{str(next(self.model.parameters()).dtype).replace('torch.', '')}"
+                + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
         reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
-                        self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step)
+                        self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
+                        combine=self.compression.combine if self.compression else None)
         self.step = step
 
 
@@ -67,6 +75,9 @@ def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: lis
     carries the deviation at each of those steps, the largest over the ranks.
     """
     tol = TOLERANCES[cfg.precision]
+    if ref.compression:
+        say(f"check: --compress {cfg.compress} changes the arithmetic (the gradients are not averaged exactly), so "
+            "this is not a comparison with plain training: the reference applies the same compression")
     say(f"check: training the single-process reference to step {steps} ({ref.describe()})")
     ref.advance_to(steps)
 
@@ -75,11 +86,11 @@ def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: lis
     results.append(compare_tensors("weights", mine, ref.model.state_dict(), tol["weights"]))
 
     x, _ = ref.source.batch(steps)
-    out = strategy.predict(x.to(strategy.ctx.device, strategy.ctx.dtype))
+    out = strategy.predict(to_device(x, strategy.ctx.device, strategy.ctx.dtype))
     if out is not None:
         ref.model.eval()
         with torch.no_grad():
-            expected = ref.model(x.to(strategy.ctx.dtype))
+            expected = ref.model(to_device(x, x.device, strategy.ctx.dtype))
         results.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected}, tol["outputs"]))
 
     if strategy.replicated and comm.world > 1:

@@ -31,9 +31,13 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
                    help="batch | none (BatchNorm-free model); default: the model's own (batch; none for "
                         "the CS1390 VGG-16s, as CS1390 trains them)")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d.dataset, help="auto | cifar10 | fashion-mnist | synthetic")
+    g.add_argument("--dataset", default=d.dataset,
+                   help="auto | cifar10 | fashion-mnist | synthetic (image models); jargon | synthetic-text "
+                        "(--model gpt: byte tokens). auto: the first present for the model, else synthetic; "
+                        "`paralab data info` lists them")
     g.add_argument("--data-dir", help="folder with the dataset files")
-    g.add_argument("--synthetic-size", type=int, default=d.synthetic_size, help="synthetic training samples")
+    g.add_argument("--synthetic-size", type=int, default=d.synthetic_size,
+                   help="synthetic training samples (synthetic-text: training windows)")
     g.add_argument("--no-augment", dest="augment", action="store_false", help="no random crop / flip")
     g.add_argument("--drop-last", action="store_true",
                    help="epochs of n // B full global batches: the n mod B samples left over (other ones each "
@@ -84,6 +88,10 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default=d.backend, help="auto | gloo | nccl")
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda")
     g.add_argument("--timeout", type=float, default=d.timeout, help="seconds before a stuck collective fails")
+    g.add_argument("--network", metavar="RATE[,LATENCY]",
+                   help="emulate a cluster network: each local worker in its own network namespace on a "
+                        "full-duplex link of RATE (e.g. 100mbit, 1gbit, 10gbit) to one switch, shaped by tc; "
+                        "needs root and iproute2. LATENCY (e.g. ,200us) only where the kernel has netem")
     # the strategies' options: one group per declaring class, flags generated from the declarations
     for cls in OPTION_CLASSES:
         add_flags(p.add_argument_group(cls.__doc__.strip()), cls)
@@ -107,15 +115,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from .data.download import DownloadError, download_cifar10, info, require_dir
+    from .data.download import DownloadError, download_cifar10, info, not_downloadable, require_dir
     data_dir = require_dir(args.data_dir)
     if args.action == "info":
         print(info(data_dir))
         return 0
     if args.name != "cifar10":
-        raise UsageError(f"only cifar10 can be downloaded; {args.name!r} is "
-                         + ("installed by apt (dataset-fashion-mnist)" if args.name == "fashion-mnist"
-                            else "not a downloadable dataset"))
+        raise UsageError(not_downloadable(args.name))
     try:
         download_cifar10(data_dir)
     except DownloadError as exc:
@@ -139,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="download or inspect datasets")
     dsub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
     q = dsub.add_parser("download", help="download a dataset (cifar10)")
-    q.add_argument("name", help="cifar10")
+    q.add_argument("name", help="cifar10 (the others install by apt or are generated: see `paralab data info`)")
     q.add_argument("--data-dir", help="where to put it (default ~/.cache/paralab)")
     q.set_defaults(func=cmd_data)
     q = dsub.add_parser("info", help="which datasets are present, where, how big")

@@ -39,7 +39,7 @@ class RunConfig(StrategyOptions):
     width: float = 1.0                #: channel multiplier (0.25 for fast runs)
     norm: str | None = None           #: batch | none (BatchNorm-free); None: the model's own (validate sets it)
     # data
-    dataset: str = "auto"             #: auto | cifar10 | fashion-mnist | synthetic
+    dataset: str = "auto"             #: auto | cifar10 | fashion-mnist | synthetic | jargon | synthetic-text
     data_dir: str | None = None       #: folder with the dataset files
     synthetic_size: int = 10000       #: training samples of the synthetic set
     augment: bool = True              #: random crop (pad 4) + horizontal flip
@@ -81,9 +81,11 @@ class RunConfig(StrategyOptions):
     backend: str = "auto"             #: auto | gloo | nccl
     device: str = "auto"              #: auto | cpu | cuda
     timeout: float = 60.0             #: seconds before a stuck collective fails the run
+    network: str | None = None        #: emulated link per local rank: RATE[,LATENCY] (network.py), e.g. 1gbit
     # the strategies' options: inherited from StrategyOptions (pp, microbatches, bucket_mb, zero_stage...)
     # filled in by the launcher, for the record
     launched_by: str = "local"
+    network_emulated: dict | None = None  #: the links the launcher built for --network (network.Network.record)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -169,6 +171,24 @@ class RunConfig(StrategyOptions):
         if self.world_size is not None and self.workers != 1:
             raise UsageError("--workers starts local processes; with --world-size/--rank "
                              "run one command per rank instead")
+        if self.compress != "none":  # --compress (strategies/compression.py): ddp and torch-ddp only
+            from .strategies.compression import CompressOptions
+            if CompressOptions not in getattr(named_cls, "options", ()):
+                raise UsageError(f"--compress {self.compress}: only ddp and torch-ddp compress their gradient "
+                                 f"buckets; {self.strategy} sends them uncompressed: drop --compress")
+            if self.resume and self.compress == "powersgd":
+                raise UsageError("--compress powersgd --resume: PowerSGD's error feedback and warm-start matrices "
+                                 "are not in the checkpoint, so a resumed run would not continue the same "
+                                 "arithmetic; start the run again instead")
+        if self.network is not None:
+            from .network import check_can_emulate, parse
+            if self.world_size is not None or self.launched_by == "torchrun":
+                raise UsageError("--network emulates links between local workers (--workers N); with "
+                                 "--world-size/--rank or torchrun the ranks use the real network: drop --network")
+            if self.workers > 1:
+                check_can_emulate(parse(self.network))
+            else:
+                parse(self.network)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UsageError(f"--master-port must be a TCP port (got {self.master_port})")
         if self.cores_per_worker is not None and self.world_size is None:
@@ -190,10 +210,12 @@ class RunConfig(StrategyOptions):
         named_cls.validate(self, world)
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
-        check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None)
+        check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None, model=self.model,
+                      context=self.context)
         if self.drop_last:
             from .data import train_size
-            n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size)
+            n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size,
+                           model=self.model, context=self.context)
             batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
             if n < batch:
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "

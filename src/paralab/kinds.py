@@ -9,7 +9,9 @@ Span categories:
 
 - ``data``: loading this rank's samples;
 - ``compute``: named ``forward`` or ``backward`` (``args.mb``: the
-  microbatch; ``args.unit``: the unit, where a strategy goes unit by unit);
+  microbatch; ``args.unit``: the unit, where a strategy goes unit by unit;
+  ``args.stage``: a pipeline rank's stage), or ``backward_input`` and
+  ``backward_weight`` where a pipeline splits the backward (zero bubble);
 - ``comm``: one per collective or send/recv, with ``bytes`` and ``args.op``
   (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
   ``gather``, ``scatter``, ``send``, ``recv``, ``barrier``). An asynchronous
@@ -35,6 +37,8 @@ CATEGORIES = (DATA, COMPUTE, COMM, OPTIMIZER, IDLE)
 
 # compute span names
 FORWARD, BACKWARD = "forward", "backward"
+# a pipeline's backward split in two (zero-bubble schedules): the input gradient, then the weights'
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 
 # span args and naming
 ASYNC = "async"          # args key: an asynchronous operation's in-flight interval
@@ -44,6 +48,8 @@ WAIT_PREFIX = "wait:"    # name prefix: the rank blocked on an asynchronous oper
 STAGE = "stage"      # this rank is a pipeline stage: a StageRecord's fields
 BUCKETS = "buckets"  # a bucketed all-reduce's layout (ddp)
 MEMORY = "memory"    # a memory ledger: {"measured": the ledger, "model": a MemoryModel}; records add "predicted"
+ALLOCATOR = "allocator"  # CUDA only: the allocator's peak bytes per step (recorder.allocator_peaks); where a
+                         # memory record has a prediction, records put it beside it (memory["allocator"])
 
 
 @dataclass

@@ -7,7 +7,7 @@ multi-node runs need no shared file system) and writes:
     steps.jsonl   per step and rank: loss, seconds by category, samples
     spans.jsonl   timeline spans of all ranks
     summary.json  time/iter, samples/s, split per rank, bytes, bandwidth, test metrics, check
-    eval.txt      per-class precision/recall/F1 and the confusion matrix
+    eval.txt      per-class precision/recall/F1 and the confusion matrix (text: loss, perplexity)
     trace.json    Chrome/Perfetto trace
 
 Everything plots and reports need is in these files.
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from .analysis import timeline
-from .analysis.cost import bubble_fraction, in_flight
+from .analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
 from .evaluate import format_report
-from .analysis.memory import memory_per_worker
-from .kinds import MEMORY, STAGE, MemoryModel
+from .analysis.memory import beside_prediction, memory_per_worker
+from .kinds import ALLOCATOR, MEMORY, STAGE, MemoryModel
 from .recorder import CATEGORIES, union_length
 from .trace import chrome_trace
 
@@ -147,6 +147,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "final_loss": mean_loss(timed[-1]) if timed else None,
         "test_loss": evaluation["loss"] if evaluation else None,
         "test_accuracy": evaluation["accuracy"] if evaluation else None,
+        "test_perplexity": evaluation.get("perplexity") if evaluation else None,  # a text model's
         "check": None if check is None else {k: check[k] for k in
                                              ("result", "max_weight_dev", "max_output_dev", "precision",
                                               "tolerances", "history")},
@@ -160,8 +161,9 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
     """Add to each rank's details what the spans say about it (``analysis/timeline.py``), beside the theory:
 
     - asynchronous all-reduces it waited for in spans of its own (``ddp``): ``overlap``;
-    - a pipeline stage (a ``stage`` detail record): its measured ``bubble`` against ``(P-1)/(M+P-1)``,
-      and the most microbatches alive at once against the schedule's bound;
+    - a pipeline stage (a ``stage`` detail record): its measured ``bubble`` against its schedule's
+      formula (``(P-1)/(M+P-1)`` for GPipe and 1F1B; ``analysis/cost.schedule_bubble``), and the most
+      microbatches alive at once against the schedule's bound;
     - a memory ledger (a ``memory`` record with the ``model`` of what it holds): the cost model's
       prediction beside it (``analysis/memory.py``).
     """
@@ -177,12 +179,17 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
             stages, m, k = details["stages"], details["microbatches"], details[STAGE]
             schedule = "gpipe" if details["schedule"] == "naive" else details["schedule"]
             details.update(timeline.bubble(mine, rank, cfg.warmup))
-            details["bubble_theory"] = bubble_fraction(stages, m).parts["fraction"]
+            v = details.get("virtual_stages", 1)
             details["peak_microbatches_alive"] = timeline.peak_in_flight(mine, rank)
-            details["in_flight_bound"] = in_flight(schedule, stages, m)[k]
+            if schedule in SCHEDULE_SOURCES:  # PyTorch's V schedules (torch-pipeline): no formula here
+                theory = schedule_bubble(schedule, stages, m, v)
+                details["bubble_theory"], details["bubble_formula"] = theory.parts["fraction"], theory.substituted
+                details["in_flight_bound"] = in_flight(schedule, stages, m, v)[k]
         memory = details.get(MEMORY)
         if isinstance(memory, dict) and "model" in memory:
             memory["predicted"] = predicted_memory(memory["model"])
+            if ALLOCATOR in details:  # CUDA: the allocator's measured peak beside the prediction
+                memory["allocator"] = beside_prediction(details[ALLOCATOR], memory["predicted"])
 
 
 def predicted_memory(model: dict) -> dict:
@@ -195,7 +202,11 @@ def predicted_memory(model: dict) -> dict:
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
               dataset, evaluation, check, error, global_batch, is_main) -> None:
-    gathered = comm.gather_objects((step_rows, recorder.dump(), strategy.extra_summary()))
+    extra = strategy.extra_summary()
+    peaks = recorder.allocator_peaks()  # CUDA only; absent on CPU
+    if peaks:
+        extra = {**extra, ALLOCATOR: peaks}
+    gathered = comm.gather_objects((step_rows, recorder.dump(), extra))
     if not is_main:
         return
     steps = sorted((r for rows, _, _ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))

@@ -239,6 +239,10 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
         speed_head = f"speedup over {baseline}" if baseline else "speedup"
     headers = ["strategy", "workers", "s/iter", "samples/s", speed_head, "test loss", "test acc %", "check",
                "note"]
+    if any(r.get("test_perplexity") is not None for r in runs.values()):  # a language model (text data)
+        headers.insert(7, "perplexity")  # its test loss is per token, its accuracy the next byte's
+        for i, row in enumerate(rows):
+            row.insert(7, fmt(runs[i].get("test_perplexity") if i in runs else None, ".2f"))
     return headers, rows
 
 
@@ -263,6 +267,9 @@ def environment_rows(run: Run) -> list[list]:
     rows = [[k, env[k]] for k in keys if k in env]
     rows.append(["dataset", f"{run.config.get('resolved_dataset', run.get('dataset'))} "
                             f"({run.config.get('dataset_source', '')})"])
+    if "network" in run.config:  # --network (network.py): the emulated links, or none
+        from .network import describe
+        rows.append(["network", describe(run.config.get("network_emulated"), run.config.get("network"))])
     return rows
 
 

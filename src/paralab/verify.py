@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .data.loader import to_device
 from .losses import cross_entropy
 from .schedule import set_lr
 from .strategies.base import has_batchnorm, split_microbatches
@@ -66,17 +67,23 @@ TOLERANCES = {"fp32": {"weights": 1e-5, "outputs": 1e-4},
 
 
 def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
-                    bn_rule: str, lr_for=None, first_step: int = 0) -> list[float]:
+                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None) -> list[float]:
     """Train ``model`` on steps ``first_step .. steps - 1``; ``source_batch(step, rank)`` gives shard
-    ``rank`` (cast to the model's dtype here); ``lr_for(step)`` is the learning-rate schedule (None:
-    keep the optimizer's)."""
+    ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the learning-rate schedule (None:
+    keep the optimizer's).
+
+    ``combine`` (gradient compression, ``strategies/compression.py``): each shard's gradient is kept
+    apart (its share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the
+    gradient the optimizer uses, as the compressed exchange leaves it on every rank.
+    """
     losses = []
-    split = has_batchnorm(model)
+    split = has_batchnorm(model) or combine is not None
+    params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     for step in range(first_step, steps):
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
-        shards = [(x.to(dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
+        shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
         model.train()
         if not split:
             x = torch.cat([s[0] for s in shards])
@@ -88,6 +95,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             total = sum(len(s[1]) for s in shards)
             kept_buffers = None
             step_loss = 0.0
+            per_shard = []
             for r, (x, y) in enumerate(shards):
                 for xs, ys, w in split_microbatches(x, y, microbatches):
                     weight = w * len(y) / total
@@ -96,6 +104,13 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
                     step_loss += loss.item() * weight
                 if r == 0 and bn_rule == "first-replica":
                     kept_buffers = [b.detach().clone() for b in model.buffers()]
+                if combine is not None:  # this shard's gradient, apart from the others'
+                    per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                      for p in params])
+                    optimizer.zero_grad(set_to_none=True)
+            if combine is not None:
+                for p, g in zip(params, combine(per_shard)):
+                    p.grad = g
             if kept_buffers is not None:
                 with torch.no_grad():
                     for b, kept in zip(model.buffers(), kept_buffers):

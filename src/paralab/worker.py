@@ -21,8 +21,8 @@ import torch.distributed as dist
 from . import checkpoint, records
 from .comm import Comm
 from .config import RunConfig
-from .data import BatchSource, load_dataset
-from .evaluate import evaluate
+from .data import BatchSource, load_dataset, to_device
+from .evaluate import evaluate, headline
 from .models import build_model, count_parameters, model_shape
 from .progress import Progress
 from .recorder import Recorder
@@ -126,7 +126,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
 
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
-                        synthetic_size=cfg.synthetic_size, seed=cfg.seed)
+                        synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context)
     shape, strategy_cls, composition = plan(cfg, world)
     mesh = Mesh(shape, rank, comm, new_group=dist.new_group if world > 1 else None)
     model_fn = build_model_factory(cfg, len(data.classes))
@@ -181,7 +181,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         set_lr(optimizers, lr_for(step))
         with recorder.span("data", "load"):
             x, y = source.batch(step)
-            x, y = x.to(device, ctx.dtype, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = to_device(x, device, ctx.dtype, non_blocking=True), y.to(device, non_blocking=True)
         result = strategy.train_step(x, y)
         t1 = recorder.now()
         recorder.step = -1
@@ -221,8 +221,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         result_eval = evaluate(strategy, source, data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
                                device, progress=main and cfg.progress)
         if main and result_eval is not None:
-            say(f"test: loss {result_eval['loss']:.4f}  accuracy {100 * result_eval['accuracy']:.2f}% "
-                f"({result_eval['samples']} samples)")
+            say(headline(result_eval))
         if reference is not None:
             from .check import run_check
             check = run_check(cfg, strategy, reference, total_steps, comm, say, history)

@@ -157,11 +157,81 @@ def ideal_step_time(stages: int, microbatches: int, forward_s: float, backward_s
                    note="tf, tb: one stage's forward and backward of one microbatch")
 
 
-def in_flight(schedule: str, stages: int, microbatches: int) -> list[int]:
-    """Peak microbatches whose activations are alive on each stage."""
+def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[int]:
+    """Peak microbatches whose activations are alive on each pipeline rank (interleaved-1f1b:
+    (stage, microbatch) pairs, each a stage of 1/v of the rank's units)."""
+    p, m, v = stages, microbatches, virtual
     if schedule == "gpipe":
-        return [microbatches] * stages
-    return [min(stages - k, microbatches) for k in range(stages)]
+        return [m] * p
+    if schedule == "zb-h1":
+        return [min(p, m)] * p
+    if schedule == "interleaved-1f1b":
+        return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
+    return [min(p - k, m) for k in range(p)]
+
+
+#: where each schedule's formulas come from
+SCHEDULE_SOURCES = {
+    "gpipe": "GPipe, Huang et al., NeurIPS 2019, sec. 2.3",
+    "1f1b": "PipeDream-flush / 1F1B, Narayanan et al., ICML 2021 and SC 2021 sec. 2.2.1",
+    "zb-h1": "Zero Bubble Pipeline Parallelism (ZB-H1), Qi et al., ICLR 2024, sec. 3",
+    "interleaved-1f1b": "Megatron-LM interleaved schedule, Narayanan et al., SC 2021, sec. 2.2.2",
+}
+
+
+def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Formula:
+    """Each schedule's bubble (idle fraction of a step, equal stage times, free communication).
+
+    zb-h1 takes T_F = T_I = T_W (a whole backward is twice a forward, split evenly): its idle time
+    is (p-1)(T_F + T_I - T_W) against 1F1B's (p-1)(T_F + T_I + T_W) (exact for m >= p).
+    interleaved-1f1b: 1F1B's bubble time divided by v (exact for m a multiple of p).
+    """
+    p, m, v = stages, microbatches, virtual
+    source = SCHEDULE_SOURCES.get(schedule, "")
+    if schedule == "zb-h1":
+        frac = (p - 1) / (3 * m + p - 1)
+        return Formula("pipeline bubble (ZB-H1)",
+                       "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W)); "
+                       "T_F = T_I = T_W: (p-1) / (3m+p-1)",
+                       f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}", 100 * frac, "%",
+                       note=f"{source}; backward split into I (input gradient) and W (weights), "
+                            "W filling the drain; exact for m >= p" + ("" if m >= p else " (here m < p: "
+                                                                        "the schedule idles more)"),
+                       parts={"fraction": frac, "source": source})
+    if schedule == "interleaved-1f1b":
+        frac = (p - 1) / (v * m + p - 1)
+        return Formula("pipeline bubble (interleaved 1F1B)",
+                       "bubble time = (p-1)/v x (T_F+T_B); fraction = (p-1) / (v·m + p-1)",
+                       f"bubble = ({p}-1) / ({v}x{m}+{p}-1) = {p - 1}/{v * m + p - 1}", 100 * frac, "%",
+                       note=f"{source}; v = {v} stages per rank; needs m a multiple of p",
+                       parts={"fraction": frac, "source": source})
+    f = bubble_fraction(p, m)
+    f.note = f"{source}; {f.note}" if source else f.note
+    f.parts["source"] = source
+    return f
+
+
+def schedule_memory(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Formula:
+    """Peak activation memory per rank, in one microbatch's activations of one (non-interleaved) stage."""
+    p, m, v = stages, microbatches, virtual
+    per = in_flight(schedule, p, m, v)
+    source = SCHEDULE_SOURCES.get(schedule, "")
+    if schedule == "zb-h1":
+        return Formula("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
+                       f"alive(k) = min({p}, {m}) = {per[0]} for k = 0..{p - 1}", max(per), "microbatches",
+                       note=f"{source}; 1F1B's peak (stage 0) on every stage: W holds a microbatch until it runs",
+                       parts={"per_stage": per, "source": source})
+    if schedule == "interleaved-1f1b":
+        return Formula("interleaved 1F1B: stage-microbatches alive per rank (peak)",
+                       "alive(r) = min(2(p-1-r) + (v-1)p + 1, v·m), each 1/v of a rank's activations",
+                       ", ".join(f"min(2({p}-1-{r}) + ({v}-1)x{p} + 1, {v}x{m}) = {a}" for r, a in enumerate(per)),
+                       max(per) / v, "microbatches (rank 0, in whole-stage units)",
+                       note=f"{source}; rank 0 holds {max(per)} chunks of 1/{v} stage each",
+                       parts={"per_stage": per, "source": source})
+    f = in_flight_formula(schedule, p, m)
+    f.note = source
+    f.parts["source"] = source
+    return f
 
 
 def in_flight_formula(schedule: str, stages: int, microbatches: int) -> Formula:

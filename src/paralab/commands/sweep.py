@@ -97,6 +97,9 @@ def _common(q) -> None:
     q.add_argument("--cores-per-worker", default="auto",
                    help="cores pinned to each worker: auto (cores // the largest worker count: a 1-worker run "
                         "gets the same cores as each worker of a larger one), a number, or none")
+    q.add_argument("--network", metavar="RATE[,LATENCY]",
+                   help="every multi-worker run on an emulated network: each worker on its own full-duplex "
+                        "link of RATE, e.g. 1gbit (as `paralab train --network`; needs root)")
     q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
     q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
     q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
@@ -106,10 +109,9 @@ def _common(q) -> None:
 # ======================================================================== epoch arithmetic
 def train_size(cfg: RunConfig) -> int:
     """Training samples of the dataset ``cfg`` trains on (for --epoch-samples 0)."""
-    from ..data import load_dataset
-    data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
-                        synthetic_size=cfg.synthetic_size, seed=cfg.seed)
-    return len(data.train_y)
+    from ..data import train_size as dataset_train_size
+    return dataset_train_size(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None, cfg.synthetic_size,
+                              model=cfg.model, context=cfg.context)
 
 
 def steps_per_epoch(samples: int, global_batch: int) -> int:
@@ -158,7 +160,7 @@ class Sweep:
         a = self.a
         cfg = RunConfig(model=a.model, width=a.width, dataset=a.dataset, data_dir=a.data_dir, lr=a.lr,
                         lr_scaling=a.lr_scaling, warmup_epochs=a.warmup_epochs, eval_batches=1,
-                        eval_batch_size=100, cores_per_worker=self.pinned)
+                        eval_batch_size=100, cores_per_worker=self.pinned, network=getattr(a, "network", None))
         return dataclasses.replace(cfg, **self.extra)
 
     def config(self, strategy: str, workers: int, batch: int, steps: int, per_worker: bool) -> RunConfig:
@@ -167,6 +169,10 @@ class Sweep:
         batch_field = {"per_worker_batch": batch} if per_worker else {"batch_size": batch}
         cfg = dataclasses.replace(self.base(), strategy=strategy, workers=workers, num_batches=2 * steps,
                                   warmup=steps, log_every=max(steps, 1), **batch_field)
+        from ..strategies import get_strategy
+        cls = get_strategy(strategy)
+        if hasattr(cls, "for_devices"):  # one process driving `workers` GPUs (torch-dp): they are its --gpus
+            cfg = cls.for_devices(cfg, workers, per_device_batch=batch if per_worker else None)
         cfg.validate()
         return cfg
 

@@ -17,11 +17,14 @@ REGISTRY = {
     "allreduce": "paralab.strategies.allreduce:AllReduce",
     "ddp": "paralab.strategies.ddp:DDP",
     "torch-ddp": "paralab.strategies.torch_ddp:TorchDDP",
+    "torch-dp": "paralab.strategies.torch_dp:TorchDP",
     "fsdp": "paralab.strategies.fsdp:FSDP",
     "torch-fsdp": "paralab.strategies.torch_fsdp:TorchFSDP",
     "model": "paralab.strategies.model_parallel:ModelParallel",
     "pipeline": "paralab.strategies.pipeline:Pipeline",
+    "torch-pipeline": "paralab.strategies.torch_pipeline:TorchPipeline",
     "tp": "paralab.strategies.tensor:TensorParallel",
+    "torch-tp": "paralab.strategies.torch_tp:TorchTP",
 }
 
 
@@ -50,6 +53,8 @@ def plan(cfg, world: int):
     if issubclass(cls, (Pipeline, TensorParallel)):  # the pure forms (they build what they wrap themselves)
         if shape.tp > 1 and not issubclass(cls, TensorParallel):
             return shape, TensorParallel, {"inner_cls": cls}
+        return shape, cls, {}
+    if shape.tp > 1 and cls.pipeline_replicas(cfg) is None:  # it lays out tp itself (torch-tp): nothing to wrap
         return shape, cls, {}
     inner, kwargs = cls, {}
     if shape.pp > 1:

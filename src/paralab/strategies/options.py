@@ -17,12 +17,13 @@ from .compression import CompressOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
 from .fsdp import FSDPOptions
+from .torch_dp import DataParallelOptions
 from .pipeline.strategy import PipelineOptions
 from .tensor.strategy import TensorOptions
 
 #: in the order the command line lists them
 OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
-                  FSDPOptions, GPTOptions)
+                  FSDPOptions, DataParallelOptions, GPTOptions)
 
 
 @dataclass
