@@ -10,6 +10,7 @@
   for, each run R times, interleaved, so that a disturbance on the machine
   hits them alike, and each one's best run;
 - :func:`step_seconds`: the slowest rank's time of each step after warm-up;
+- :func:`cpu_name`: the machine a result came from;
 - :func:`write_result`: the JSON result file.
 
 Not a benchmark itself (``bench/run.py`` runs only the names it lists).
@@ -142,6 +143,16 @@ def step_seconds(rows: list[dict], warmup: int) -> list[float]:
     steps = sorted({r["step"] for r in rows})
     measured = [st for st in steps if st >= steps[0] + warmup] or steps
     return [max(r["seconds"] for r in rows if r["step"] == st) for st in measured]
+
+
+def cpu_name() -> str:
+    """The CPU's model name as ``lscpu`` gives it ("unknown" where it cannot be read)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
 
 
 def write_result(path: str | Path, result: dict) -> Path:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, train, write_result
+from common import RESULTS, cpu_name, train, write_result
 
 VARIANTS = {"none": [], "fp16": ["--compress", "fp16"], "bf16": ["--compress", "bf16"],
             "powersgd-r1": ["--compress", "powersgd", "--powersgd-rank", "1"],
@@ -49,9 +48,6 @@ def parse(argv):
     return args
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def plot(rows: list[dict], rates: list[str], path: Path, title: str) -> None:

@@ -24,11 +24,10 @@ Writes ``bench/results/cs744.json`` and ``bench/results/cs744.png``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, best_of, train, write_result
+from common import RESULTS, best_of, cpu_name, train, write_result
 
 STRATEGIES = ("single", "gather-scatter", "allreduce", "ddp", "torch-ddp")
 CS744 = {"single": 1.855, "gather-scatter": 1.304, "allreduce": 0.932, "ddp": 0.664}
@@ -69,9 +68,6 @@ def run_one(strategy: str, args, workdir: Path, tag: str) -> dict:
             "parameters": s["parameters"], "global_batch": s["global_batch"]}
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def plot(best: dict, path: Path, title: str) -> None:

@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from datetime import timedelta
 
-from common import RESULTS, SRC, write_result
+from common import RESULTS, SRC, cpu_name, write_result
 
 sys.path.insert(0, str(SRC))
 
@@ -153,12 +151,6 @@ def human(n: int) -> str:
     return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def plot(rows: list[dict], rates: list[str], n: int, path) -> None:

@@ -23,11 +23,10 @@ Writes bench/results/schedules.json (with the CPU named from ``lscpu``) and prin
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, SRC, best_of, train, write_result
+from common import RESULTS, SRC, best_of, cpu_name, train, write_result
 
 sys.path.insert(0, str(SRC))
 
@@ -48,13 +47,6 @@ CONFIGS = {
 }
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown")
 
 
 def main(argv: list[str]) -> int:

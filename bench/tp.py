@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, best_of, paralab_train, selected, step_seconds, write_result
+from common import RESULTS, best_of, cpu_name, paralab_train, selected, step_seconds, write_result
 
 VARIANTS = {  # name -> (strategy, workers, extra options)
     "single": ("single", 1, []),
@@ -59,13 +58,6 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown")
 
 
 def run_one(name: str, args, workdir: Path, tag: str) -> dict:

@@ -19,6 +19,19 @@ from .losses import cross_entropy
 from .progress import Progress
 
 
+def predictions(strategy, source, batch_size: int, max_batches: int | None, device, progress: bool = False):
+    """(logits, targets) of this rank's test batches where it has logits, padding rows left out; every
+    rank calls ``predict`` on every batch (it is a collective for sharded and staged strategies)."""
+    batches = list(source.test_batches(batch_size, max_batches))
+    bar = Progress(len(batches), "eval", enabled=progress)
+    for i, (x, y, real) in enumerate(batches):
+        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
+        if logits is not None:
+            yield logits.float().cpu()[real], y[real]
+        bar.update(i + 1)
+    bar.close()
+
+
 def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int | None, device,
              progress: bool = False) -> dict | None:
     if source.text:
@@ -26,17 +39,9 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
     k = len(classes)
     confusion = torch.zeros(k, k, dtype=torch.long)
     loss_sum = 0.0
-    batches = list(source.test_batches(batch_size, max_batches))
-    bar = Progress(len(batches), "eval", enabled=progress)
-    for i, (x, y, real) in enumerate(batches):
-        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
-        if logits is not None:
-            logits, y = logits.float().cpu()[real], y[real]
-            loss_sum += cross_entropy(logits, y, reduction="sum").item()
-            pred = logits.argmax(1)
-            confusion += torch.bincount(y * k + pred, minlength=k * k).view(k, k)
-        bar.update(i + 1)
-    bar.close()
+    for logits, y in predictions(strategy, source, batch_size, max_batches, device, progress):
+        loss_sum += cross_entropy(logits, y, reduction="sum").item()
+        confusion += torch.bincount(y * k + logits.argmax(1), minlength=k * k).view(k, k)
     parts = comm.all_gather_objects((confusion, loss_sum))
     confusion = sum(c for c, _ in parts)
     loss_sum = sum(s for _, s in parts)
@@ -51,18 +56,11 @@ def evaluate_text(strategy, source, comm, batch_size: int, max_batches: int | No
     """A language model on the validation windows: summed token losses and correct next-token
     predictions, added over ranks; ``loss`` is their mean per token."""
     loss_sum, correct, tokens, windows = 0.0, 0, 0, 0
-    batches = list(source.test_batches(batch_size, max_batches))
-    bar = Progress(len(batches), "eval", enabled=progress)
-    for i, (x, y, real) in enumerate(batches):
-        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
-        if logits is not None:
-            logits, y = logits.float().cpu()[real], y[real]
-            loss_sum += cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.argmax(-1) == y).sum())
-            tokens += y.numel()
-            windows += len(y)
-        bar.update(i + 1)
-    bar.close()
+    for logits, y in predictions(strategy, source, batch_size, max_batches, device, progress):
+        loss_sum += cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+        tokens += y.numel()
+        windows += len(y)
     parts = comm.all_gather_objects((loss_sum, correct, tokens, windows))
     loss_sum, correct, tokens, windows = (sum(p[j] for p in parts) for j in range(4))
     if tokens == 0:

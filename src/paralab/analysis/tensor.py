@@ -50,8 +50,9 @@ def tp_communication(b: int, s: int, h: int, layers: int, t: int, sequence_paral
     msgs = tp_messages(b, s, h, layers, t, sequence_parallel, e)
     count = sum(c for c, _ in msgs.values())
     total = sum(size for _, size in msgs.values())
-    wire = 2 * (t - 1) / t * (4 * layers + 2) * b * s * h * e  # an all-gather + reduce-scatter pair moves
-    if sequence_parallel:                                        # what one ring all-reduce moves
+    # ring bytes: 4L + 2 activation all-reduces, or as many all-gather + reduce-scatter pairs (the same bytes)
+    wire = 2 * (t - 1) / t * (4 * layers + 2) * b * s * h * e
+    if sequence_parallel:
         formula = "per block: 2 all-gathers + 2 reduce-scatters forward, the same backward, of b s h e bytes each"
     else:
         formula = "per block: 2 all-reduces (g) forward + 2 (f) backward of b s h e bytes each"

@@ -336,7 +336,7 @@ def calc_tp(args) -> int:
         for k in ("layers", "embed", "heads", "context", "sequence_parallel"):
             setattr(args, k, run.config[k])
         args.tp = shape["tp"]
-        args.batch_size = _tp_microbatch(run)
+        _, args.batch_size = _tp_microbatches(run)
     for name in ("layers", "embed", "heads", "context", "batch_size", "tp"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.embed % args.heads or args.heads % args.tp:
@@ -357,11 +357,12 @@ def is_tp_gpt_run(run) -> bool:
     return run.config.get("model") == "gpt" and run.config.get("mesh", {}).get("shape", {}).get("tp", 1) > 1
 
 
-def _tp_microbatch(run) -> int:
-    """Sequences per microbatch on one rank: the global batch over dp, over the pipeline's microbatches."""
+def _tp_microbatches(run) -> tuple[int, int]:
+    """(microbatches per step, sequences in each) on one rank: the global batch over dp, over the
+    pipeline's microbatches."""
     shape = run.config["mesh"]["shape"]
     micro = int(run.config.get("microbatches", 1)) if shape["pp"] > 1 else 1
-    return run.summary["global_batch"] // shape["dp"] // micro
+    return micro, run.summary["global_batch"] // shape["dp"] // micro
 
 
 def tp_run_table(run, peak_tflops: float | None = None) -> None:
@@ -371,8 +372,7 @@ def tp_run_table(run, peak_tflops: float | None = None) -> None:
     from ..analysis.tensor import flops_per_token, mfu, tp_communication
     from ..analysis.timeline import measured_steps
     c, shape = run.config, run.config["mesh"]["shape"]
-    micro = int(c.get("microbatches", 1)) if shape["pp"] > 1 else 1
-    b, s = _tp_microbatch(run), c["context"]
+    (micro, b), s = _tp_microbatches(run), c["context"]
     comm = tp_communication(b, s, c["embed"], c["layers"], shape["tp"], c["sequence_parallel"])
     # one rank per pipeline stage (dp 0, tp 0): each tp collective happens on exactly one stage
     stage_ranks = [p * shape["dp"] * shape["tp"] for p in range(shape["pp"])]

@@ -65,11 +65,8 @@ from ..comm import nbytes
 from ..kinds import MEMORY, MemoryModel
 from .base import StepResult, Strategy, broadcast_buffers
 from .data_parallel import AccumulateOptions
+from .dtensor_state import load_local_state, local, local_state
 from .fsdp import Ledger, optimizer_kind
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 if AllGather is not None:
@@ -136,7 +133,7 @@ class TorchFSDP(Strategy):
         self.parameters = sum(p.numel() for p in self.params)
         self.optimizer = optim_fn(self.params)
         self.ledger = Ledger()
-        self.shard_bytes = sum(nbytes(_local(p)) for p in self.params)
+        self.shard_bytes = sum(nbytes(local(p)) for p in self.params)
         self.ledger.add("params", self.shard_bytes, "init")
         for unit in self.units:
             unit.register_forward_pre_hook(lambda m, a: self._observe("forward"))
@@ -152,12 +149,12 @@ class TorchFSDP(Strategy):
                 if not isinstance(p, DTensor):  # FSDP swapped in the unsharded parameter
                     gathered += nbytes(p)
                 if p.grad is not None:
-                    grads += nbytes(_local(p.grad))
+                    grads += nbytes(local(p.grad))
         self.ledger.set("params", self.shard_bytes + gathered, where)
         self.ledger.set("grads", grads, where)
 
     def _optimizer_bytes(self) -> int:
-        return sum(nbytes(_local(t)) for state in self.optimizer.state.values() for t in state.values()
+        return sum(nbytes(local(t)) for state in self.optimizer.state.values() for t in state.values()
                    if torch.is_tensor(t))
 
     @contextmanager
@@ -190,27 +187,12 @@ class TorchFSDP(Strategy):
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v.detach()).clone() for k, v in state.items()}
 
     def state_dict(self):
-        opt = self.optimizer.state_dict()
-        opt["state"] = {pid: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                        for pid, s in opt["state"].items()}
-        return {"world": self.ctx.world,
-                "model": {k: _local(v).detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": opt}
+        return {"world": self.ctx.world, **local_state(self.model, self.optimizer)}
 
-    @torch.no_grad()
     def load_state_dict(self, state):
         if state.get("world") != self.ctx.world:
             raise ValueError(f"checkpoint is from {state.get('world')} workers; this run has {self.ctx.world}")
-        for k, v in self.model.state_dict().items():
-            _local(v).copy_(state["model"][k])
-        opt = state["optimizer"]
-        for pid, s in opt["state"].items():
-            p = self.params[int(pid)]
-            for k, v in s.items():
-                if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0:
-                    s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                              stride=p.stride(), run_check=False)
-        self.optimizer.load_state_dict(opt)
+        load_local_state(self.model, self.optimizer, self.params, state)
         self.ledger.set("optimizer", self._optimizer_bytes(), "load")
 
     @classmethod

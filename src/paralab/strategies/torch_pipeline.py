@@ -177,9 +177,7 @@ class TorchPipeline(Pipeline):
         if len(sizes) != 1:
             raise RuntimeError(f"torch-pipeline needs equal microbatches (got sizes {sorted(sizes)})")
         schedule = self._schedule_for(sizes.pop(), len(chunks))
-        flavours = [self.flavours[s] for s in sorted(self.flavours)]
-        for dp in flavours:
-            dp.start()
+        self.flavours_do("start")
         losses: list[torch.Tensor] = []
         args = (x.to(self.ctx.device),) if self.first else ()
         target = y.to(self.ctx.device) if self.last else None
@@ -187,12 +185,7 @@ class TorchPipeline(Pipeline):
         with self.ctx.autocast():
             schedule.step(*args, target=target, losses=losses if self.last else None, return_outputs=False)
         self._record_gaps(t0, self.rec.now(), self.rec.spans[before:])
-        for dp in flavours:
-            dp.finish()
-        for dp in flavours:
-            dp.step()
-        for dp in flavours:
-            dp.sync_buffers()
+        self.flavours_do("finish", "step", "sync_buffers")
         loss = float(sum(float(v.detach()) for v in losses) / len(losses)) if self.last and losses else None
         return StepResult(loss, len(y))
 

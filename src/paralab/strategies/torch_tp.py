@@ -67,6 +67,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..errors import UsageError
 from ..mesh import MeshShape
 from .base import StepResult, Strategy
+from .dtensor_state import load_local_state, local, local_state
 from .tensor.strategy import TensorOptions
 
 
@@ -98,10 +99,6 @@ def _shard_dim(t) -> int | None:
         if isinstance(placement, Shard):
             return placement.dim % t.dim()
     return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TorchTP(Strategy):
@@ -171,36 +168,22 @@ class TorchTP(Strategy):
     def predict(self, x):
         """Whole logits (evaluation and --check only): the vocabulary columns gathered."""
         logits = self.eval_logits(self.model, x)
-        return self._gather(_local(logits), logits.dim() - 1, "torch_tp_gather_logits")
+        return self._gather(local(logits), logits.dim() - 1, "torch_tp_gather_logits")
 
     @torch.no_grad()
     def full_state_dict(self):
-        return {k: (self._gather(_local(v), self.layout[k], "torch_tp_gather_weights") if k in self.layout
-                    else _local(v).detach()).clone()
+        return {k: (self._gather(local(v), self.layout[k], "torch_tp_gather_weights") if k in self.layout
+                    else local(v).detach()).clone()
                 for k, v in self.model.state_dict().items()}
 
     def state_dict(self):
-        opt = self.optimizer.state_dict()
-        opt["state"] = {pid: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                        for pid, s in opt["state"].items()}
         return {"tp": {"rank": self.tp.rank, "size": self.tp.world, "layout": self.layout},
-                "model": {k: _local(v).detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": opt}
+                **local_state(self.model, self.optimizer)}
 
-    @torch.no_grad()
     def load_state_dict(self, state):
         if state["tp"]["size"] != self.tp.world:
             raise ValueError(f"checkpoint is from tp {state['tp']['size']}; this run has tp {self.tp.world}")
-        for k, v in self.model.state_dict().items():
-            _local(v).copy_(state["model"][k])
-        opt = state["optimizer"]
-        for pid, s in opt["state"].items():
-            p = self.params[int(pid)]
-            for k, v in s.items():
-                if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0:
-                    s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                              stride=p.stride(), run_check=False)
-        self.optimizer.load_state_dict(opt)
+        load_local_state(self.model, self.optimizer, self.params, state)
 
     @classmethod
     def consolidate(cls, states, model):
@@ -216,7 +199,7 @@ class TorchTP(Strategy):
     def extra_summary(self):
         return {"tensor_parallel": {"size": self.tp.world, "rank": self.tp.rank,
                                     "sequence_parallel": self.sequence_parallel, "split_tensors": len(self.layout),
-                                    "local_parameters": sum(_local(p).numel() for p in self.params),
+                                    "local_parameters": sum(local(p).numel() for p in self.params),
                                     "parameters": sum(p.numel() for p in self.params),
                                     "implementation": "torch.distributed.tensor.parallel (DTensor)"},
                 "collectives_timed": False}

@@ -230,19 +230,19 @@ class Pipeline(Strategy):
         # an epoch's last batch can hold fewer samples than microbatches: plan the
         # schedule for the chunks there are (every stage sees the same batch size)
         actions = build_schedule(self.schedule, self.pp.world, len(chunks), self.virtual)[self.pp.rank]
-        flavours = [self.flavours[s] for s in sorted(self.flavours)]
-        for dp in flavours:
-            dp.start()
+        self.flavours_do("start")
         loss = self.executor.run(self.stages, actions, chunks,
                                  last_backward=lambda s: self.flavours[s].last_backward() if s in self.flavours
                                  else nullcontext())
-        for dp in flavours:
-            dp.finish()
-        for dp in flavours:
-            dp.step()
-        for dp in flavours:
-            dp.sync_buffers()
+        self.flavours_do("finish", "step", "sync_buffers")
         return StepResult(loss, len(y))
+
+    def flavours_do(self, *phases: str) -> None:
+        """Each phase of the flavour contract (``replicas.py``) on every stage's flavour, in stage order,
+        one phase for all of them before the next."""
+        for phase in phases:
+            for s in sorted(self.flavours):
+                getattr(self.flavours[s], phase)()
 
     # ------------------------------------------------------------ the rest of the contract
     @torch.no_grad()

@@ -83,10 +83,6 @@ class TPEmbedding(nn.Module):
         self.tokens.weight = nn.Parameter(tp.shard(plain.tokens.weight, 0))
         self.positions = plain.positions
 
-    def example_input(self, batch, generator=None):
-        return torch.randint(0, self.local_vocab * self.tp.size, (batch, self.positions.num_embeddings),
-                             generator=generator)
-
     def forward(self, idx):
         local = idx - self.start
         mine = (local >= 0) & (local < self.local_vocab)
@@ -142,7 +138,6 @@ class TPHead(nn.Module):
         self.tp = tp
         self.ln = TPLayerNorm(tp, plain.ln)
         self.out = column(tp, plain.out)
-        self.vocab_start = tp.rank * self.out.out_features
 
     def forward(self, x):
         return self.out(self.tp.enter(self.ln(x)))  # [B, T, V / tp]: this rank's vocabulary columns

@@ -55,10 +55,6 @@ class TensorOptions:
                                      identity=True)
 
 
-def _is_transformer(model: nn.Sequential) -> bool:
-    return isinstance(model[0], (tp_gpt.Embedding, tp_gpt.TPEmbedding))
-
-
 class TensorParallelism:
     """The ``tp`` dimension of one rank: how the units it holds are sharded, and undone."""
 
@@ -66,7 +62,7 @@ class TensorParallelism:
         """``model``: a freshly built whole model, to learn which units exist and how each is split."""
         self.group = TPGroup(comm, sequence_parallel)
         self.comm = comm
-        self.transformer = _is_transformer(model)
+        self.transformer = isinstance(model[0], tp_gpt.Embedding)
         if sequence_parallel and not self.transformer:
             raise UsageError("--sequence-parallel splits a transformer's sequence; the CNNs have none: drop it")
         self.units = len(model)
@@ -145,9 +141,10 @@ class TensorParallel(Strategy):
     def validate(cls, cfg, world: int) -> None:
         """Checks for any run with tp > 1, pure or composed."""
         from ...models import MODALITY
+        from .. import get_strategy
         from ..pipeline import Pipeline
         shape = MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp if cfg.strategy != cls.name else world // cfg.pp)
-        if shape.pp > 1 and cfg.strategy != "pipeline":  # a named pipeline was validated already
+        if shape.pp > 1 and not issubclass(get_strategy(cfg.strategy), Pipeline):  # else validated already
             Pipeline.validate(cfg, world)
         if MODALITY[cfg.model] == "text":
             if cfg.heads % shape.tp:
