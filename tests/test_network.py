@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,11 +40,26 @@ def test_rates_and_latency_parse():
             network.parse(bad)
 
 
-def test_without_root_it_is_refused_before_start_saying_what_to_do(monkeypatch):
+def test_without_root_or_user_namespaces_it_is_refused_before_start_saying_what_to_do(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(UsageError, match="needs root") as exc:
+    tried = []
+
+    def refused(*args, check=True):
+        tried.append(args)
+        return subprocess.CompletedProcess(args, 1, "", "unshare: unshare failed: Operation not permitted")
+    monkeypatch.setattr(network, "_run", refused)
+    with pytest.raises(UsageError, match="not root, so it needs an unprivileged user namespace") as exc:
         network.check_can_emulate(network.parse("1gbit"))
-    assert "drop --network" in str(exc.value) and "unshare" in str(exc.value)
+    assert "Operation not permitted" in str(exc.value)  # the kernel's own words
+    assert "drop --network" in str(exc.value) and "sudo" in str(exc.value)
+    assert tried and tried[0][:3] == network.USERNS  # it asked the kernel, as this user
+
+
+def test_without_root_it_goes_ahead_where_user_namespaces_are_allowed(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(network, "userns_refusal", lambda: None)
+    network.check_can_emulate(network.parse("1gbit"))  # no error: the launcher will use a user namespace
+    assert network.sandbox_command(["x"]) == [*network.USERNS, "--net", "--mount", "--", "x"]
 
 
 def test_without_iproute2_it_is_refused(monkeypatch):
@@ -209,3 +225,116 @@ def test_compare_passes_network_to_its_runs(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "paralab train ddp --workers 2" in r.stdout and "--network 100mbit" in r.stdout
+
+
+# ---------------------------------------------------------------------------- without root
+def _unprivileged():
+    """(a Python that an unprivileged user can run with this checkout's packages, its env) for running
+    paralab as `nobody`, or skip saying why. The launcher re-runs itself with sys.executable, so the
+    interpreter must be one `nobody` can start from inside its own processes (not one under /root)."""
+    import site
+    import sysconfig
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+    paths = [str(Path(__file__).resolve().parents[1] / "src"), *site.getsitepackages(),
+             sysconfig.get_paths()["purelib"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1"}
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    probe = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch, paralab'], check=True)"
+    for python in dict.fromkeys([sys.executable, f"/usr/bin/python{minor}", f"/usr/local/bin/python{minor}"]):
+        if os.path.exists(python) and subprocess.run([*AS_NOBODY, python, "-c", probe], env=env,
+                                                     capture_output=True).returncode == 0:
+            return python, env
+    pytest.skip(f"no Python {minor} that the unprivileged user can start with this checkout's packages")
+
+
+AS_NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+
+
+def _network_namespaces_of_nobody() -> list[str]:
+    """Every network namespace that a process of uid 65534 is in (the kernel's own list)."""
+    out = subprocess.run(["lsns", "-t", "net", "-n", "-o", "NS,USER"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split()[1:] == ["nobody"]]
+
+
+def _run_unprivileged(*args, env_extra=None):
+    import tempfile
+    python, env = _unprivileged()
+    home = Path(tempfile.mkdtemp(prefix="paralab-nobody-", dir="/tmp"))
+    home.chmod(0o777)
+    cmd = [*AS_NOBODY, python, "-m", "paralab", "train", *args, *FAST, "--out", str(home / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=home,
+                          env={**env, "HOME": str(home), **(env_extra or {})})
+    return proc, home
+
+
+@needs_root
+def test_without_root_a_user_namespace_gives_the_same_links_and_leaves_nothing():
+    assert _network_namespaces_of_nobody() == []
+    named = set(network.namespaces_of())
+    proc, home = _run_unprivileged("ddp", "--workers", "2", "--num-batches", "4", "--network", "100mbit", "--check")
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "not root: building the emulated network inside a user namespace" in proc.stderr
+        assert "full-duplex 100 Mbit/s link" in proc.stderr and "in a user namespace (no root)" in proc.stderr
+        run = home / "run"
+        assert run.stat().st_uid == 65534  # written by the user, not by root
+        emulated = json.loads((run / "config.json").read_text())["network_emulated"]
+        assert emulated["namespaces"] == "user namespace (no root)" and emulated["rate_bps"] == 100e6
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["check"]["result"] == "PASS", summary["check"]
+        busbw = summary["comm_ops"]["all_reduce"]["busbw_GBps"]
+        assert 0.005 < busbw < 0.0125 * 1.2, busbw  # the shaped link, not the loopback
+        # nothing of it in the host: no named namespace, no address; and the kernel freed its namespaces
+        assert set(network.namespaces_of()) == named
+        host = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+        assert network.SUBNET not in host
+        assert _network_namespaces_of_nobody() == []
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.slow
+def test_without_root_a_rank_killed_mid_run_leaves_nothing():
+    proc, home = _run_unprivileged("ddp", "--workers", "2", "--num-batches", "6", "--network", "1gbit",
+                                   env_extra={"PARALAB_FAULT": "1:3:kill"})
+    try:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "rank 1 failed first: killed by signal SIGKILL" in proc.stderr
+        assert _network_namespaces_of_nobody() == []
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_without_root_ctrl_c_or_sigterm_mid_run_stops_it_and_leaves_nothing(how):
+    import tempfile
+    python, env = _unprivileged()
+    home = Path(tempfile.mkdtemp(prefix="paralab-nobody-", dir="/tmp"))
+    home.chmod(0o777)
+    cmd = [*AS_NOBODY, python, "-m", "paralab", "train", "ddp", "--workers", "2", "--num-batches", "1000",
+           "--network", "1gbit", *FAST, "--out", str(home / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=home,
+                            env={**env, "HOME": str(home)})
+    try:
+        deadline = time.monotonic() + 120
+        while len(_network_namespaces_of_nobody()) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(_network_namespaces_of_nobody()) >= 3  # the launcher's and the two ranks', while it runs
+        time.sleep(4)
+        assert proc.poll() is None
+        proc.send_signal(how)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        deadline = time.monotonic() + 10  # the kernel frees a namespace as its last process is reaped
+        while _network_namespaces_of_nobody() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _network_namespaces_of_nobody() == [], err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(home, ignore_errors=True)

@@ -91,7 +91,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--network", metavar="RATE[,LATENCY]",
                    help="emulate a cluster network: each local worker in its own network namespace on a "
                         "full-duplex link of RATE (e.g. 100mbit, 1gbit, 10gbit) to one switch, shaped by tc; "
-                        "needs root and iproute2. LATENCY (e.g. ,200us) only where the kernel has netem")
+                        "needs iproute2 and root or unprivileged user namespaces. LATENCY (e.g. ,200us) only "
+                        "where the kernel has netem")
     # the strategies' options: one group per declaring class, flags generated from the declarations
     for cls in OPTION_CLASSES:
         add_flags(p.add_argument_group(cls.__doc__.strip()), cls)

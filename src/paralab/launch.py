@@ -208,6 +208,11 @@ def _run_on_network(cfg: RunConfig, run_dir: str) -> int:
     """
     from . import network
 
+    if not network.privileged():
+        return _run_in_user_namespace(cfg, run_dir)
+    if network.in_sandbox():  # the no-root path's launcher: go when the one outside goes, however it ends
+        _die_with_parent(os.getppid())
+
     def terminated(signum, _frame):
         raise SystemExit(128 + signum)
 
@@ -229,6 +234,42 @@ def _run_on_network(cfg: RunConfig, run_dir: str) -> int:
             net.down()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _run_in_user_namespace(cfg: RunConfig, run_dir: str) -> int:
+    """``--network`` without root: run this launch again, as paralab's runner child, inside a user
+    namespace where this user is root of its own network and mount namespaces (``network.py``).
+
+    The child builds the network and supervises the ranks as the root path does; its output, progress
+    events and run directory are this run's. It runs in a process group of its own, so Ctrl-C and
+    SIGTERM reach it once, passed on from here; if this process is killed, the kernel stops the child
+    (it asked to die with its parent), and everything it made goes with the user namespace.
+    """
+    import json
+    import subprocess
+    from . import network
+
+    cmd = network.sandbox_command([sys.executable, "-m", "paralab.runner", str(run_dir)])
+    print(f"paralab: not root: building the emulated network inside a user namespace ({' '.join(cmd[:5])})",
+          file=sys.stderr, flush=True)
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, env={**os.environ, network.SANDBOX_ENV: "1"},
+                             process_group=0)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        child.stdin.write(json.dumps(cfg.to_dict()).encode())
+        child.stdin.close()
+        code = child.wait()
+        return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def _leave(code: int):

@@ -40,15 +40,24 @@ kernel's ``netem`` qdisc; half of it is added on each of the two links a
 packet crosses. Where ``netem`` is missing the latency is refused (only
 bandwidth is emulated then); it is never faked with sleeps.
 
-Permissions: creating namespaces needs root (CAP_NET_ADMIN and
-CAP_SYS_ADMIN). Without root the run is refused before it starts, saying
-what to do.
+Permissions. As root the namespaces are named ones (``ip netns``, kept
+under ``/run/netns``). Without root the launcher runs the rest of the run
+inside a user namespace of its own (:func:`sandbox_command`: ``unshare
+--user --map-root-user --net --mount``), where it holds CAP_NET_ADMIN and
+CAP_SYS_ADMIN over the namespaces it creates and nothing else: it mounts a
+private tmpfs where ``ip netns`` keeps names (:func:`private_netns_dir`),
+then builds the same network as root would; the ranks it spawns inherit the
+user namespace and so can enter theirs. Where the kernel refuses
+unprivileged user namespaces the run is refused before it starts, saying
+why and what to do.
 
 Nothing is left behind: :meth:`Network.down` deletes the run's namespaces,
 which removes their links and qdiscs with them; the launcher calls it on
 success, failure, Ctrl-C and SIGTERM. A launcher killed with SIGKILL cannot
-clean up; the next network run removes namespaces whose launcher process
-is gone (:func:`remove_orphans`). Names carry the launcher's pid and a
+clean up; as root, the next network run removes namespaces whose launcher
+process is gone (:func:`remove_orphans`); without root there is nothing to
+remove: the namespaces belong to the run's user namespace, which the kernel
+frees with its last process, names and tmpfs included. Names carry the launcher's pid and a
 random tag, so runs at the same time never collide; addresses can repeat
 between runs because each run's are visible only inside its namespaces.
 """
@@ -73,6 +82,9 @@ QUEUE_S = 0.050                     # the queue holds this much time at RATE ...
 MIN_LIMIT = 1 << 20                 # ... and at least this many bytes
 UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+NETNS_DIR = "/run/netns"            # where `ip netns` keeps a namespace's name (compiled into iproute2)
+SANDBOX_ENV = "PARALAB_NETWORK_USERNS"  # set in the launcher's user namespace (the no-root path)
+USERNS = ("unshare", "--user", "--map-root-user")  # a user namespace where this user is root
 
 
 class NetworkError(Exception):
@@ -126,16 +138,40 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def privileged() -> bool:
+    """Root (or root of the run's own user namespace): namespaces can be made with ``ip netns``."""
+    return os.geteuid() == 0
+
+
+def in_sandbox() -> bool:
+    """This process is the no-root launcher inside its user namespace (see :func:`sandbox_command`)."""
+    return os.environ.get(SANDBOX_ENV) == "1"
+
+
+def sandbox_command(argv: list[str]) -> list[str]:
+    """``argv`` run inside a new user namespace (this user mapped to root), with its own network and
+    mount namespaces: the no-root path. The kernel frees all of it with the last process inside."""
+    return [*USERNS, "--net", "--mount", "--", *argv]
+
+
 def has_netem() -> bool:
     """Whether the kernel offers the netem qdisc (tried on the loopback of a scratch namespace)."""
-    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}-probe"
-    if _run("ip", "netns", "add", name, check=False).returncode != 0:
+    probe = ["unshare", "--net"] if privileged() else [*USERNS, "--net"]
+    if shutil.which("unshare") is None:
         return False
-    try:
-        return _run("tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
-                    check=False).returncode == 0
-    finally:
-        _run("ip", "netns", "del", name, check=False)
+    return _run(*probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                check=False).returncode == 0
+
+
+def userns_refusal() -> str | None:
+    """Why this user cannot make a user namespace with its own network here (None: it can)."""
+    if shutil.which("unshare") is None:
+        return "`unshare` (util-linux) was not found"
+    proc = _run(*sandbox_command(["true"]), check=False)
+    if proc.returncode != 0:
+        return f"the kernel refused `{' '.join(sandbox_command(['true']))}`: " \
+               f"{(proc.stderr or proc.stdout).strip() or f'exit {proc.returncode}'}"
+    return None
 
 
 def check_can_emulate(spec: Spec) -> None:
@@ -144,15 +180,27 @@ def check_can_emulate(spec: Spec) -> None:
     if missing:
         raise UsageError(f"--network needs the iproute2 tools ({', '.join(missing)} not found): install them "
                          "(Debian/Ubuntu: apt-get install iproute2), or drop --network")
-    if os.geteuid() != 0:
-        raise UsageError("--network creates a network namespace per rank, which needs root (CAP_NET_ADMIN and "
-                         "CAP_SYS_ADMIN); this process is not root. Run the command as root (e.g. with sudo, or "
-                         "inside `unshare --user --map-root-user --net --mount` where the kernel allows "
-                         "unprivileged user namespaces and /run/netns is writable), or drop --network")
+    if not privileged():
+        why = userns_refusal()
+        if why:
+            raise UsageError(f"--network creates a network namespace per rank; this process is not root, so it "
+                             f"needs an unprivileged user namespace, and {why}. Run the command as root (e.g. with "
+                             "sudo), or let users create namespaces (e.g. sysctl kernel.unprivileged_userns_clone=1, "
+                             "user.max_user_namespaces > 0, or the AppArmor setting "
+                             "kernel.apparmor_restrict_unprivileged_userns=0), or drop --network")
     if spec.latency_s is not None and not has_netem():
         raise UsageError(f"--network {spec.text}: this kernel has no netem qdisc, so latency cannot be emulated "
                          "(only bandwidth is); drop the latency part (e.g. --network "
                          f"{spec.text.split(',')[0]})")
+
+
+def private_netns_dir() -> None:
+    """No-root path, inside the user namespace: a tmpfs of this mount namespace where ``ip netns`` keeps
+    names (on /run/netns where it exists, else on /run, which the unprivileged user cannot write to).
+    The mount namespace is private (``unshare --mount``): the host never sees it."""
+    target = NETNS_DIR if os.path.isdir(NETNS_DIR) else os.path.dirname(NETNS_DIR)
+    _run("mount", "-t", "tmpfs", "-o", "mode=0755", "paralab-netns", target)
+    os.makedirs(NETNS_DIR, exist_ok=True)
 
 
 # ---------------------------------------------------------------------------- the network of one run
@@ -191,7 +239,10 @@ class Network:
 
     def up(self) -> None:
         """Create the switch, then each rank's namespace and its shaped link to the switch."""
-        remove_orphans()
+        if in_sandbox():
+            private_netns_dir()
+        else:
+            remove_orphans()
         try:
             self._add_namespace(self.switch)
             _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -243,6 +294,7 @@ class Network:
         return {"rate_bps": s.rate_bps, "gbps": s.gbps, "latency_s": s.latency_s, "qdisc": "tbf",
                 "burst_bytes": s.burst_bytes, "limit_bytes": s.limit_bytes, "mtu": 1500, "duplex": "full",
                 "topology": "one bridge; each rank's veth shaped on both ends",
+                "namespaces": "user namespace (no root)" if in_sandbox() else "root (ip netns)",
                 "links": [asdict(link) for link in self.links]}
 
 
@@ -256,8 +308,9 @@ def describe(record: dict | None, asked: str | None = None) -> str:
     text = f"{rate / 1e9:g} Gbit/s" if rate >= 1e9 else f"{rate / 1e6:g} Mbit/s"
     latency = (f", {record['latency_s'] * 1e6:g} us one-way latency (netem)" if record.get("latency_s")
                else ", no added latency (bandwidth only)")
+    where = "; in a user namespace (no root)" if str(record.get("namespaces", "")).startswith("user") else ""
     return (f"{len(record['links'])} ranks, each on its own full-duplex {text} link to one switch (tbf, burst "
-            f"{record['burst_bytes']} B, queue {record['limit_bytes']} B, MTU {record['mtu']}){latency}")
+            f"{record['burst_bytes']} B, queue {record['limit_bytes']} B, MTU {record['mtu']}){latency}{where}")
 
 
 # ---------------------------------------------------------------------------- inside a rank
@@ -267,7 +320,7 @@ def join(record: dict, rank: int) -> None:
     link = record["links"][rank]
     libc = ctypes.CDLL(None, use_errno=True)
     CLONE_NEWNET = 0x40000000
-    fd = os.open(f"/run/netns/{link['namespace']}", os.O_RDONLY)
+    fd = os.open(f"{NETNS_DIR}/{link['namespace']}", os.O_RDONLY)
     try:
         if libc.setns(fd, CLONE_NEWNET) != 0:
             err = ctypes.get_errno()

@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare every run with the single-process reference (default)")
     p.add_argument("--network", metavar="RATE[,LATENCY]",
                    help="every multi-worker run on an emulated network: each worker on its own full-duplex "
-                        "link of RATE, e.g. 1gbit (as `paralab train --network`; needs root)")
+                        "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the reference check")
     p.add_argument("--train-args", default="",
                    help='more `paralab train` options for every run, e.g. --train-args="--norm none"')

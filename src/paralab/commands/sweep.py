@@ -99,7 +99,7 @@ def _common(q) -> None:
                         "gets the same cores as each worker of a larger one), a number, or none")
     q.add_argument("--network", metavar="RATE[,LATENCY]",
                    help="every multi-worker run on an emulated network: each worker on its own full-duplex "
-                        "link of RATE, e.g. 1gbit (as `paralab train --network`; needs root)")
+                        "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
     q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
     q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
     q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
