@@ -338,3 +338,19 @@ def test_without_root_ctrl_c_or_sigterm_mid_run_stops_it_and_leaves_nothing(how)
             proc.kill()
             proc.wait()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_with_latency_each_link_gets_netem_half_the_delay_in_front_of_tbf(monkeypatch):
+    """The netem path as commands (this kernel has no netem to run them on): one-way latency L is L/2 on
+    each of the two links a packet crosses, netem at the root, the rate's tbf as its child."""
+    issued = []
+    monkeypatch.setattr(network, "_run", lambda *args, check=True: issued.append(args))
+    net = network.Network(network.parse("1gbit,200us"), 2)
+    net._shape("ns", "eth0")
+    assert issued[0] == ("tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle", "1:",
+                         "netem", "delay", "100us", "limit", "100000")
+    assert issued[1][:10] == ("tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle") \
+        and issued[1][11:14] == ("tbf", "rate", "1000000000bit")
+    issued.clear()
+    network.Network(network.parse("1gbit"), 2)._shape("ns", "eth0")  # without latency: tbf alone at the root
+    assert len(issued) == 1 and issued[0][7:11] == ("root", "handle", "1:", "tbf")
