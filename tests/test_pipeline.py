@@ -17,7 +17,10 @@ def make_stage(model, a, b, first, last):
     return Stage({i: model[i] for i in range(a, b)}, first=first, last=last, in_shape=(), out_shape=(), ctx=ctx)
 
 
-def test_stage_backward_is_one_autograd_call_per_unit_and_exact(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_stage_backward_is_one_autograd_call_per_stage_or_per_unit_and_exact(monkeypatch, split):
+    """A whole backward is one autograd call per stage; a forward cut for a split backward (zero-bubble)
+    makes one per unit; both give one process's gradients."""
     torch.manual_seed(0)
     model = build_model("vgg11", width=0.125)
     ref = build_model("vgg11", width=0.125)
@@ -29,14 +32,14 @@ def test_stage_backward_is_one_autograd_call_per_unit_and_exact(monkeypatch):
     real_backward = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(1) or real_backward(*a, **k))
     front, back = make_stage(model, 0, 5, True, False), make_stage(model, 5, 14, False, True)
-    h = front.forward(0, x)
-    out = back.forward(0, h.detach())
+    h = front.forward(0, x, split=split)
+    out = back.forward(0, h.detach(), split=split)
     assert front.alive() == back.alive() == 1 and front.peak_bytes > 0
     g = back.backward(0, loss=F.cross_entropy(out, y))
-    assert len(calls) == 9  # one per unit of the back stage
+    assert len(calls) == (9 if split else 1)  # one per unit of the back stage, or one for the stage
     assert g.shape == h.shape
     assert front.backward(0, grad_output=g) is None  # the first stage has no input gradient to send
-    assert len(calls) == 14
+    assert len(calls) == (14 if split else 2)
     assert front.alive() == back.alive() == 0
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0), name

@@ -31,8 +31,9 @@ def test_split_backward_equals_whole_backward():
     F.cross_entropy(ref(x), y).backward()
 
     front, back = make_stage(model, 0, 5, True, False), make_stage(model, 5, 14, False, True)
-    h = front.forward(0, x)
-    out = back.forward(0, h.detach())
+    h = front.forward(0, x, split=True)
+    out = back.forward(0, h.detach(), split=True)
+    assert len(back.saved[0]) == 9  # the graph is cut at every unit, so I stops at each unit's input
     g = back.backward_input(0, loss=F.cross_entropy(out, y))
     assert all(p.grad is None for p in model.parameters())  # I computes no weight gradient
     assert back.alive() == 1  # the activations stay until W

@@ -65,6 +65,7 @@ class Executor:
         last_stage = next((s for s, st in stages.items() if st.last), None)
         completes = {a.stage: n for n, a in enumerate(actions) if a.kind.completes_weights}
         finals = {n: s for s, n in completes.items()}
+        split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.BACKWARD_INPUT}  # I and W, not B
         received: dict[tuple, torch.Tensor] = {}   # messages in, by (channel, consuming stage, mb)
         held: dict[tuple, torch.Tensor] = {}       # produced here: to send, or for a stage of this rank
         losses: dict[int, torch.Tensor] = {}       # weighted microbatch losses (last stage)
@@ -110,7 +111,7 @@ class Executor:
                 xs, ys, weight = chunks[i]
                 inp = xs if st.first else incoming("act", s, i)
                 with self.rec.span("compute", "forward", mb=i, stage=s):
-                    out = st.forward(i, inp)
+                    out = st.forward(i, inp, split=(s, i) in split)
                     if st.last:
                         with self.autocast():
                             losses[i] = st.ctx.loss(out, ys) * weight  # tensor parallelism's loss where it applies

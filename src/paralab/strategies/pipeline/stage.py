@@ -5,6 +5,15 @@ The model is a flat ``nn.Sequential`` of units; the partitioner
 :class:`Stage` runs its units forward for one microbatch at a time, keeping
 what backward needs, and backward one unit at a time; the executor
 (``executor.py``) decides in which order, from a schedule (``schedules.py``).
+
+A whole backward (``B``) needs only the stage's input and output: the
+forward builds one autograd graph for the stage and backward is one call.
+A split backward (zero-bubble ``I`` then ``W``) needs more: the forward
+cuts the graph at every unit (each unit runs on a detached copy of the
+previous unit's output), so ``I`` can stop at each unit's input and ``W``
+can start from each unit's output instead of walking the whole stage
+again. The cut costs a few per cent (one autograd call per unit), so it is
+made only for the microbatches whose backward is split.
 """
 from __future__ import annotations
 
@@ -13,14 +22,13 @@ import torch.nn as nn
 
 
 class Stage:
-    """One rank's contiguous slice of the units, with a per-unit forward and backward.
+    """One rank's contiguous slice of the units, with a forward and a whole or split backward.
 
-    ``forward(mb, x)`` runs each unit on a detached copy of the previous
-    unit's output and keeps every (input, output) pair until ``backward(mb)``
-    walks them back with one autograd call per unit. It also measures the
-    bytes autograd saved for the microbatches alive (with
-    ``saved_tensors_hooks``) and their peak; how many microbatches were
-    alive at once the analysis reads from the spans.
+    ``forward(mb, x, split)`` keeps, for microbatch ``mb``, the segments its
+    backward walks back: one (parameters, input, output) for the whole stage,
+    or one per unit when ``split``. It also measures the bytes autograd saved
+    for the microbatches alive (with ``saved_tensors_hooks``) and their peak;
+    how many microbatches were alive at once the analysis reads from the spans.
     """
 
     def __init__(self, units: dict[int, nn.Module], first: bool, last: bool,
@@ -30,11 +38,12 @@ class Stage:
         self.first, self.last = first, last
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)  # per sample
         self.ctx = ctx
-        self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.saved: dict[int, list[tuple[list, torch.Tensor, torch.Tensor]]] = {}  # (params, input, output)
         self.saved_bytes: dict[int, int] = {}
         self.weight_work: dict[int, list] = {}  # per microbatch, what its W needs (after its I)
         self.peak_bytes = 0
         self._param_ptrs: set[int] | None = None  # the parameters' storage, left out of the saved bytes
+        self._trained: list[list[nn.Parameter]] | None = None  # each unit's parameters that train
 
     # ------------------------------------------------------------ bookkeeping
     def parameters(self) -> list[nn.Parameter]:
@@ -57,12 +66,13 @@ class Stage:
             unit.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     # ------------------------------------------------------------ compute
-    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """Run the stage on microbatch ``mb``, keeping what backward needs."""
+    def forward(self, mb: int, x: torch.Tensor, split: bool = False) -> torch.Tensor:
+        """Run the stage on microbatch ``mb``, keeping what its backward needs (per unit if ``split``)."""
         seen: dict[tuple[int, int], int] = {}
         if self._param_ptrs is None:  # at the first forward, not at build: a data-parallel flavour
             # wrapping the stage may re-point the parameters first (ZeRO-1's flat views)
             self._param_ptrs = {p.data_ptr() for p in self.units.parameters()}
+            self._trained = [[p for p in unit.parameters() if p.requires_grad] for unit in self.units]
         param_ptrs = self._param_ptrs
 
         def pack(t: torch.Tensor):
@@ -70,41 +80,45 @@ class Stage:
                 seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
             return t
 
-        pairs = []
-        h = x
+        segments = []
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.ctx.autocast():
+            # a leaf at the stage's input (its gradient is what goes to the stage before) and, when
+            # split, at every unit's input (its gradient is what the unit hands to the one before)
+            inp = h = x.detach().requires_grad_(not self.first)
             for n, unit in enumerate(self.units):
-                # a leaf per unit: its gradient is what the unit's backward hands to the one before
-                inp = h.detach().requires_grad_(n > 0 or not self.first)
-                h = unit(inp)
-                pairs.append((inp, h))
-        self.saved[mb] = pairs
+                if split and n > 0:
+                    inp = h.detach().requires_grad_()
+                h = unit(inp if split else h)
+                if split:
+                    segments.append((self._trained[n], inp, h))
+            if not split:
+                segments.append(([p for ps in self._trained for p in ps], inp, h))
+        self.saved[mb] = segments
         self.saved_bytes[mb] = sum(seen.values())
         self.peak_bytes = max(self.peak_bytes, sum(self.saved_bytes.values()))
         return h
 
     def backward(self, mb: int, grad_output: torch.Tensor | None = None,
                  loss: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Back through the units of microbatch ``mb``, last to first, one autograd call each.
+        """Back through microbatch ``mb``'s segments, last to first, one autograd call each.
 
         Starts from ``loss`` (last stage) or from ``grad_output``, the gradient
         of this stage's output. Each call is ``torch.autograd.backward`` limited
-        to the unit's input and parameters (``inputs=``), so parameter
+        to the segment's input and parameters (``inputs=``), so parameter
         gradients accumulate in ``.grad`` the ordinary way and the
         post-accumulate hooks of a data-parallel flavour fire as they would in
         one ``loss.backward()``. Returns the gradient of the stage's input
         (None on the first stage).
         """
-        pairs = self.saved.pop(mb)
+        segments = self.saved.pop(mb)
         self.saved_bytes.pop(mb)
         grad = grad_output
-        for unit, (inp, out) in zip(reversed(self.units), reversed(pairs)):
-            params = [p for p in unit.parameters() if p.requires_grad]
+        for params, inp, out in reversed(segments):
             wrt = ([inp] if inp.requires_grad else []) + params
             if not wrt:
                 grad = None
                 continue
-            if loss is not None:  # the last unit of the last stage: the loss is a function of its output
+            if loss is not None:  # the last segment of the last stage: the loss is a function of its output
                 torch.autograd.backward(loss, inputs=wrt)
                 loss = None
             else:
@@ -126,11 +140,9 @@ class Stage:
         walk (a BatchNorm and ReLU after a convolution): ``I`` plus ``W`` cost
         a little more than one whole backward.
         """
-        pairs = self.saved[mb]
         pending = []
         grad = grad_output
-        for unit, (inp, out) in zip(reversed(self.units), reversed(pairs)):
-            params = [p for p in unit.parameters() if p.requires_grad]
+        for params, inp, out in reversed(self.saved[mb]):
             root, root_grad = (loss, None) if loss is not None else (out, grad.to(out.dtype))
             loss = None
             if params:
