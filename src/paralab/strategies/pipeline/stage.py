@@ -3,7 +3,7 @@
 The model is a flat ``nn.Sequential`` of units; the partitioner
 (``paralab.partition``) cuts it into contiguous ranges, one per stage. A
 :class:`Stage` runs its units forward for one microbatch at a time, keeping
-what backward needs, and backward one unit at a time; the executor
+what backward needs, and backward whole or in two parts; the executor
 (``executor.py``) decides in which order, from a schedule (``schedules.py``).
 
 A whole backward (``B``) needs only the stage's input and output: the
