@@ -1,11 +1,13 @@
 """Pipeline schedules side by side: ours (gpipe, 1f1b, interleaved-1f1b, zb-h1) and torch-pipeline's.
 
 One run of each schedule on the same model, batch, microbatches and cut, in
-rounds (``bench/common.best_of``: every configuration once per round, the
-fastest of each kept), meant to hold the shared CPU lock for its whole run:
+rounds (``bench/common.best_of``: every configuration once per round); the
+median over the rounds is the figure compared (the range beside it: runs of
+the same configuration differ by about +-10 % on a shared 2-core VM). Meant
+to hold the shared CPU lock for its whole run:
 
   flock /tmp/paralab-cpu.lock .venv/bin/python bench/schedules.py [--workers 2] [--width 0.5]
-      [--batch-size 64] [--microbatches 8] [--steps 6] [--repeats 2]
+      [--batch-size 64] [--microbatches 8] [--steps 10] [--repeats 5]
 
 The cut is measured once here (``balanced``: forward+backward time of each
 unit, median of 5) for each number of stages a schedule needs (p, or 2p for
@@ -13,7 +15,9 @@ interleaved v = 2 and PyTorch's V schedules) and passed to every run as
 explicit counts, so ours and PyTorch's run the very same stages. For each:
 samples/s (global batch / slowest rank's step, warm-up left out), each
 rank's measured bubble (idle / step time, from the spans) beside the
-schedule's formula (``analysis/cost.schedule_bubble``), and the most
+schedule's formula (``analysis/cost.schedule_bubble``, equal stages) and
+the schedule replayed on the run's own stage times
+(``analysis/pipeline.ideal_timeline``: what this cut costs), and the most
 microbatches alive per rank (interleaved and V: (stage, microbatch) pairs).
 PyTorch's idle time is the time inside its ``step()`` outside the rank's
 compute calls (see ``strategies/torch_pipeline.py``).
@@ -23,6 +27,7 @@ Writes bench/results/schedules.json (with the CPU named from ``lscpu``) and prin
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +36,8 @@ from common import RESULTS, SRC, best_of, cpu_name, train, write_result
 sys.path.insert(0, str(SRC))
 
 from paralab.analysis.cost import SCHEDULE_SOURCES, schedule_bubble  # noqa: E402
+from paralab.analysis.pipeline import ideal_timeline  # noqa: E402
+from paralab.analysis.runs import load_run  # noqa: E402
 from paralab.models import build_model  # noqa: E402
 from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
 
@@ -56,9 +63,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--width", type=float, default=0.5)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2, help="rounds; the fastest run of each schedule is kept")
+    p.add_argument("--repeats", type=int, default=5, help="rounds (every schedule once per round); the median "
+                   "is compared")
     p.add_argument("--schedules", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS))
     p.add_argument("--out", default=str(RESULTS / "schedules.json"))
     args = p.parse_args(argv)
@@ -78,11 +86,14 @@ def main(argv: list[str]) -> int:
         options = ["--schedule", schedule, "--microbatches", str(m), "--partition", cuts[per_rank], "--lr", "0.01"]
         if schedule == "interleaved-1f1b":
             options += ["--virtual-stages", str(per_rank)]
-        summary, _ = train(name, [strategy], args, tmp / f"{name.replace(' ', '-')}-{tag}", options=options)
+        run_dir = tmp / f"{name.replace(' ', '-')}-{tag}"
+        summary, _ = train(name, [strategy], args, run_dir, options=options)
         details = summary["strategy_details"]
+        ideal, _ = ideal_timeline(load_run(run_dir))  # the schedule on this run's own stage times
         return {"name": name, "strategy": strategy, "schedule": schedule, "stages_per_rank": per_rank,
                 "samples_per_s": summary["samples_per_s"], "seconds_per_iter": summary["seconds_per_iter"],
                 "bubble": [details[str(r)]["bubble"] for r in range(w)],
+                "bubble_replayed": ideal.bubble if ideal else None,
                 "bubble_formula": (schedule_bubble(schedule, w, m, per_rank).parts["fraction"]
                                    if schedule in SCHEDULE_SOURCES else None),
                 "peak_alive": [details[str(r)]["peak_microbatches_alive"] for r in range(w)],
@@ -94,18 +105,30 @@ def main(argv: list[str]) -> int:
         return 1
     runs, best, machine = out
     machine["cpu"] = cpu_name()
+    # run-to-run spread on a shared 2-core VM is about +-10 %: the median of the rounds is the figure
+    # compared; the best and the range are shown beside it
+    median = {n: statistics.median(r["samples_per_s"] for r in runs[n]) for n in names}
     print(f"\n{args.model} width {args.width}, batch {args.batch_size}, {m} microbatches, {w} ranks; "
-          f"cuts {cuts}; best of {args.repeats}; {machine['cpu']}, {machine['cpu_count']} cores, load "
+          f"cuts {cuts}; {args.repeats} rounds; {machine['cpu']}, {machine['cpu_count']} cores, load "
           f"{machine['load_average_before'][0]:.1f} -> {machine['load_average_after'][0]:.1f}")
-    print(f"{'schedule':<24}{'samples/s':>10}  {'bubble per rank':<{7 * w}}{'formula':>8}  {'peak alive':>10}")
+    print(f"{'schedule':<24}{'samples/s median (range)':>26}  {'bubble per rank':<{7 * w}}"
+          f"{'replayed':<{7 * w}}{'formula':>8}  {'peak alive':>10}")
     for name in names:
-        r = best[name]
+        r, spread = best[name], [x["samples_per_s"] for x in runs[name]]
         formula = "-" if r["bubble_formula"] is None else f"{r['bubble_formula']:.3f}"
-        print(f"{name:<24}{r['samples_per_s']:>10.1f}  {' '.join(f'{b:.3f}' for b in r['bubble']):<{7 * w}}"
+        bubble = [statistics.median(x["bubble"][k] for x in runs[name]) for k in range(w)]
+        replays = [x["bubble_replayed"] for x in runs[name] if x.get("bubble_replayed")]
+        replayed = (" ".join(f"{statistics.median(x[k] for x in replays):.3f}" for k in range(w)) if replays
+                    else "-")
+        print(f"{name:<24}{median[name]:>10.1f} ({min(spread):.0f}-{max(spread):.0f})".ljust(50)
+              + f"{' '.join(f'{b:.3f}' for b in bubble):<{7 * w}}{replayed:<{7 * w}}"
               f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}")
+    ratios = {n: median[n] / median[f"torch {n}"] for n in names if f"torch {n}" in median}
+    if ratios:
+        print("ours / torch-pipeline, medians: " + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))
     path = write_result(args.out, {"benchmark": "schedules", "settings": {k: v for k, v in vars(args).items()},
                                    "cuts": cuts, "unit_seconds": times, "machine": machine, "best": best,
-                                   "runs": runs})
+                                   "median_samples_per_s": median, "ours_over_torch": ratios, "runs": runs})
     print(f"\nwritten {path}")
     return 0
 

@@ -164,6 +164,24 @@ def test_calc_run_pipeline_bubble(report, capsys):
     code, out, _ = calc(capsys, "run", str(report / "runs" / "pipeline-w2"))
     assert code == 0
     assert "bubble = (2-1) / (2+2-1) = 1/3" in out and "measured bubble" in out
+    assert "the schedule replayed on this run's mean stage times" in out
+
+
+def test_the_replay_uses_each_stages_own_mean_times(report):
+    """analysis/pipeline: the schedule on the run's measured stage times, a reference for its bubble that
+    knows the cut's imbalance (the formula assumes equal stages)."""
+    from paralab.analysis.pipeline import ideal_timeline
+    from paralab.analysis.runs import load_run
+    from paralab.strategies.pipeline.schedules import simulated_bubble
+    run = load_run(report / "runs" / "pipeline-w2")
+    ideal, why = ideal_timeline(run)
+    assert why is None and (ideal.schedule, ideal.stages, ideal.microbatches) == ("gpipe", 2, 2)
+    measured = set(run.measured_steps())
+    for stage in (0, 1):
+        fwd = [s["t1"] - s["t0"] for s in run.spans if s["rank"] == stage and s["step"] in measured
+               and s["category"] == "compute" and s["name"] == "forward"]
+        assert ideal.stage_ms["forward"][stage] == pytest.approx(1000 * sum(fwd) / len(fwd))
+    assert ideal.bubble == simulated_bubble(ideal.timed) and all(0 < x < 1 for x in ideal.bubble)
 
 
 def test_calc_run_refuses_a_non_run(tmp_path, capsys):

@@ -554,4 +554,13 @@ def calc_run(args) -> int:
         _print(theory)
         print("measured bubble (idle / step time) per rank: "
               + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in bubbles.items()))
+        from ..analysis.pipeline import ideal_timeline
+        ideal, why = ideal_timeline(r)
+        if ideal is None:
+            print(f"(no replay on this run's stage times: {why})")
+        else:  # the formula assumes equal stages; the replay has this cut's own
+            print("the schedule replayed on this run's mean stage times (no communication), per rank: "
+                  + ", ".join(f"rank {k}: {100 * b:.1f} %" for k, b in enumerate(ideal.bubble))
+                  + "\n(measured minus replayed: communication, overhead and noise; replayed minus the formula: "
+                    "the cut's imbalance)")
     return 0
