@@ -111,8 +111,9 @@ def main(argv: list[str]) -> int:
     print(f"\n{args.model} width {args.width}, batch {args.batch_size}, {m} microbatches, {w} ranks; "
           f"cuts {cuts}; {args.repeats} rounds; {machine['cpu']}, {machine['cpu_count']} cores, load "
           f"{machine['load_average_before'][0]:.1f} -> {machine['load_average_after'][0]:.1f}")
-    print(f"{'schedule':<24}{'samples/s median (range)':>26}  {'bubble per rank':<{7 * w}}"
-          f"{'replayed':<{7 * w}}{'formula':>8}  {'peak alive':>10}")
+    col = max(7 * w, 17)
+    print(f"{'schedule':<24}{'samples/s median (range)':>26}  {'bubble per rank':<{col}}"
+          f"{'replayed':<{col}}{'formula':>8}  {'peak alive':>10}")
     for name in names:
         r, spread = best[name], [x["samples_per_s"] for x in runs[name]]
         formula = "-" if r["bubble_formula"] is None else f"{r['bubble_formula']:.3f}"
@@ -121,7 +122,7 @@ def main(argv: list[str]) -> int:
         replayed = (" ".join(f"{statistics.median(x[k] for x in replays):.3f}" for k in range(w)) if replays
                     else "-")
         print(f"{name:<24}{median[name]:>10.1f} ({min(spread):.0f}-{max(spread):.0f})".ljust(50)
-              + f"{' '.join(f'{b:.3f}' for b in bubble):<{7 * w}}{replayed:<{7 * w}}"
+              + f"{' '.join(f'{b:.3f}' for b in bubble):<{col}}{replayed:<{col}}"
               f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}")
     ratios = {n: median[n] / median[f"torch {n}"] for n in names if f"torch {n}" in median}
     if ratios:
