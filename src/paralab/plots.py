@@ -81,14 +81,14 @@ def throughput_table(runs: list[Run]):
 def plot_throughput(runs: list[Run], path) -> Path:
     plt = _plt()
     runs = [r for r in sort_runs(runs) if r.samples_per_s]
-    strategies = list(dict.fromkeys(r.strategy for r in runs))
+    strategies = list(dict.fromkeys(r.series for r in runs))  # a compressed variant is its own group
     workers = sorted({r.workers for r in runs})
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(strategies) * max(1, len(workers)) ** 0.5 + 2), 4.2))
     width = 0.8 / max(len(workers), 1)
     for j, w in enumerate(workers):
         xs, ys = [], []
         for i, s in enumerate(strategies):
-            match = [r for r in runs if r.strategy == s and r.workers == w]
+            match = [r for r in runs if r.series == s and r.workers == w]
             if match:
                 xs.append(i - 0.4 + width * (j + 0.5))
                 ys.append(max(m.samples_per_s for m in match))
@@ -162,7 +162,8 @@ def baseline_strategy() -> str | None:
 
 
 def scaling_rows(runs: list[Run], baseline: str | None = None):
-    """Per strategy and worker count: s/iter, the ideal T1/N, speedup and efficiency.
+    """Per strategy (``Run.series``: a compressed variant is its own) and worker count: s/iter, the
+    ideal T1/N, speedup and efficiency.
 
     T1 is the strategy's own 1-worker run, else the 1-worker run of ``baseline`` (default: the
     single-process strategy), named in the row.
@@ -171,8 +172,8 @@ def scaling_rows(runs: list[Run], baseline: str | None = None):
     baseline = baseline or baseline_strategy()
     single = [r for r in runs if baseline and r.strategy == baseline and r.workers == 1 and r.seconds_per_iter]
     out = []
-    for s in dict.fromkeys(r.strategy for r in runs):
-        mine = sorted((r for r in runs if r.strategy == s and r.seconds_per_iter), key=lambda r: r.workers)
+    for s in dict.fromkeys(r.series for r in runs):  # a compressed variant scales on its own
+        mine = sorted((r for r in runs if r.series == s and r.seconds_per_iter), key=lambda r: r.workers)
         base = next((r for r in mine if r.workers == 1), None)
         base = base or (single[0] if single else None)
         for r in mine:
@@ -319,49 +320,14 @@ def _run_boxes(run: Run, step: int | None):
 
 
 def ideal_schedule_boxes(run: Run):
-    """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason).
-
-    For runs whose ranks report pipeline stages and a schedule (``Run.pipeline``); a stage's
-    forward and backward times (input and weight parts where the backward is split) are the
-    means over the measured steps of the ranks holding it (``args.stage`` tells a rank's
-    interleaved stages apart). A schedule the simulator does not know (a stage that runs each
-    batch whole) is drawn as GPipe over its microbatches, which is what it is.
-    """
-    pipe = run.pipeline
-    if pipe is None:
-        return None, "no pipeline stages recorded"
-    try:
-        from .strategies.pipeline.schedules import SCHEDULES, build_schedule, simulate
-    except ImportError as exc:
-        return None, f"paralab.strategies.pipeline.schedules not importable ({exc})"
-    m, schedule = pipe["microbatches"], pipe["schedule"]
-    known = schedule in SCHEDULES
-    if not known and m > 1:
-        return None, f"no simulator for schedule {schedule} (PyTorch's own)"
-    simulated = schedule if known else SCHEDULES[0]
-    stage_of = run.stages
-    ranks_of_pp = sorted(set(stage_of.values()))
-    details = run.rank_details(next(iter(stage_of)))
-    v = int(details.get("virtual_stages") or 1) if known else 1
-    measured = set(run.measured_steps())
-    times: dict[str, list[float]] = {k: [] for k in PIPELINE_LETTERS}
-    for stage in range(len(ranks_of_pp) * v):
-        ranks = {r for r, s in stage_of.items() if s == stage % len(ranks_of_pp)}
-        mine = [s for s in run.spans if s["rank"] in ranks and s["step"] in measured and s["category"] == "compute"
-                and s.get("args", {}).get("stage", stage_of[s["rank"]]) == stage]
-        for name, out in times.items():
-            d = [s["t1"] - s["t0"] for s in mine if s["name"] == name]
-            out.append(1000 * sum(d) / len(d) if d else None)
-        split = times["backward_input"][-1] is not None
-        if times["forward"][-1] is None or (times["backward"][-1] is None and not split):
-            return None, f"stage {stage} recorded no forward/backward spans"
-    fill = lambda xs: [x if x is not None else 0.0 for x in xs]  # noqa: E731 - kinds a schedule does not run
-    try:
-        timed = simulate(build_schedule(simulated, len(ranks_of_pp), m, v), fill(times["forward"]),
-                         fill(times["backward"]), 0.0, input_time=fill(times["backward_input"]),
-                         weight_time=fill(times["backward_weight"]))
-    except Exception as exc:  # noqa: BLE001 - drawn without the ideal panel, and said why
-        return None, f"schedule simulation failed: {exc}"
+    """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason)
+    (``analysis/pipeline.ideal_timeline``), as boxes to draw."""
+    from .analysis.pipeline import ideal_timeline
+    ideal, why = ideal_timeline(run)
+    if ideal is None:
+        return None, why
+    timed, v, m, n = ideal.timed, ideal.virtual, ideal.microbatches, ideal.stages
+    known, schedule = ideal.known, ideal.schedule
     boxes = []
     for row in timed:
         for t in row:
@@ -371,7 +337,6 @@ def ideal_schedule_boxes(run: Run):
                 boxes.append((t.rank, t.t0, t.t1, kind, text, False))
             elif kind.startswith("recv") and t.t1 > t.t0:
                 boxes.append((t.rank, t.t0, t.t1, "idle", "", False))
-    n = len(ranks_of_pp)
     desc = (f"{schedule}, {n} stages{f' x {v} virtual' if v > 1 else ''}, {m} microbatch{'es' if m > 1 else ''}"
             if known or m > 1 else f"model parallelism, {n} stages, whole batch (no pipelining)")
     return (boxes, desc), None

@@ -200,12 +200,19 @@ def check_text(summary: dict | None) -> str:
 def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | None = None):
     """CS744 Table 1: one row per entry of the matrix (failed and skipped runs included).
 
-    ``entries[i]`` has strategy, workers, status, error; ``runs[i]`` its Run when it finished.
-    Speedup is over the time per iteration of ``baseline`` (default: the single-process
-    strategy), else over the strategy's own 1-worker run (the column header says which applies).
+    ``entries[i]`` has strategy, workers, status, error (and config: the run's changed fields);
+    ``runs[i]`` its Run when it finished. Speedup is over the time per iteration of ``baseline``
+    (default: the single-process strategy), else over the strategy's own 1-worker run (the column
+    header says which applies). Where some run compresses its gradients (``--compress``), its
+    strategy shows the compression (``ddp (powersgd r2)``) and a column gives the megabytes the
+    busiest rank sent per measured step (``Run.bytes_sent_per_step``; "-" where not known).
     """
+    from .analysis.runs import compression_of
     from .plots import baseline_strategy
     baseline = baseline or baseline_strategy()
+    compressions = [compression_of(runs[i].config if i in runs else e.get("config") or {})
+                    for i, e in enumerate(entries)]
+    series = [f"{e['strategy']} ({c})" if c else e["strategy"] for e, c in zip(entries, compressions)]
     single = next((runs[i] for i, e in enumerate(entries) if baseline and e["strategy"] == baseline
                    and i in runs and runs[i].seconds_per_iter), None)
     rows = []
@@ -214,7 +221,7 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
         r = runs.get(i)
         base = single
         if base is None and r is not None:
-            base = next((runs[j] for j, f in enumerate(entries) if j in runs and f["strategy"] == e["strategy"]
+            base = next((runs[j] for j, f in enumerate(entries) if j in runs and series[j] == series[i]
                          and f["workers"] == 1 and runs[j].seconds_per_iter), None)
             if base is not None:
                 base_note.add("own 1-worker run")
@@ -229,7 +236,7 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
         elif r is not None and r.get("error"):
             note = "error: " + r.get("error")
         acc = r.get("test_accuracy") if r else None
-        rows.append([e["strategy"], e["workers"], fmt(t, ".4f"), fmt(r.samples_per_s if r else None, ".1f"),
+        rows.append([series[i], e["workers"], fmt(t, ".4f"), fmt(r.samples_per_s if r else None, ".1f"),
                      fmt(speed, ".2f"), fmt(r.get("test_loss") if r else None, ".4f"),
                      fmt(None if acc is None else 100 * acc, ".2f"),
                      check_text(r.summary if r else None) if r else "-", note])
@@ -243,6 +250,11 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
         headers.insert(7, "perplexity")  # its test loss is per token, its accuracy the next byte's
         for i, row in enumerate(rows):
             row.insert(7, fmt(runs[i].get("test_perplexity") if i in runs else None, ".2f"))
+    if any(compressions):  # a compression study: what each run put on the wire
+        headers.insert(5, "MB sent/step/rank")
+        for i, row in enumerate(rows):
+            sent = runs[i].bytes_sent_per_step if i in runs else None
+            row.insert(5, fmt(None if sent is None else sent / 1e6, ".3f"))
     return headers, rows
 
 
@@ -313,7 +325,7 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
     to ``out_dir``, log, seconds). Figures that cannot be drawn are named in the report with the reason.
     """
     from . import plots
-    from .analysis.runs import load_run, sort_runs
+    from .analysis.runs import compression_of, load_run, sort_runs
 
     out_dir = Path(out_dir)
     final_dir = Path(final_dir or out_dir)
@@ -371,7 +383,9 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
     for note in left_out:
         s.para("Left out: " + note)
     for e in failed:
-        s.para(f"{e['strategy']} at {e['workers']} worker(s) failed: {e.get('error')} (full output: {e.get('log')})")
+        compression = compression_of(e.get("config") or {})
+        what = f"{e['strategy']} ({compression})" if compression else e["strategy"]
+        s.para(f"{what} at {e['workers']} worker(s) failed: {e.get('error')} (full output: {e.get('log')})")
 
     if finished:
         sec = rep.section("Throughput")

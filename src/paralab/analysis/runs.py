@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..kinds import UNCOUNTED_COMM
 from .timeline import measured_steps
 
 CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")
@@ -37,12 +38,26 @@ class Run:
     @property
     def label(self) -> str:
         """``strategy wN``, plus the schedule and microbatches of a pipeline that pipelines
-        (its stages report a schedule over more than one microbatch)."""
+        (its stages report a schedule over more than one microbatch) and the gradient compression
+        of a compressed run (``ddp w2 powersgd r2``)."""
         extra = ""
         pipe = self.pipeline
         if pipe and pipe["microbatches"] > 1:
             extra = f" {pipe['schedule']} m{pipe['microbatches']}"
-        return f"{self.strategy} w{self.workers}{extra}"
+        compression = self.compression
+        return f"{self.strategy} w{self.workers}{extra}" + (f" {compression}" if compression else "")
+
+    @property
+    def compression(self) -> str | None:
+        """What ``--compress`` made the gradient buckets send (``fp16``, ``powersgd r2``), or None."""
+        return compression_of(self.config)
+
+    @property
+    def series(self) -> str:
+        """The strategy, with its gradient compression where it has one (``ddp (powersgd r2)``):
+        runs that differ only in worker count are one series of a scaling plot or a table."""
+        compression = self.compression
+        return f"{self.strategy} ({compression})" if compression else self.strategy
 
     @property
     def name(self) -> str:
@@ -127,6 +142,16 @@ class Run:
         return dict(sorted(out.items()))
 
     @property
+    def bytes_sent_per_step(self) -> float | None:
+        """Bytes the busiest rank sent per measured step (summary.json ``comm_bytes``: what crossed
+        ``comm.py``), or None where that is not known: not recorded, or some rank communicated
+        outside ``comm.py`` (``kinds.UNCOUNTED_COMM`` in its details)."""
+        sent = self.summary.get("comm_bytes")
+        if not sent or any(_says_uncounted(d) for d in self.details.values()):
+            return None
+        return max(sent.values())
+
+    @property
     def overlaps_communication(self) -> bool:
         """Some rank ran communication asynchronously, overlapped with its computation."""
         return any(self.split(k).get("comm_async", 0) > 0 for k in self.ranks)
@@ -154,6 +179,23 @@ class Run:
 
     def step_rows(self, step: int) -> list[dict]:
         return [r for r in self.steps if r["step"] == step]
+
+
+def compression_of(config: dict) -> str | None:
+    """A run's gradient compression from its config (``compress``, ``powersgd_rank``) for labels:
+    ``fp16``, ``bf16``, ``powersgd r2``; None where the gradients are sent as they are."""
+    method = config.get("compress") if isinstance(config, dict) else None
+    if method in (None, "none"):
+        return None
+    return f"{method} r{config.get('powersgd_rank') or 1}" if method == "powersgd" else method
+
+
+def _says_uncounted(details) -> bool:
+    """A rank's details (or a record nested one level in them, as a pipeline's data_parallel) name
+    communication outside ``comm.py``."""
+    if not isinstance(details, dict):
+        return False
+    return UNCOUNTED_COMM in details or any(isinstance(v, dict) and UNCOUNTED_COMM in v for v in details.values())
 
 
 def read_jsonl(path: Path) -> list[dict]:

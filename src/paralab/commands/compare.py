@@ -46,6 +46,7 @@ examples:
   paralab compare
   paralab compare --strategies allreduce,ddp --workers 1,2,4 --num-batches 40
   paralab compare --strategies pipeline --workers 2 --train-args="--schedule 1f1b --partition params"
+  paralab compare --strategies ddp --workers 2 --compress none,fp16,powersgd-r1,powersgd-r4
 """
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ DEFAULTS = dict(workers="1,2", num_batches=10, batch_size=64, width=0.25, model=
                 lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5)
 #: train options compare sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "resume", "world_size", "rank")
+#: train options --compress sets per run (--train-args may not either)
+COMPRESS_OWNED = ("compress", "powersgd_rank")
+COMPRESS_SPELLINGS = "none, fp16, bf16, powersgd (rank 1), powersgd-rN (rank N, e.g. powersgd-r4)"
+#: --compress powersgd: steps all-reduced uncompressed first (the fewest PyTorch's own PowerSGD hook
+#: accepts), counted as warm-up so a run's s/iter and bytes are PowerSGD's steps only
+POWERSGD_START = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every multi-worker run on an emulated network: each worker on its own full-duplex "
                         "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the reference check")
+    p.add_argument("--compress", default="none", metavar="LIST",
+                   help=f"gradient compression variants, comma-separated from {COMPRESS_SPELLINGS}; applies "
+                        "to ddp and torch-ddp (as `paralab train --compress`), each of which runs once per "
+                        "variant, the other strategies once, uncompressed; the table then shows each run's "
+                        "variant and the MB each rank sent per step. PowerSGD starts after "
+                        f"{POWERSGD_START} uncompressed steps, which are warm-up (default %(default)s)")
     p.add_argument("--train-args", default="",
                    help='more `paralab train` options for every run, e.g. --train-args="--norm none"')
     p.add_argument("--out", help="report directory (default reports/compare-<time>)")
@@ -194,6 +207,29 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
+def parse_compress(text: str) -> list[tuple[str, dict]]:
+    """``--compress LIST`` -> [(variant, the RunConfig fields it sets)] in the given order, each variant
+    once: ``none`` -> {}, ``fp16`` -> {compress: fp16}, ``powersgd`` and ``powersgd-r1`` -> powersgd-r1
+    with {compress: powersgd, powersgd_rank: 1}."""
+    from ..strategies.compression import COMPRESSIONS
+    out: dict[str, dict] = {}
+    for word in (w.strip().lower() for w in str(text).split(",")):
+        if not word:
+            continue
+        method, dash_r, rank = word.partition("-r")
+        if method == "powersgd" and (not dash_r or rank.isdigit() and int(rank) >= 1):
+            r = int(rank) if dash_r else 1
+            out.setdefault(f"powersgd-r{r}", {"compress": "powersgd", "powersgd_rank": r})
+        elif word in COMPRESSIONS:
+            out.setdefault(word, {"compress": word} if word != "none" else {})
+        else:
+            raise UsageError(f"--compress: {word!r} is not a compression; use a comma-separated list of "
+                             f"{COMPRESS_SPELLINGS}")
+    if not out:
+        raise UsageError(f"--compress needs at least one of {COMPRESS_SPELLINGS}")
+    return list(out.items())
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -257,43 +293,88 @@ def plan(a) -> tuple[list[dict], list[str]]:
     if a.eval_batches is not None and a.eval_batches < 0:
         raise UsageError("--eval-batches must be zero (whole test split) or positive")
     overrides = config_overrides(a.train_args, owned=OWNED)
+    variants = parse_compress(getattr(a, "compress", "none"))
+    variants_for = compression_plan(a, variants, overrides, [get_strategy(s) for s in wanted])
     base = base_config(a)
 
     runs, left_out = [], []
     for s in wanted:
         cls = get_strategy(s)
-        for w in workers:
-            splits = not getattr(cls, "data_parallel", True)
-            if not explicit_workers and w == 1 and "baseline" not in (getattr(cls, "roles", None) or ()) \
-                    and (splits or not a.strategies):  # the whole default matrix: kept under 2 minutes
-                why = "splits the model, nothing to split" if splits else \
-                    "one replica is the baseline plus this flavour's overhead"
-                left_out.append(f"{s} at 1 worker: {why} (pass --workers 1,2 to include)")
-                continue
-            cfg = dataclasses.replace(base, strategy=s, workers=w)
-            for option, value in (("microbatches", a.microbatches), ("bucket_mb", a.bucket_mb)):
-                if takes_option(cls, option):  # set only where the strategy reads it
-                    cfg = dataclasses.replace(cfg, **{option: value})
-            cfg = dataclasses.replace(cfg, **overrides)
-            if hasattr(cls, "for_devices"):  # one process driving w GPUs (torch-dp): w is --gpus
-                cfg = cls.for_devices(cfg, w)
-            try:
-                cls.validate(cfg, cfg.workers)
-            except UsageError as exc:
-                left_out.append(f"{s} at {w} worker{'s' if w > 1 else ''}: {exc}")
-                continue
-            limit = cls.check_limit(cfg) if a.check else None
-            if limit:  # a checked comparison would show a FAIL that is not a bug
-                left_out.append(f"{s} at {w} worker{'s' if w > 1 else ''}: not checkable here in fp32: {limit}")
-                continue
-            try:
-                cfg.validate()
-            except UsageError as exc:
-                raise UsageError(f"{s} at {w} worker(s): {exc}") from None
-            runs.append({"strategy": s, "workers": w, "name": f"{s}-w{w}", "config": cfg})
+        for variant, fields in variants_for(cls):
+            label = s if variant == "none" else f"{s} ({variant})"
+            for w in workers:
+                at = f"{label} at {w} worker{'s' if w > 1 else ''}"
+                splits = not getattr(cls, "data_parallel", True)
+                if not explicit_workers and w == 1 and "baseline" not in (getattr(cls, "roles", None) or ()) \
+                        and (splits or not a.strategies):  # the whole default matrix: kept under 2 minutes
+                    why = "splits the model, nothing to split" if splits else \
+                        "one replica is the baseline plus this flavour's overhead"
+                    note = f"{s} at 1 worker: {why} (pass --workers 1,2 to include)"
+                    if note not in left_out:  # once for all the strategy's variants
+                        left_out.append(note)
+                    continue
+                cfg = dataclasses.replace(base, strategy=s, workers=w)
+                for option, value in (("microbatches", a.microbatches), ("bucket_mb", a.bucket_mb)):
+                    if takes_option(cls, option):  # set only where the strategy reads it
+                        cfg = dataclasses.replace(cfg, **{option: value})
+                cfg = dataclasses.replace(cfg, **{**overrides, **fields})
+                if hasattr(cls, "for_devices"):  # one process driving w GPUs (torch-dp): w is --gpus
+                    cfg = cls.for_devices(cfg, w)
+                try:
+                    cls.validate(cfg, cfg.workers)
+                except UsageError as exc:
+                    left_out.append(f"{at}: {exc}")
+                    continue
+                limit = cls.check_limit(cfg) if a.check else None
+                if limit:  # a checked comparison would show a FAIL that is not a bug
+                    left_out.append(f"{at}: not checkable here in fp32: {limit}")
+                    continue
+                try:
+                    cfg.validate()
+                except UsageError as exc:
+                    raise UsageError(f"{at}: {exc}") from None
+                name = f"{s}-w{w}" if variant == "none" else f"{s}-{variant}-w{w}"
+                runs.append({"strategy": s, "workers": w, "name": name, "compress": variant, "config": cfg})
+    names = [r["name"] for r in runs]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:  # a strategy named like another's variant (x-fp16): run directories must differ
+        raise UsageError(f"runs {', '.join(clash)} would share a directory: compare them in two commands")
     if not runs:
         raise UsageError("nothing to run: " + "; ".join(left_out) if left_out else "nothing to run")
     return runs, left_out
+
+
+def compression_plan(a, variants: list[tuple[str, dict]], overrides: dict, classes):
+    """Check --compress against the rest of the command; return ``variants_for(cls)``: the
+    [(variant, RunConfig fields)] a strategy class runs (every variant where it takes
+    --compress, else once uncompressed)."""
+    given = [k for k in COMPRESS_OWNED if k in overrides]
+    if given:
+        flags = " and ".join("--" + k.replace("_", "-") for k in given)
+        raise UsageError(f"--train-args may not set {flags}: compare's --compress LIST sets the compression "
+                         "of each run (e.g. --compress none,fp16,powersgd-r2)")
+    compressed = [v for v, _ in variants if v != "none"]
+    if compressed and not any(takes_option(cls, "compress") for cls in classes):
+        from ..strategies import get_strategy, strategy_names
+        able = [n for n in strategy_names() if takes_option(get_strategy(n), "compress")]
+        raise UsageError(f"--compress {','.join(compressed)}: none of the strategies compared compresses its "
+                         f"gradients; those that do: {', '.join(able)}")
+    start = overrides.get("powersgd_start_iter", POWERSGD_START)
+    if any(f.get("compress") == "powersgd" for _, f in variants) and a.num_batches <= start:
+        raise UsageError(f"--compress powersgd starts after {start} uncompressed steps: --num-batches must be "
+                         f"more than {start} (got {a.num_batches})")
+
+    def fields_for(fields: dict) -> dict:
+        if fields.get("compress") != "powersgd":
+            return fields
+        warmup = overrides.get("warmup", max(RunConfig().warmup, start))
+        return {**fields, "powersgd_start_iter": start, "warmup": warmup}
+
+    every = [(v, fields_for(f)) for v, f in variants]
+
+    def variants_for(cls) -> list[tuple[str, dict]]:
+        return every if takes_option(cls, "compress") else [("none", {})]
+    return variants_for
 
 
 def canonical_command(a) -> str:
@@ -310,6 +391,9 @@ def canonical_command(a) -> str:
     parts.append("--check" if a.check else "--no-check")
     if getattr(a, "network", None):
         parts += ["--network", a.network]
+    variants = [v for v, _ in parse_compress(getattr(a, "compress", "none"))]
+    if variants != ["none"]:
+        parts += ["--compress", ",".join(variants)]
     if a.train_args:
         parts.append(f"--train-args={a.train_args}")
     return shlex.join(parts)
@@ -347,7 +431,8 @@ def run(a) -> int:
             r["command"] = train_command(cfg, out / "runs" / r["name"])
             elapsed = time.time() - started
             eta = f", ~{elapsed / i * (len(runs) - i):.0f}s left" if i else ""
-            prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}"
+            variant = f" {r['compress']}" if r.get("compress", "none") != "none" else ""
+            prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}{variant}"
             res = runner.run(cfg, tmp / "runs" / r["name"], display.follow(prefix),
                              log=tmp / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
                              on_output=display.passthrough)

@@ -25,9 +25,11 @@ NCCL/XCCL, by the hook's name, so bf16 uses :func:`bf16_mean_hook`, ours,
 which casts, divides and all-reduces the same way); PowerSGD through
 ``powerSGD_hook`` with a ``PowerSGDState``
 (rank ``--powersgd-rank``, ``start_powerSGD_iter = --powersgd-start-iter``,
-error feedback and warm start on). PowerSGD's all-reduces are PyTorch's
+error feedback and warm start on; on gloo one bucket at a time, see
+:func:`one_bucket_at_a_time`). PowerSGD's all-reduces are PyTorch's
 own calls, so they are not in this run's ``comm`` spans (its bytes are
-not counted); our ``ddp --compress powersgd`` records them.
+not counted, and each rank's details say so: ``kinds.UNCOUNTED_COMM``);
+our ``ddp --compress powersgd`` records them.
 
 Pure data parallelism runs forward through the DDP wrapper, as users do:
 its forward arms the reducer (and broadcasts rank 0's buffers). A pipeline
@@ -51,6 +53,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UsageError
+from ..kinds import UNCOUNTED_COMM
 from .compression import CompressOptions
 from .data_parallel import AccumulateOptions, DataParallel
 from .ddp import BucketOptions
@@ -78,6 +81,7 @@ class TorchDDPReplicas(Replicas):
         self.ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=comm.group,
                                            bucket_cap_mb=ctx.options.bucket_mb)
         register_hook(self.ddp, self, ctx.options)
+        self.compress = ctx.options.compress
         self.forward_arms_reducer = False  # True once the wrapper runs the forward (pure data parallelism)
 
     def broadcast_parameters(self) -> None:
@@ -101,6 +105,12 @@ class TorchDDPReplicas(Replicas):
             return  # DDP's next forward broadcasts rank 0's buffers itself
         super().sync_buffers(after_step)
 
+    def summary(self) -> dict:
+        if self.compress != "powersgd":
+            return {}
+        return {UNCOUNTED_COMM: "PyTorch's powerSGD_hook all-reduces the gradients itself (its uncompressed "
+                                "steps, P and Q), outside comm.py: those bytes are not in the records"}
+
 
 def bf16_mean_hook(replicas, bucket):
     """DDP communication hook for ``--compress bf16``: the bucket cast to bfloat16, divided by N,
@@ -116,6 +126,23 @@ def bf16_mean_hook(replicas, bucket):
     return pending.work.get_future().then(decompress)
 
 
+def one_bucket_at_a_time(hook):
+    """``hook``, returning only once its bucket's exchange is complete (used on gloo).
+
+    PyTorch's PowerSGD hook launches a bucket's second and third all-reduce (P, then Q) from
+    callbacks of the one before, which gloo runs when that one completes: with several buckets
+    in flight the ranks then launch their collectives in different orders, which gloo (matching
+    them by order) fails on ("Received data size doesn't match expected size") or waits on for
+    ever. DDP hands the buckets over in the same order on every rank, so finishing one before
+    taking the next keeps the order; PowerSGD's communication then no longer overlaps backward.
+    """
+    def hook_in_order(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return hook_in_order
+
+
 def register_hook(ddp, replicas, options) -> None:
     """The communication hook ``--compress`` names: PyTorch's own, around ours where it can be."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -128,7 +155,10 @@ def register_hook(ddp, replicas, options) -> None:
                                             matrix_approximation_rank=options.powersgd_rank,
                                             start_powerSGD_iter=options.powersgd_start_iter,
                                             use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if torch.distributed.get_backend(replicas.comm.group) == "gloo":
+            hook = one_bucket_at_a_time(hook)
+        ddp.register_comm_hook(state, hook)
     else:
         ddp.register_comm_hook(replicas, allreduce_mean_hook)
 
