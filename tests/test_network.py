@@ -146,11 +146,18 @@ def test_namespaces_of_a_dead_launcher_are_removed():
 
 
 # ---------------------------------------------------------------------------- runs over the links
+def _interruptible() -> None:
+    """In the child before exec: SIGINT handled by default, even where this test process ignores it (a
+    test suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would
+    every paralab it starts: Ctrl-C would then be ignored, as it should be for a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _launch(tmp_path, *args, env=None):
     """Start ``paralab train`` (its pid names its namespaces: paralab-<pid>-...)."""
     cmd = [sys.executable, "-m", "paralab", "train", *args, *FAST, "--out", str(tmp_path / "run")]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, preexec_fn=_interruptible)
 
 
 @needs_root
@@ -214,7 +221,7 @@ def test_ctrl_c_or_sigterm_mid_run_leaves_nothing(tmp_path, how):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+    assert proc.returncode != 0, err[-2000:]
     assert network.namespaces_of(prefix) == [], err[-2000:]
 
 
@@ -318,7 +325,7 @@ def test_without_root_ctrl_c_or_sigterm_mid_run_stops_it_and_leaves_nothing(how)
     cmd = [*AS_NOBODY, python, "-m", "paralab", "train", "ddp", "--workers", "2", "--num-batches", "1000",
            "--network", "1gbit", *FAST, "--out", str(home / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=home,
-                            env={**env, "HOME": str(home)})
+                            env={**env, "HOME": str(home)}, preexec_fn=_interruptible)
     try:
         deadline = time.monotonic() + 120
         while len(_network_namespaces_of_nobody()) < 3 and time.monotonic() < deadline and proc.poll() is None:
@@ -328,7 +335,7 @@ def test_without_root_ctrl_c_or_sigterm_mid_run_stops_it_and_leaves_nothing(how)
         assert proc.poll() is None
         proc.send_signal(how)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode != 0
+        assert proc.returncode != 0, err[-2000:]
         deadline = time.monotonic() + 10  # the kernel frees a namespace as its last process is reaped
         while _network_namespaces_of_nobody() and time.monotonic() < deadline:
             time.sleep(0.1)
