@@ -207,12 +207,12 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
     strategy shows the compression (``ddp (powersgd r2)``) and a column gives the megabytes the
     busiest rank sent per measured step (``Run.bytes_sent_per_step``; "-" where not known).
     """
-    from .analysis.runs import compression_of
+    from .analysis.runs import compression_of, series_of
     from .plots import baseline_strategy
     baseline = baseline or baseline_strategy()
-    compressions = [compression_of(runs[i].config if i in runs else e.get("config") or {})
-                    for i, e in enumerate(entries)]
-    series = [f"{e['strategy']} ({c})" if c else e["strategy"] for e, c in zip(entries, compressions)]
+    configs = [runs[i].config if i in runs else e.get("config") or {} for i, e in enumerate(entries)]
+    compressions = [compression_of(c) for c in configs]
+    series = [series_of(e["strategy"], c) for e, c in zip(entries, configs)]
     single = next((runs[i] for i, e in enumerate(entries) if baseline and e["strategy"] == baseline
                    and i in runs and runs[i].seconds_per_iter), None)
     rows = []
@@ -325,7 +325,7 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
     to ``out_dir``, log, seconds). Figures that cannot be drawn are named in the report with the reason.
     """
     from . import plots
-    from .analysis.runs import compression_of, load_run, sort_runs
+    from .analysis.runs import load_run, series_of, sort_runs
 
     out_dir = Path(out_dir)
     final_dir = Path(final_dir or out_dir)
@@ -383,8 +383,7 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
     for note in left_out:
         s.para("Left out: " + note)
     for e in failed:
-        compression = compression_of(e.get("config") or {})
-        what = f"{e['strategy']} ({compression})" if compression else e["strategy"]
+        what = series_of(e["strategy"], e.get("config") or {})
         s.para(f"{what} at {e['workers']} worker(s) failed: {e.get('error')} (full output: {e.get('log')})")
 
     if finished:

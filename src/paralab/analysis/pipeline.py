@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kinds import COMPUTE
+from ..kinds import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD
 
 #: the compute spans of a stage, by the schedule's action kinds
-STAGE_KINDS = ("forward", "backward", "backward_input", "backward_weight")
+STAGE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
 
 @dataclass

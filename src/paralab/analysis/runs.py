@@ -56,8 +56,7 @@ class Run:
     def series(self) -> str:
         """The strategy, with its gradient compression where it has one (``ddp (powersgd r2)``):
         runs that differ only in worker count are one series of a scaling plot or a table."""
-        compression = self.compression
-        return f"{self.strategy} ({compression})" if compression else self.strategy
+        return series_of(self.strategy, self.config)
 
     @property
     def name(self) -> str:
@@ -188,6 +187,12 @@ def compression_of(config: dict) -> str | None:
     if method in (None, "none"):
         return None
     return f"{method} r{config.get('powersgd_rank') or 1}" if method == "powersgd" else method
+
+
+def series_of(strategy: str, config: dict) -> str:
+    """``strategy``, with its gradient compression where the run has one: ``ddp (powersgd r2)``."""
+    compression = compression_of(config)
+    return f"{strategy} ({compression})" if compression else strategy
 
 
 def _says_uncounted(details) -> bool:

@@ -43,7 +43,8 @@ class Stage:
         self.weight_work: dict[int, list] = {}  # per microbatch, what its W needs (after its I)
         self.peak_bytes = 0
         self._param_ptrs: set[int] | None = None  # the parameters' storage, left out of the saved bytes
-        self._trained: list[list[nn.Parameter]] | None = None  # each unit's parameters that train
+        self._trained: list[list[nn.Parameter]] | None = None  # each unit's parameters that train ...
+        self._trained_all: list[nn.Parameter] = []                # ... and the whole stage's
 
     # ------------------------------------------------------------ bookkeeping
     def parameters(self) -> list[nn.Parameter]:
@@ -73,6 +74,7 @@ class Stage:
             # wrapping the stage may re-point the parameters first (ZeRO-1's flat views)
             self._param_ptrs = {p.data_ptr() for p in self.units.parameters()}
             self._trained = [[p for p in unit.parameters() if p.requires_grad] for unit in self.units]
+            self._trained_all = [p for ps in self._trained for p in ps]
         param_ptrs = self._param_ptrs
 
         def pack(t: torch.Tensor):
@@ -87,12 +89,12 @@ class Stage:
             inp = h = x.detach().requires_grad_(not self.first)
             for n, unit in enumerate(self.units):
                 if split and n > 0:
-                    inp = h.detach().requires_grad_()
-                h = unit(inp if split else h)
+                    inp = h = h.detach().requires_grad_()
+                h = unit(h)
                 if split:
                     segments.append((self._trained[n], inp, h))
             if not split:
-                segments.append(([p for ps in self._trained for p in ps], inp, h))
+                segments.append((self._trained_all, inp, h))
         self.saved[mb] = segments
         self.saved_bytes[mb] = sum(seen.values())
         self.peak_bytes = max(self.peak_bytes, sum(self.saved_bytes.values()))
