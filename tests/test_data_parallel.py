@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_ranks import spawn
 import torch.nn as nn
 
 from paralab.config import RunConfig
@@ -143,7 +143,7 @@ def matrix(tmp_path_factory):
         if world not in done:
             root = tmp_path_factory.mktemp(f"matrix{world}")
             jobs = matrix_jobs(world, root)
-            mp.spawn(_rank_main, args=(world, jobs, str(root)), nprocs=world, join=True)
+            spawn(_rank_main, (world, jobs, str(root)), world)
             summaries = {}
             for cfg in jobs:
                 path = Path(cfg.out)

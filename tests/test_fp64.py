@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_ranks import spawn
 
 from paralab.config import RunConfig
 from paralab.verify import TOLERANCES
@@ -67,7 +67,7 @@ def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
 def run_jobs(root: Path, world: int, jobs: list) -> dict:
     root.mkdir(parents=True)
     configs = [job_config(root / name, strategy, world, extra) for name, strategy, extra in jobs]
-    mp.spawn(_rank_main, args=(world, configs, str(root)), nprocs=world, join=True)
+    spawn(_rank_main, (world, configs, str(root)), world)
     out = {}
     for cfg in configs:
         path = Path(cfg.out)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import spawn
 import torch.nn as nn
 
 from paralab.records import predicted_memory
@@ -129,7 +129,7 @@ def _zero1_rank(rank, world, out_dir):
 
 def test_zero1_replicas_equal_one_process_on_the_whole_batch(tmp_path):
     world = 2
-    mp.spawn(_zero1_rank, args=(world, tmp_path), nprocs=world)
+    spawn(_zero1_rank, (world, tmp_path), world)
     model = _toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     for step in range(3):
@@ -240,7 +240,7 @@ def _matrix_rank(rank, world, out_dir):
 def matrix(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"fsdp{world}")
-    mp.spawn(_matrix_rank, args=(world, out), nprocs=world)
+    spawn(_matrix_rank, (world, out), world)
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_ranks import spawn
 
 from paralab.config import RunConfig
 from paralab.errors import UsageError
@@ -112,7 +112,7 @@ def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpxpp")
     jobs = [job_config(root / f"{s}-{sched}-{n}", s, sched, n)
             for s in FLAVOURS for sched in SCHEDULES for n in ("batch", "none")]
-    mp.spawn(_rank_main, args=(4, jobs, str(root)), nprocs=4, join=True)
+    spawn(_rank_main, (4, jobs, str(root)), 4)
     out = {}
     for cfg in jobs:
         path = Path(cfg.out)

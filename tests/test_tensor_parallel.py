@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import spawn
 
 from paralab.comm import Comm
 from paralab.losses import cross_entropy
@@ -73,7 +73,7 @@ def _rank(rank, world, out_dir, mutate):
 
 
 def _spawn(tmp_path, world, mutate=False):
-    mp.spawn(_rank, args=(world, tmp_path, mutate), nprocs=world)
+    spawn(_rank, (world, tmp_path, mutate), world)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
