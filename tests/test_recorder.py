@@ -1,3 +1,5 @@
+import pytest
+
 from paralab.recorder import Recorder, union_length
 
 
@@ -205,3 +207,20 @@ def test_records_put_the_allocator_peak_beside_the_prediction():
     assert predicted == 4800 and beside["predicted_peak_bytes"] == 4800 and beside["peak_bytes"] == 4000
     assert beside["measured_over_predicted"] == 4000 / 4800
     assert "allocator" not in details[1][MEMORY]
+
+
+def test_summary_gives_the_mean_and_the_median_step_of_the_slowest_rank():
+    from types import SimpleNamespace
+
+    from paralab.records import summarize
+    cfg = SimpleNamespace(strategy="toy", model="mlp", width=1.0, norm="none", dataset="synthetic",
+                          precision="fp32", warmup=1)
+    # step 0 is warm-up; then the slowest rank takes 1, 1, 1 and (one disturbed step) 5 seconds
+    seconds = {0: (9.0, 8.0), 1: (1.0, 0.5), 2: (0.9, 1.0), 3: (1.0, 1.0), 4: (5.0, 0.2)}
+    steps = [{"step": s, "rank": r, "seconds": t[r], "split": {}, "samples": 8, "loss": 1.0}
+             for s, t in seconds.items() for r in (0, 1)]
+    s = summarize(cfg, steps, [], parameters=1, world=2, global_batch=8, evaluation=None, check=None,
+                  error=None)
+    assert s["measured_steps"] == 4
+    assert s["seconds_per_iter"] == pytest.approx(2.0) and s["seconds_per_iter_median"] == pytest.approx(1.0)
+    assert s["samples_per_s"] == pytest.approx(8 * 4 / 8.0)

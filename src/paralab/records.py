@@ -6,7 +6,8 @@ multi-node runs need no shared file system) and writes:
     config.json   resolved config + environment
     steps.jsonl   per step and rank: loss, seconds by category, samples
     spans.jsonl   timeline spans of all ranks
-    summary.json  time/iter, samples/s, split per rank, bytes, bandwidth, test metrics, check
+    summary.json  time/iter (mean and median step), samples/s, split per rank, bytes, bandwidth,
+                  test metrics, check
     eval.txt      per-class precision/recall/F1 and the confusion matrix (text: loss, perplexity)
     trace.json    Chrome/Perfetto trace
 
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 from pathlib import Path
 
 import torch
@@ -91,6 +93,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         by_step.setdefault(r["step"], []).append(r)
     iter_times = [max(r["seconds"] for r in by_step[s]) for s in measured]
     seconds_per_iter = sum(iter_times) / len(iter_times) if iter_times else None
+    # the median step too: on a shared machine one disturbed step moves the mean, not the median
+    seconds_per_iter_median = statistics.median(iter_times) if iter_times else None
 
     ranks = sorted({r["rank"] for r in steps})
     split = {}
@@ -138,7 +142,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "strategy": cfg.strategy, "workers": world, "model": cfg.model, "width": cfg.width, "norm": cfg.norm,
         "dataset": cfg.dataset, "parameters": parameters, "global_batch": global_batch,
         "precision": cfg.precision, "steps": len(timed), "warmup": cfg.warmup, "measured_steps": len(measured),
-        "seconds_per_iter": seconds_per_iter,
+        "seconds_per_iter": seconds_per_iter, "seconds_per_iter_median": seconds_per_iter_median,
         "samples_per_s": global_samples / sum(iter_times) if iter_times and sum(iter_times) else None,
         "split": split,
         "comm_bytes": comm_bytes, "comm_ops": by_op, "bus_bandwidth": bus_bandwidth,
