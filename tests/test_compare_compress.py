@@ -133,12 +133,18 @@ def test_dry_run_and_canonical_command_say_compress(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- the table
-def fake_run(strategy: str, config: dict, comm_bytes: dict | None, details: dict | None = None) -> Run:
-    summary = {"strategy": strategy, "workers": 2, "seconds_per_iter": 0.1, "samples_per_s": 640.0,
+def fake_run(strategy: str, config: dict, comm_bytes: dict | None, details: dict | None = None,
+             workers: int = 2) -> Run:
+    summary = {"strategy": strategy, "workers": workers, "seconds_per_iter": 0.1, "samples_per_s": 640.0,
                "test_loss": 2.0, "test_accuracy": 0.1, "strategy_details": details or {}}
     if comm_bytes is not None:
         summary["comm_bytes"] = comm_bytes
-    return Run(Path("/nowhere") / strategy, {"strategy": strategy, "workers": 2, **config}, summary)
+    return Run(Path("/nowhere") / strategy, {"strategy": strategy, "workers": workers, **config}, summary)
+
+
+def test_a_one_rank_run_sends_nothing_though_its_collectives_are_recorded():
+    assert fake_run("ddp", {}, {"0": 5.8e5}, workers=1).bytes_sent_per_step == 0.0
+    assert fake_run("ddp", {}, {"0": 5.8e5, "1": 5.8e5}).bytes_sent_per_step == 5.8e5
 
 
 def test_table_shows_each_variant_and_the_bytes_it_sent():

@@ -144,7 +144,10 @@ class Run:
     def bytes_sent_per_step(self) -> float | None:
         """Bytes the busiest rank sent per measured step (summary.json ``comm_bytes``: what crossed
         ``comm.py``), or None where that is not known: not recorded, or some rank communicated
-        outside ``comm.py`` (``kinds.UNCOUNTED_COMM`` in its details)."""
+        outside ``comm.py`` (``kinds.UNCOUNTED_COMM`` in its details). A one-rank run sends nothing:
+        its collectives (recorded with their buffers' sizes) run on a group of one."""
+        if self.workers == 1:
+            return 0.0
         sent = self.summary.get("comm_bytes")
         if not sent or any(_says_uncounted(d) for d in self.details.values()):
             return None
