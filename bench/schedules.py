@@ -1,10 +1,18 @@
 """Pipeline schedules side by side: ours (gpipe, 1f1b, interleaved-1f1b, zb-h1) and torch-pipeline's.
 
 One run of each schedule on the same model, batch, microbatches and cut, in
-rounds (``bench/common.best_of``: every configuration once per round); the
-median over the rounds is the figure compared (the range beside it: runs of
-the same configuration differ by about +-10 % on a shared 2-core VM). Meant
-to hold the shared CPU lock for its whole run:
+rounds (``bench/common.best_of``: every configuration once per round). Each
+run's speed is its median step (``seconds_per_iter_median``: one disturbed
+step moves a mean, not a median); the median over the rounds is the figure
+shown, with the range beside it (runs of the same configuration differ by
++-10 % and more on a shared 2-core VM). Ours against PyTorch's is compared
+round by round (the two ran one after the other, under the same load): the
+median of the per-round ratios, with their range, for samples/s and for
+the busy fraction (compute / step time, both ranks): the same modules run
+on the same microbatches in both, so the busy fraction isolates what the
+schedule and its executor cost from how fast the machine computed during
+that run (identical compute spans differ by up to 30 % between runs here).
+Meant to hold the shared CPU lock for its whole run:
 
   flock /tmp/paralab-cpu.lock .venv/bin/python bench/schedules.py [--workers 2] [--width 0.5]
       [--batch-size 64] [--microbatches 8] [--steps 10] [--repeats 5]
@@ -13,7 +21,7 @@ The cut is measured once here (``balanced``: forward+backward time of each
 unit, median of 5) for each number of stages a schedule needs (p, or 2p for
 interleaved v = 2 and PyTorch's V schedules) and passed to every run as
 explicit counts, so ours and PyTorch's run the very same stages. For each:
-samples/s (global batch / slowest rank's step, warm-up left out), each
+samples/s (global batch / the slowest rank's median step, warm-up left out), each
 rank's measured bubble (idle / step time, from the spans) beside the
 schedule's formula (``analysis/cost.schedule_bubble``, equal stages) and
 the schedule replayed on the run's own stage times
@@ -91,14 +99,20 @@ def main(argv: list[str]) -> int:
         details = summary["strategy_details"]
         ideal, _ = ideal_timeline(load_run(run_dir))  # the schedule on this run's own stage times
         return {"name": name, "strategy": strategy, "schedule": schedule, "stages_per_rank": per_rank,
-                "samples_per_s": summary["samples_per_s"], "seconds_per_iter": summary["seconds_per_iter"],
+                "samples_per_s": summary["global_batch"] / summary["seconds_per_iter_median"],
+                "samples_per_s_mean": summary["samples_per_s"], "seconds_per_iter": summary["seconds_per_iter"],
+                "seconds_per_iter_median": summary["seconds_per_iter_median"],
                 "bubble": [details[str(r)]["bubble"] for r in range(w)],
                 "bubble_replayed": ideal.bubble if ideal else None,
                 "bubble_formula": (schedule_bubble(schedule, w, m, per_rank).parts["fraction"]
                                    if schedule in SCHEDULE_SOURCES else None),
                 "peak_alive": [details[str(r)]["peak_microbatches_alive"] for r in range(w)],
                 "peak_activation_bytes": [details[str(r)]["peak_activation_bytes"] for r in range(w)],
-                "split": summary["split"]}
+                "split": summary["split"],
+                # the share of the ranks' step time spent computing: what the schedule and its executor
+                # decide, and (unlike samples/s) not moved by how fast the machine ran that minute
+                "busy": (sum(summary["split"][str(r)]["compute"] for r in range(w))
+                         / sum(summary["split"][str(r)]["step"] for r in range(w)))}
 
     out = best_of("schedules", names, args.repeats, run)
     if out is None:
@@ -124,12 +138,23 @@ def main(argv: list[str]) -> int:
         print(f"{name:<24}{median[name]:>10.1f} ({min(spread):.0f}-{max(spread):.0f})".ljust(50)
               + f"{' '.join(f'{b:.3f}' for b in bubble):<{col}}{replayed:<{col}}"
               f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}")
-    ratios = {n: median[n] / median[f"torch {n}"] for n in names if f"torch {n}" in median}
+    # round by round: each pair ran back to back, under the same load
+    per_round = {n: [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[n], runs[f"torch {n}"])]
+                 for n in names if f"torch {n}" in runs}
+    ratios = {n: statistics.median(v) for n, v in per_round.items()}
+    busy_round = {n: [a["busy"] / b["busy"] for a, b in zip(runs[n], runs[f"torch {n}"])] for n in per_round}
+    busy_ratios = {n: statistics.median(v) for n, v in busy_round.items()}
     if ratios:
-        print("ours / torch-pipeline, medians: " + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))
+        print("ours / torch-pipeline, median of the per-round ratios (range):\n  samples/s: "
+              + ", ".join(f"{n} {ratios[n]:.2f} ({min(v):.2f}-{max(v):.2f})" for n, v in per_round.items())
+              + "\n  busy (compute / step, both ranks): "
+              + ", ".join(f"{n} {busy_ratios[n]:.3f} ({min(v):.3f}-{max(v):.3f})" for n, v in busy_round.items()))
     path = write_result(args.out, {"benchmark": "schedules", "settings": {k: v for k, v in vars(args).items()},
                                    "cuts": cuts, "unit_seconds": times, "machine": machine, "best": best,
-                                   "median_samples_per_s": median, "ours_over_torch": ratios, "runs": runs})
+                                   "median_samples_per_s": median, "ours_over_torch": ratios,
+                                   "ours_over_torch_per_round": per_round,
+                                   "busy_ours_over_torch": busy_ratios, "busy_ours_over_torch_per_round": busy_round,
+                                   "runs": runs})
     print(f"\nwritten {path}")
     return 0
 
