@@ -1,4 +1,4 @@
-"""Pipeline schedules side by side: ours (gpipe, 1f1b, interleaved-1f1b, zb-h1) and torch-pipeline's.
+"""Pipeline schedules side by side: ours (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2) and torch-pipeline's.
 
 One run of each schedule on the same model, batch, microbatches and cut, in
 rounds (``bench/common.best_of``: every configuration once per round). Each
@@ -55,6 +55,7 @@ CONFIGS = {
     "1f1b": ("pipeline", "1f1b", 1),
     "interleaved-1f1b": ("pipeline", "interleaved-1f1b", 2),
     "zb-h1": ("pipeline", "zb-h1", 1),
+    "zb-h2": ("pipeline", "zb-h2", 1),
     "torch gpipe": ("torch-pipeline", "gpipe", 1),
     "torch 1f1b": ("torch-pipeline", "1f1b", 1),
     "torch interleaved-1f1b": ("torch-pipeline", "interleaved-1f1b", 2),

@@ -1,4 +1,4 @@
-"""zb-h1 and interleaved-1f1b end to end: --check against one process, records, refusals, dp x pp.
+"""zb-h1, zb-h2 and interleaved-1f1b end to end: --check against one process, records, refusals, dp x pp.
 
 The default suite keeps a handful (p = 2, m = 4, both norms, both schedules, one dp 2 x pp 2);
 the matrix the issue asks for (p = 2, 3, 4; m = 4 and 8; BatchNorm and none) is marked slow.
@@ -82,6 +82,9 @@ def test_bad_virtual_stages_exit_2(paralab):
     assert not (r.out / "summary.json").exists()
 
 
+SPLIT = ("zb-h1", "zb-h2")  # backward split into I and W
+
+
 def run_check(paralab, strategy, workers, norm, schedule, m, virtual=1, extra=()):
     args = ["train", strategy, "--workers", str(workers), "--norm", norm, "--num-batches", "2", "--lr", "1e-3",
             "--check", "--schedule", schedule, "--microbatches", str(m), *extra]
@@ -109,16 +112,17 @@ def assert_records(r, stages, schedule, m, virtual=1, dp=1):
         mine = [sp for sp in spans if sp["rank"] == rank]
         held = d.get("held_stages", [k])
         assert len(held) == virtual
-        for kind in (("forward", "backward_input", "backward_weight") if schedule == "zb-h1"
+        for kind in (("forward", "backward_input", "backward_weight") if schedule in SPLIT
                      else ("forward", "backward")):
             for s in held:  # every microbatch, once per stage, in this step
                 got = sorted(sp["args"]["mb"] for sp in mine if sp["name"] == kind and sp["args"]["stage"] == s)
                 assert got == list(range(m)), (rank, kind, s)
-        if schedule == "zb-h1":
+        if schedule in SPLIT:
             assert not [sp for sp in mine if sp["name"] == "backward"]
 
 
-DEFAULT = [("zb-h1", "batch"), ("zb-h1", "none"), ("interleaved-1f1b", "batch"), ("interleaved-1f1b", "none")]
+DEFAULT = [("zb-h1", "batch"), ("zb-h1", "none"), ("zb-h2", "batch"), ("interleaved-1f1b", "batch"),
+           ("interleaved-1f1b", "none")]
 
 
 @pytest.mark.parametrize("schedule,norm", DEFAULT, ids=[f"{s}-{n}" for s, n in DEFAULT])
@@ -133,13 +137,13 @@ def test_check_p2_m4(paralab, schedule, norm):
     assert why is None
     boxes, desc = panel
     kinds = {b[3] for b in boxes}
-    if schedule == "zb-h1":
+    if schedule in SPLIT:
         assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
         assert {b[4] for b in boxes if b[0] == 1} >= {"I3", "W3"}
     else:
         assert "2 stages x 2 virtual" in desc and {b[4] for b in boxes if b[0] == 0} >= {"F0s0", "F0s2", "B3s0"}
     measured_kinds = {row[6] for row in timeline_table([load_run(r.out)])[1]}
-    assert ({"backward_input", "backward_weight"} if schedule == "zb-h1" else {"backward"}) <= measured_kinds
+    assert ({"backward_input", "backward_weight"} if schedule in SPLIT else {"backward"}) <= measured_kinds
 
 
 def test_check_dp2_x_pp2_ddp_zb_h1(paralab):
@@ -162,7 +166,7 @@ def matrix():
     for p in (2, 3, 4):
         for norm in ("batch", "none"):
             for m in (4, 8):
-                cases.append(("zb-h1", p, m, 1, norm, ()))
+                cases += [(name, p, m, 1, norm, ()) for name in SPLIT]
             # interleaved needs m a multiple of p: p = 3 takes m = 3 and 6 (batch 48 so they divide it)
             for m in ((3, 6) if p == 3 else (4, 8)):
                 cases.append(("interleaved-1f1b", p, m, 2, norm, ("--batch-size", "48") if p == 3 else ()))
@@ -179,7 +183,7 @@ def test_check_matrix(paralab, schedule, p, m, virtual, norm, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["ddp", "torch-ddp", "allreduce", "fsdp"])
-@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "interleaved-1f1b"])
 def test_check_dp_x_pp_every_flavour(paralab, flavour, schedule):
     extra = ["--pp", "2"] + (["--zero-stage", "1"] if flavour == "fsdp" else [])
     virtual = 2 if schedule == "interleaved-1f1b" else 1
@@ -220,7 +224,8 @@ def test_torch_pipeline_1f1b_check(paralab):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(schedule="zb-h1", microbatches=4), "zb-h1 is ours"),
+    (dict(schedule="zb-h1", microbatches=4), "zb-h1 and zb-h2 are ours"),
+    (dict(schedule="zb-h2", microbatches=4), "zb-h1 and zb-h2 are ours"),
     (dict(schedule="interleaved-1f1b", microbatches=4), "give --virtual-stages 2 or more"),
     (dict(schedule="zbv", virtual_stages=2, microbatches=4), "hold two stages per rank, in a V"),
     (dict(schedule="interleaved-1f1b", virtual_stages=2, microbatches=3, workers=2), "multiple of the 2"),

@@ -98,7 +98,8 @@ def test_unknown_schedule_refused():
 
 
 # ---------------------------------------------------------------- zero bubble and interleaved
-NEW = ([("zb-h1", w, m, 1) for w in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
+SPLIT = ("zb-h1", "zb-h2")  # the schedules whose backward is split into I and W
+NEW = ([(n, w, m, 1) for n in SPLIT for w in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
        + [("interleaved-1f1b", w, m, v) for w in (1, 2, 3, 4) for v in (2, 3) for m in (w, 2 * w, 8) if m % w == 0])
 NEW_IDS = [f"{n}-p{w}-m{m}-v{v}" for n, w, m, v in NEW]
 
@@ -117,7 +118,7 @@ def test_every_microbatch_f_then_b_then_w_on_every_stage(name, world, mbs, v):
         for s in schedule.held(rank):
             for mb in range(mbs):
                 f = order.index((Kind.FORWARD, s, mb))
-                if name == "zb-h1":
+                if name in SPLIT:
                     i, w = order.index((Kind.BACKWARD_INPUT, s, mb)), order.index((Kind.BACKWARD_WEIGHT, s, mb))
                     assert f < i < w
                     assert (Kind.BACKWARD, s, mb) not in order
@@ -157,12 +158,40 @@ def test_new_schedules_ideal_bubble_matches_the_papers(name, world, mbs, v):
     bubbles = simulated_bubble(simulate(build_schedule(name, world, mbs, v), [1.0 / v] * world * v,
                                         [2.0 / v] * world * v))
     formula = schedule_bubble(name, world, mbs, v).parts["fraction"]
-    if name == "zb-h1" and mbs < world:  # the formula holds for m >= p; fewer microbatches idle more
+    if name in SPLIT and mbs < world:  # the formula holds for m >= p; fewer microbatches idle more
         assert all(formula < b < bubble_fraction(world, mbs).parts["fraction"] or world == 1 for b in bubbles)
     else:
         assert bubbles == pytest.approx([formula] * world)
     if world > 1:  # both beat 1F1B's (p-1)/(m+p-1)
         assert max(bubbles) < bubble_fraction(world, mbs).parts["fraction"]
+
+
+def test_zb_h2_runs_more_forwards_ahead_and_puts_w_off():
+    got = [" ".join(str(a) for a in build_schedule("zb-h2", 3, 4)[r] if a.is_compute) for r in range(3)]
+    assert got == ["F0 F1 F2 F3 I0 W0 I1 W1 I2 W2 I3 W3",
+                   "F0 F1 F2 I0 F3 I1 W0 I2 W1 I3 W2 W3",
+                   "F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 W2 W3"]
+    assert [peak_in_flight(a) for a in build_schedule("zb-h2", 4, 8)] == [7, 7, 7, 7]  # 2p - 1: 1F1B's 4 on stage 0
+
+
+@pytest.mark.parametrize("world,mbs", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12)])
+def test_zb_h2_idles_only_the_fill_where_zb_h1_idles_more(world, mbs):
+    """With I dearer than W (T_F = 1, T_I = 1.2 or 1, T_W = 0.8 or 0.5) ZB-H2's step is the last stage's
+    work plus the fill, (p-1) T_F, the least any schedule can take; ZB-H1's is longer. And over a spread
+    of times ZB-H2 is never slower than ZB-H1 (its order is built for equal times, so away from them it
+    may idle more than the fill)."""
+    def makespan(name, t_i, t_w, t_f=1.0):
+        timeline = simulate(build_schedule(name, world, mbs), forward_time=t_f, backward_time=t_i + t_w,
+                            input_time=t_i, weight_time=t_w)
+        return max(t.t1 for row in timeline for t in row)
+
+    for t_i, t_w in ((1.2, 0.8), (1.0, 0.5)):
+        work = mbs * (1.0 + t_i + t_w)
+        assert makespan("zb-h2", t_i, t_w) == pytest.approx(work + (world - 1) * 1.0)
+        assert makespan("zb-h1", t_i, t_w) > makespan("zb-h2", t_i, t_w) + 0.1
+    for t_i in (0.5, 1.0, 2.0, 3.0):
+        for t_w in (0.25, 1.0, 2.0):
+            assert makespan("zb-h2", t_i, t_w) <= makespan("zb-h1", t_i, t_w) + 1e-9
 
 
 def test_zb_h1_holds_back_w_on_later_stages():
@@ -232,6 +261,9 @@ def test_calc_bubble_per_schedule(capsys):
     out = capsys.readouterr().out
     assert "bubble = (4-1) / (3x8+4-1) = 3/27" in out and "11.11 %" in out and "Qi et al., ICLR 2024" in out
     assert "alive(k) = min(4, 8) = 4" in out
+    assert main(["calc", "bubble", "--schedule", "zb-h2", "--stages", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ZB-H2" in out and "bubble = (4-1) / (3x8+4-1) = 3/27" in out and "alive(k) = min(2x4-1, 8) = 7" in out
     assert main(["calc", "bubble", "--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "8",
                  "--virtual-stages", "2"]) == 0
     out = capsys.readouterr().out

@@ -165,6 +165,8 @@ def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -
         return [m] * p
     if schedule == "zb-h1":
         return [min(p, m)] * p
+    if schedule == "zb-h2":
+        return [min(2 * p - 1, m)] * p
     if schedule == "interleaved-1f1b":
         return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
     return [min(p - k, m) for k in range(p)]
@@ -175,6 +177,7 @@ SCHEDULE_SOURCES = {
     "gpipe": "GPipe, Huang et al., NeurIPS 2019, sec. 2.3",
     "1f1b": "PipeDream-flush / 1F1B, Narayanan et al., ICML 2021 and SC 2021 sec. 2.2.1",
     "zb-h1": "Zero Bubble Pipeline Parallelism (ZB-H1), Qi et al., ICLR 2024, sec. 3",
+    "zb-h2": "Zero Bubble Pipeline Parallelism (ZB-H2), Qi et al., ICLR 2024, sec. 3",
     "interleaved-1f1b": "Megatron-LM interleaved schedule, Narayanan et al., SC 2021, sec. 2.2.2",
 }
 
@@ -184,10 +187,24 @@ def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int 
 
     zb-h1 takes T_F = T_I = T_W (a whole backward is twice a forward, split evenly): its idle time
     is (p-1)(T_F + T_I - T_W) against 1F1B's (p-1)(T_F + T_I + T_W) (exact for m >= p).
+    zb-h2 at (or near) equal times idles only the pipeline's fill, (p-1) T_F, in a step on its own
+    (the same as zb-h1 at equal times, less when T_I > T_W); steps run back to back without a
+    synchronisation between them hide it (the paper's zero bubble).
     interleaved-1f1b: 1F1B's bubble time divided by v (exact for m a multiple of p).
     """
     p, m, v = stages, microbatches, virtual
     source = SCHEDULE_SOURCES.get(schedule, "")
+    if schedule == "zb-h2":
+        frac = (p - 1) / (3 * m + p - 1)
+        return Formula("pipeline bubble (ZB-H2), one step on its own",
+                       "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal "
+                       "times; T_F = T_I = T_W: (p-1) / (3m+p-1)",
+                       f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}", 100 * frac, "%",
+                       note=f"{source}; only the fill: no stage waits once started, with up to 2p-1 "
+                            "microbatches alive; steps back to back without a synchronisation overlap by it "
+                            "(the paper's zero bubble); exact for m >= p" + ("" if m >= p else " (here m < p: "
+                                                                             "the schedule idles more)"),
+                       parts={"fraction": frac, "source": source})
     if schedule == "zb-h1":
         frac = (p - 1) / (3 * m + p - 1)
         return Formula("pipeline bubble (ZB-H1)",
@@ -220,6 +237,11 @@ def schedule_memory(schedule: str, stages: int, microbatches: int, virtual: int 
         return Formula("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
                        f"alive(k) = min({p}, {m}) = {per[0]} for k = 0..{p - 1}", max(per), "microbatches",
                        note=f"{source}; 1F1B's peak (stage 0) on every stage: W holds a microbatch until it runs",
+                       parts={"per_stage": per, "source": source})
+    if schedule == "zb-h2":
+        return Formula("ZB-H2: microbatches alive per stage (peak)", "alive(k) = min(2p-1, m)",
+                       f"alive(k) = min(2x{p}-1, {m}) = {per[0]} for k = 0..{p - 1}", max(per), "microbatches",
+                       note=f"{source}; the memory bought to leave no stage waiting: about twice 1F1B's peak",
                        parts={"per_stage": per, "source": source})
     if schedule == "interleaved-1f1b":
         return Formula("interleaved 1F1B: stage-microbatches alive per rank (peak)",

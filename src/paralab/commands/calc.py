@@ -3,7 +3,7 @@
   memory      model-state bytes per worker: DDP and ZeRO stages 1, 2, 3
   allreduce   gradient synchronisation time: ring all-reduce and gather/scatter through a root
   bubble      pipeline bubble (p-1)/(m+p-1) and microbatches alive, GPipe and 1F1B; --schedule zb-h1 |
-              interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source
+              zb-h2 | interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source
   comm        model/pipeline traffic at the partition boundaries (the real partition)
   run         from a run directory: achieved bandwidth and utilisation (HPML Lab 4 Q3.2),
               predicted vs measured communication time, measured vs predicted bubble
@@ -81,7 +81,7 @@ def add_arguments(p) -> None:
     q.add_argument("--forward-ms", type=float, help="one stage's forward of one microbatch (ms): adds the step time")
     q.add_argument("--backward-ms", type=float, help="one stage's backward of one microbatch (ms, default 2 x forward)")
     q.add_argument("--schedule", help="one schedule's bubble and peak activation memory, with its source: "
-                                      "gpipe | 1f1b | zb-h1 | interleaved-1f1b (default: GPipe and 1F1B)")
+                                      "gpipe | 1f1b | zb-h1 | zb-h2 | interleaved-1f1b (default: GPipe and 1F1B)")
     q.add_argument("--virtual-stages", type=int, default=None,
                    help="interleaved-1f1b: stages per rank v (default 2)")
     q.set_defaults(calc=calc_bubble)

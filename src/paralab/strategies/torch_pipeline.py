@@ -91,7 +91,7 @@ class TorchPipeline(Pipeline):
     def validate(cls, cfg, world: int) -> None:
         if cfg.schedule not in TORCH_SCHEDULES:
             raise UsageError(f"torch-pipeline runs PyTorch's schedules: --schedule {' | '.join(TORCH_SCHEDULES)} "
-                             f"(got {cfg.schedule!r}; zb-h1 is ours: 'paralab train pipeline --schedule zb-h1')")
+                             f"(got {cfg.schedule!r}; zb-h1 and zb-h2 are ours: 'paralab train pipeline --schedule zb-h1')")
         per_rank = TORCH_SCHEDULES[cfg.schedule][1]
         if per_rank is None and cfg.virtual_stages < 2:
             raise UsageError(f"--schedule {cfg.schedule} holds several stages per rank: give --virtual-stages 2 "

@@ -49,6 +49,20 @@ Schedules:
   ``W`` in the drain where 1F1B idles. With ``T_F = T_I = T_W`` its idle time
   is ``(p-1)(T_F + T_I - T_W)`` against 1F1B's ``(p-1)(T_F + T_I + T_W)``; at
   most ``p`` microbatches are alive on any stage (1F1B's stage 0).
+- ``zb-h2`` (zero bubble with more memory, Qi et al., "ZB-H2"): the same split,
+  up to ``2p - 1`` microbatches alive on every stage. The order is what a
+  greedy list scheduler on equal action times gives, each stage choosing, when
+  free: an ``I`` whose gradient is there (the stages before wait for it), else
+  a ``F`` whose input is there while fewer than ``2p - 1`` microbatches are
+  alive, else a waiting ``W``. The early stages run more warm-up forwards and
+  put their ``W`` off, so at (or near) equal times no stage waits once it
+  has started: one step idles only the pipeline's fill, ``(p-1)·T_F`` per
+  rank; ZB-H1 idles ``(p-1)(T_F + T_I - T_W)``: the same at equal times,
+  more when ``I`` costs more than ``W``. Steps that follow one another
+  without a synchronisation between them hide that fill too (each stage
+  starts its next step ``T_F`` after the stage before: the paper's
+  parallelogram, its zero bubble). It holds ``2p - 1`` microbatches where
+  1F1B's stage 0 holds ``p``: memory bought for time.
 - ``interleaved-1f1b`` (Megatron-LM's interleaved schedule, Narayanan et al.
   2021): ``v`` stages per rank; microbatches enter in groups of ``p``, each
   group running through a rank's stages in order (forward) and back
@@ -114,7 +128,7 @@ class Kind(str, Enum):
 
 COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 KINDS = tuple(Kind)
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b")
 #: schedules that hold several stages per rank (``--virtual-stages``)
 VIRTUAL = ("interleaved-1f1b",)
 #: PyTorch's V-shaped zero-bubble schedules, which only ``torch-pipeline`` runs (see its module)
@@ -251,6 +265,51 @@ def zb_h1(world: int, microbatches: int) -> list[list[Action]]:
                 acts.append(_c(Kind.BACKWARD_WEIGHT, waiting.popleft(), r))
         acts += [_c(Kind.BACKWARD_WEIGHT, mb, r) for mb in waiting]
         out.append(acts)
+    return out
+
+
+def zb_h2(world: int, microbatches: int) -> list[list[Action]]:
+    """Zero bubble with up to ``2p - 1`` microbatches alive per stage: a greedy list scheduler.
+
+    Every action takes one unit of time on an ideal clock, transfers none. At
+    each tick every free stage picks, in this order: the ``I`` of its oldest
+    microbatch not yet back-propagated once its output gradient is there (the
+    last stage: once its forward is done); else its next ``F`` once the input
+    is there, while fewer than the memory bound are alive (forwarded, ``W``
+    not yet run); else its oldest waiting ``W``. The per-rank orders it
+    records are the schedule; the executor runs them whatever the real times.
+    """
+    p, m = world, microbatches
+    bound = min(2 * p - 1, m)
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, microbatch) -> tick it finished
+    forwarded, inputs, weights = [0] * p, [0] * p, [0] * p  # next F, I and W of each stage
+    free_at = [0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+
+    def finished(key: tuple[Kind, int, int], tick: int) -> bool:
+        return key in done and done[key] <= tick
+
+    tick = 0
+    while any(w < m for w in weights):
+        picks = []
+        for s in range(p):
+            if free_at[s] > tick:
+                continue
+            i, f = inputs[s], forwarded[s]
+            grad_there = finished((Kind.FORWARD, s, i) if s == p - 1 else (Kind.BACKWARD_INPUT, s + 1, i), tick)
+            if i < f and grad_there:
+                picks.append(_c(Kind.BACKWARD_INPUT, i, s))
+            elif f < m and f - weights[s] < bound and (s == 0 or finished((Kind.FORWARD, s - 1, f), tick)):
+                picks.append(_c(Kind.FORWARD, f, s))
+            elif weights[s] < i:
+                picks.append(_c(Kind.BACKWARD_WEIGHT, weights[s], s))
+        for a in picks:  # decided on what had finished by this tick, then all started together
+            s = a.stage
+            out[s].append(a)
+            done[(a.kind, s, a.microbatch)] = free_at[s] = tick + 1
+            counter = {Kind.FORWARD: forwarded, Kind.BACKWARD_INPUT: inputs, Kind.BACKWARD_WEIGHT: weights}[a.kind]
+            counter[s] += 1
+        tick += 1
     return out
 
 
@@ -410,6 +469,8 @@ def build_schedule(name: str, workers: int, microbatches: int, virtual: int = 1)
         compute = one_f_one_b(workers, microbatches)
     elif name == "zb-h1":
         compute = zb_h1(workers, microbatches)
+    elif name == "zb-h2":
+        compute = zb_h2(workers, microbatches)
     elif short_batch:
         compute = virtual_gpipe(workers, microbatches, virtual)
     else:

@@ -17,6 +17,9 @@ Both have the bubble ``(P - 1) / (M + P - 1)`` with equal stage times.
 - ``zb-h1``: 1F1B with each backward split into its input-gradient part and
   its weight-gradient part, the latter held back to fill the drain
   (``(P - 1) / (3M + P - 1)``);
+- ``zb-h2``: the same split with up to ``2P - 1`` microbatches alive per
+  stage, so that no stage waits once it has started: a step idles only the
+  pipeline's fill, ``(P - 1)·T_F`` (``(P - 1) / (3M + P - 1)`` at equal times);
 - ``interleaved-1f1b --virtual-stages V``: the model cut into ``P·V`` stages,
   rank ``k`` holding stages ``k, k+P, ...`` (``(P - 1) / (V·M + P - 1)``;
   ``M`` a multiple of ``P``).
