@@ -65,6 +65,7 @@ class Comm:
         self.recorder, self.rank, self.world, self.group = recorder, rank, world, group
         self.ranks = list(ranks) if ranks is not None else list(range(world))
         self.native_reduce_scatter: bool | None = None  # decided on first use
+        self._futureless: set[str] = set()  # kinds of asynchronous work this group's backend gives no future
 
     def _global(self, rank: int) -> int:
         return self.ranks[rank]
@@ -88,10 +89,15 @@ class Comm:
             rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind, **{"async": True})
             return None
 
-        try:
-            work.get_future().then(finished)
-        except RuntimeError:  # gloo point-to-point work has no future: the interval ends at wait()
-            pending.on_wait = finished
+        if kind not in self._futureless:
+            try:
+                work.get_future().then(finished)
+                return pending
+            except RuntimeError:
+                # gloo's point-to-point work has no future; the refusal is a C++ exception (tens of
+                # microseconds), so each kind asks once
+                self._futureless.add(kind)
+        pending.on_wait = finished  # no future: the interval ends at wait()
         return pending
 
     # ------------------------------------------------------------ collectives
