@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
           f"{machine['load_average_before'][0]:.1f} -> {machine['load_average_after'][0]:.1f}")
     col = max(7 * w, 17)
     print(f"{'schedule':<24}{'samples/s median (range)':>26}  {'bubble per rank':<{col}}"
-          f"{'replayed':<{col}}{'formula':>8}  {'peak alive':>10}")
+          f"{'replayed':<{col}}{'formula':>8}  {'peak alive':>10}  {'busy':>5}")
     for name in names:
         r, spread = best[name], [x["samples_per_s"] for x in runs[name]]
         formula = "-" if r["bubble_formula"] is None else f"{r['bubble_formula']:.3f}"
@@ -138,7 +138,8 @@ def main(argv: list[str]) -> int:
                     else "-")
         print(f"{name:<24}{median[name]:>10.1f} ({min(spread):.0f}-{max(spread):.0f})".ljust(50)
               + f"{' '.join(f'{b:.3f}' for b in bubble):<{col}}{replayed:<{col}}"
-              f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}")
+              f"{formula:>8}  {'/'.join(str(x) for x in r['peak_alive']):>10}"
+              f"  {statistics.median(x['busy'] for x in runs[name]):>5.3f}")
     # round by round: each pair ran back to back, under the same load
     per_round = {n: [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[n], runs[f"torch {n}"])]
                  for n in names if f"torch {n}" in runs}
