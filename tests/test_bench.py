@@ -47,6 +47,7 @@ def test_pipeline_bench(tmp_path):
     assert d["results"]
 
 
+@pytest.mark.slow  # 29 s: the default suite stays near 15 min; CI runs the slow suite too
 def test_fsdp_bench_memory_figures(tmp_path):
     d = bench(tmp_path, "fsdp", *TOY, "--variants", "ddp,fsdp3,fsdp3-step-at-end")
     targets = d["targets"]

@@ -33,6 +33,7 @@ def browser(tmp_path):
         pytest.skip(f"headless Chromium did not start: {type(exc).__name__}: {str(exc).splitlines()[0]}")
 
 
+@pytest.mark.slow  # 37 s: the default suite stays near 15 min; CI runs the slow suite too
 def test_report_renders_in_chromium(tmp_path, tmp_path_factory):
     out, p = tiny_compare(tmp_path_factory.getbasetemp())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

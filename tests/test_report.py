@@ -196,6 +196,7 @@ SWEEP = ["--dataset", "synthetic", "--width", "0.125", "--epoch-samples", "32",
          "--train-args=--synthetic-size 512 --timeout 60"]
 
 
+@pytest.mark.slow  # 17 s: the default suite stays near 15 min; CI runs the slow suite too
 def test_sweep_batch_size_table(tmp_path):
     out = tmp_path / "s"
     p = subprocess.run([sys.executable, "-m", "paralab", "sweep", "batch-size", "--sizes", "16,32", "--out", str(out),

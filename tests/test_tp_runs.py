@@ -21,7 +21,8 @@ def _passed(r):
 
 @pytest.mark.parametrize("args", [
     ["tp", "--workers", "2", "--sequence-parallel"],                                   # pure tp + sp
-    ["pipeline", "--workers", "4", "--tp", "2", "--microbatches", "2", "--schedule", "1f1b"],  # tp x pp
+    pytest.param(["pipeline", "--workers", "4", "--tp", "2", "--microbatches", "2", "--schedule", "1f1b"],
+                 marks=pytest.mark.slow),  # tp x pp (25 s: in the slow suite)
     ["ddp", "--workers", "4", "--tp", "2"],                                            # dp x tp
 ], ids=["tp2-sp", "tp2xpp2", "dp2xtp2"])
 def test_gpt_layouts_pass_check(paralab, args):
