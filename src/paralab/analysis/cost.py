@@ -194,26 +194,21 @@ def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int 
     """
     p, m, v = stages, microbatches, virtual
     source = SCHEDULE_SOURCES.get(schedule, "")
-    if schedule == "zb-h2":
+    if schedule in ("zb-h1", "zb-h2"):  # equal at T_F = T_I = T_W; they part once T_I > T_W
         frac = (p - 1) / (3 * m + p - 1)
-        return Formula("pipeline bubble (ZB-H2), one step on its own",
-                       "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal "
-                       "times; T_F = T_I = T_W: (p-1) / (3m+p-1)",
+        title, formula, why = {
+            "zb-h1": ("pipeline bubble (ZB-H1)",
+                      "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W))",
+                      "backward split into I (input gradient) and W (weights), W filling the drain"),
+            "zb-h2": ("pipeline bubble (ZB-H2), one step on its own",
+                      "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal times",
+                      "only the fill: no stage waits once started, with up to 2p-1 microbatches alive; steps "
+                      "back to back without a synchronisation overlap by it (the paper's zero bubble)"),
+        }[schedule]
+        return Formula(title, f"{formula}; T_F = T_I = T_W: (p-1) / (3m+p-1)",
                        f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}", 100 * frac, "%",
-                       note=f"{source}; only the fill: no stage waits once started, with up to 2p-1 "
-                            "microbatches alive; steps back to back without a synchronisation overlap by it "
-                            "(the paper's zero bubble); exact for m >= p" + ("" if m >= p else " (here m < p: "
-                                                                             "the schedule idles more)"),
-                       parts={"fraction": frac, "source": source})
-    if schedule == "zb-h1":
-        frac = (p - 1) / (3 * m + p - 1)
-        return Formula("pipeline bubble (ZB-H1)",
-                       "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W)); "
-                       "T_F = T_I = T_W: (p-1) / (3m+p-1)",
-                       f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}", 100 * frac, "%",
-                       note=f"{source}; backward split into I (input gradient) and W (weights), "
-                            "W filling the drain; exact for m >= p" + ("" if m >= p else " (here m < p: "
-                                                                        "the schedule idles more)"),
+                       note=f"{source}; {why}; exact for m >= p"
+                            + ("" if m >= p else " (here m < p: the schedule idles more)"),
                        parts={"fraction": frac, "source": source})
     if schedule == "interleaved-1f1b":
         frac = (p - 1) / (v * m + p - 1)
