@@ -1,9 +1,12 @@
 """One rank's life: process group, data, model, strategy, training loop, evaluation, records.
 
-The loop is the same for every strategy: for each step it loads this rank's
-samples (a ``data`` span), hands them to ``strategy.train_step`` (which
-records its own compute/comm/optimizer spans) and notes the step's wall time.
-Rank 0 gathers every rank's records at the end and writes the run directory.
+:func:`train` reads top to bottom as a rank's run: :func:`set_up` builds the
+data, the mesh and the strategy; the loop is the same for every strategy: for
+each step it sets the learning rate, loads this rank's samples (a ``data``
+span), hands them to ``strategy.train_step`` (which records its own
+compute/comm/optimizer spans) and notes the step's wall time; then the rank
+evaluates, runs ``--check``, and rank 0 gathers every rank's records and
+writes the run directory.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -112,7 +116,101 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_meth
             dist.destroy_process_group()
 
 
+@dataclass
+class Setup:
+    """Everything one rank builds before its first step (see :func:`set_up`)."""
+    recorder: Recorder
+    comm: Comm
+    mesh: Mesh
+    data: object            # the dataset (train and test splits, classes)
+    source: BatchSource     # this rank's data-parallel shard of every global batch
+    strategy: object        # the strategy, on this rank
+    model_fn: object        # the seeded model factory (the reference builds its model from it)
+    optimizers: list        # every optimizer the strategy made, for the learning-rate schedule
+    lr_for: object          # step -> learning rate
+    dtype: torch.dtype       # the run's float type (inputs are cast to it)
+    global_batch: int
+    total_steps: int
+    parameters: int
+    run_dir: Path
+
+
 def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path):
+    """One rank's training, in the order it happens: set up, resume, the loop, evaluate, check, write."""
+    s = set_up(cfg, rank, world, device, backend, run_dir)
+    recorder, comm, strategy, source, run_dir = s.recorder, s.comm, s.strategy, s.source, s.run_dir
+    main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+    start_step = resume_or_save_init(cfg, rank, s, say)
+
+    reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
+    if cfg.check:
+        from .check import Reference, weight_deviation
+        reference = Reference(strategy, source, s.model_fn, build_optimizer_factory(cfg), s.lr_for)
+
+    # ------------------------------------------------------------------ the training loop
+    step_rows: list[dict] = []
+    progress = Progress(s.total_steps, "train", enabled=main and cfg.progress, start=start_step)
+    error = None
+    first_bad = None  # first step whose loss was not finite, on this rank
+    for step in range(start_step, s.total_steps):
+        recorder.step = step
+        t0 = recorder.now()
+        fault_injection(rank, step)
+        set_lr(s.optimizers, s.lr_for(step))
+        with recorder.span("data", "load"):
+            x, y = source.batch(step)
+            x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
+        result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
+        t1 = recorder.now()
+        recorder.step = -1
+        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
+        if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
+            first_bad = step
+        last = step + 1 == s.total_steps
+        # every rank must take the same decision to stop, so the check is collective (a single
+        # process checks every step; several ranks at each log point)
+        if world == 1 or (step + 1) % cfg.log_every == 0 or last:
+            error = log_or_stop(cfg, comm, progress, say, rank, step, s.total_steps, result.loss, first_bad)
+            if error:
+                break
+        progress.update(step + 1)
+        if reference is not None and cfg.check_every and (step + 1) % cfg.check_every == 0 and not last:
+            reference.advance_to(step + 1)  # outside the step's timing (recorder.step is -1)
+            history.append((step + 1, weight_deviation(strategy, reference, cfg.precision).max_abs))
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
+            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())
+    else:
+        progress.close()
+        checkpoint.save(run_dir, rank, s.total_steps, cfg, strategy.state_dict())
+
+    # ------------------------------------------------------------------ evaluate, check, write
+    recorder.step = -1
+    result_eval = None
+    check = None
+    if error is None:
+        result_eval = evaluate(strategy, source, s.data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
+                               device, progress=main and cfg.progress)
+        if main and result_eval is not None:
+            say(headline(result_eval))
+        if reference is not None:
+            from .check import run_check
+            check = run_check(cfg, strategy, reference, s.total_steps, comm, say, history)
+
+    records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=s.parameters,
+                      world=world, backend=backend, device=device, dataset=s.data,
+                      evaluation=result_eval, check=check, error=error, global_batch=s.global_batch, is_main=main)
+    if main:
+        say(f"records written to {run_dir}")
+    if error is not None:
+        raise SystemExit(3)
+    if check is not None and not check["passed"]:
+        raise SystemExit(1)
+
+
+def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path) -> Setup:
+    """The recorder and world communicator, a common time origin, the data, the mesh and its groups,
+    the strategy (which builds and places the model), this rank's batches, the step count."""
     recorder = Recorder(rank, device)
     comm = Comm(recorder, rank, world)
     if world > 1:
@@ -122,8 +220,6 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             run_dir = Path(comm.broadcast_object(str(run_dir)))
         dist.barrier()  # a common time origin, so the ranks' timelines line up
         recorder.origin = time.perf_counter()
-    main = rank == 0
-    say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
 
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
                         synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context)
@@ -140,98 +236,59 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
                          rank=replica, seed=cfg.seed, augment=cfg.augment, drop_last=cfg.drop_last)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
-    lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
     parameters = count_parameters(model_fn())
-    say(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
-        f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
-        f"global batch {global_batch}, {total_steps} steps")
-    say(f"paralab: {mesh.shape.describe()}"
-        + (f"; each of the {shape.pp} stages wrapped in {cfg.strategy}'s data-parallel flavour"
-           if composition else ""))
+    if rank == 0:
+        print(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
+              f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
+              f"global batch {global_batch}, {total_steps} steps", flush=True)
+        print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape)}" if composition else ""),
+              flush=True)
+    lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
+    return Setup(recorder, comm, mesh, data, source, strategy, model_fn, optimizers, lr_for, ctx.dtype,
+                 global_batch, total_steps, parameters, run_dir)
 
+
+def composed(cfg: RunConfig, shape) -> str:
+    """What wraps what in a composed run, for the start-up line."""
+    what = "the tp-sharded model" if shape.pp == 1 else \
+        f"each of the {shape.pp} {'tp-sharded ' if shape.tp > 1 else ''}stages"
+    return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour"
+
+
+def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> int:
+    """The step to start from: a checkpoint's with --resume (its state loaded), else 0 (the starting
+    weights saved with --save-init). Says what the data order does where batches are uneven."""
     start_step = 0
     if cfg.resume:
         saved = checkpoint.load(Path(cfg.resume), rank)
-        strategy.load_state_dict(saved["state"])
+        s.strategy.load_state_dict(saved["state"])
         start_step = saved["step"]
-        if start_step >= total_steps:  # every rank reads the same step: the same decision everywhere
+        if start_step >= s.total_steps:  # every rank reads the same step: the same decision everywhere
             raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
-                               f"run asks for {total_steps}; ask for more steps (--epochs/--num-batches)")
+                               f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {cfg.resume} at step {start_step}")
     elif cfg.save_init:  # the starting weights, for `paralab export RUN --init` (a collective for some)
-        checkpoint.save(run_dir, rank, 0, cfg, strategy.state_dict(), tag="init")
-
-    note = source.data_note(start_step, total_steps)  # uneven data: samples repeated, or left out
+        checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), tag="init")
+    note = s.source.data_note(start_step, s.total_steps)  # uneven data: samples repeated, or left out
     if note:
         say(f"paralab: note: {note}")
+    return start_step
 
-    reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
-    if cfg.check:
-        from .check import Reference, weight_deviation
-        reference = Reference(strategy, source, model_fn, build_optimizer_factory(cfg), lr_for)
 
-    step_rows: list[dict] = []
-    progress = Progress(total_steps, "train", enabled=main and cfg.progress, start=start_step)
-    error = None
-    first_bad = None  # first step whose loss was not finite, on this rank
-    for step in range(start_step, total_steps):
-        recorder.step = step
-        t0 = recorder.now()
-        fault_injection(rank, step)
-        set_lr(optimizers, lr_for(step))
-        with recorder.span("data", "load"):
-            x, y = source.batch(step)
-            x, y = to_device(x, device, ctx.dtype, non_blocking=True), y.to(device, non_blocking=True)
-        result = strategy.train_step(x, y)
-        t1 = recorder.now()
-        recorder.step = -1
-        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
-        if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
-            first_bad = step
-        # Every rank must take the same decision to stop, so the check is collective
-        # (a single process checks every step; several ranks at each log point).
-        if world == 1 or (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            seen = comm.all_gather_objects((result.loss, first_bad))
-            bad = [b for _, b in seen if b is not None]
-            if bad:
-                error = (f"loss became non-finite at step {min(bad)}; lower --lr or check the data "
-                         "(the records up to here are kept)")
-                progress.close()
-                print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
-                break
-            if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-                losses = [loss for loss, _ in seen if loss is not None]
-                say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
-                progress.event("loss", step=step + 1, total=total_steps, loss=sum(losses) / len(losses))
-        progress.update(step + 1)
-        if reference is not None and cfg.check_every and (step + 1) % cfg.check_every == 0 \
-                and step + 1 < total_steps:  # outside the step's timing (recorder.step is -1)
-            reference.advance_to(step + 1)
-            history.append((step + 1, weight_deviation(strategy, reference, cfg.precision).max_abs))
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total_steps:
-            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())
-    else:
+def log_or_stop(cfg: RunConfig, comm: Comm, progress: Progress, say, rank: int, step: int, total_steps: int,
+                loss, first_bad) -> str | None:
+    """At a log point (every step of a single process): gather every rank's loss; the error that stops
+    the run if any rank's loss became non-finite, else None after printing the mean loss at log steps."""
+    seen = comm.all_gather_objects((loss, first_bad))
+    bad = [b for _, b in seen if b is not None]
+    if bad:
+        error = (f"loss became non-finite at step {min(bad)}; lower --lr or check the data "
+                 "(the records up to here are kept)")
         progress.close()
-        checkpoint.save(run_dir, rank, total_steps, cfg, strategy.state_dict())
-
-    recorder.step = -1
-    result_eval = None
-    check = None
-    if error is None:
-        result_eval = evaluate(strategy, source, data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
-                               device, progress=main and cfg.progress)
-        if main and result_eval is not None:
-            say(headline(result_eval))
-        if reference is not None:
-            from .check import run_check
-            check = run_check(cfg, strategy, reference, total_steps, comm, say, history)
-
-    records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=parameters,
-                      world=world, backend=backend, device=device, dataset=data, evaluation=result_eval,
-                      check=check, error=error, global_batch=global_batch, is_main=main)
-    if main:
-        say(f"records written to {run_dir}")
-    if error is not None:
-        raise SystemExit(3)
-    if check is not None and not check["passed"]:
-        raise SystemExit(1)
+        print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
+        return error
+    if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+        losses = [value for value, _ in seen if value is not None]
+        say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
+        progress.event("loss", step=step + 1, total=total_steps, loss=sum(losses) / len(losses))
+    return None
