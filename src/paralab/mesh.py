@@ -17,8 +17,8 @@ one rank per stage. Every group is created once, at start, by every rank in
 the same order (``torch.distributed.new_group`` is collective), and handed to
 strategies as a :class:`~paralab.comm.Comm` whose ranks are group-local.
 
-``tp`` is always 1 until tensor parallelism arrives; it is here so the
-layout, and what config.json records, do not change when it does.
+Its ``tp`` group holds the shards of every layer (``strategies/tensor/``):
+the collectives inside each layer's forward and backward run there.
 """
 from __future__ import annotations
 

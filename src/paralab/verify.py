@@ -26,13 +26,10 @@ Tolerances (``TOLERANCES``, absolute, ``rtol=0``), by ``--precision``:
   and 2e-13; we allow about 5 orders of magnitude more, because at real
   hyper-parameters (lr 0.1, momentum 0.9, BatchNorm, 20 steps) the
   amplification that makes fp32 fail (below) acts on float64's rounding
-  too. Measured there (tests/test_fp64.py, every strategy, 3 workers, and
-  dp 2 x pp 2): weights within 2.3e-13 and logits within 3.4e-12 of the
-  reference (pipelines: exactly 0), four orders of magnitude inside the
-  tolerance, while a real bug moves weights far outside it: measured once,
-  gradients never synchronised under dp 2 x pp 2 put the weights 2.1e-2 from
-  the reference after 2 steps (fp32); tests/test_data_parallel.py's broken
-  strategy and tests/test_toy_strategy.py's toy-sum control must fail.
+  too. The margins measured on both sides (how far every strategy lands
+  inside the tolerance, how far a real bug lands outside it) are in
+  ``docs/correctness.md``; tests/test_data_parallel.py's broken strategy and
+  tests/test_toy_strategy.py's toy-sum control must fail.
 
 Where a strategy performs the very same operations as the reference (e.g.
 per-parameter all-reduce over 2 workers) the deviation is 0.

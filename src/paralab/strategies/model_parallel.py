@@ -9,8 +9,8 @@ only. One training step is the pipeline executor's with a single microbatch:
    it (its shape is known ahead from the partition), runs its units and sends
    on; the last stage computes the loss;
 2. backward, in reverse: the last stage starts from the loss, every other
-   stage waits for the gradient of its output; each stage goes back through
-   its units one at a time (one autograd call per unit), accumulating the
+   stage waits for the gradient of its output; each stage runs one backward
+   call through its units (one autograd graph per stage), accumulating the
    parameter gradients, and sends the gradient of its input to the stage
    before;
 3. each stage steps its own optimizer on its own parameters.
