@@ -16,7 +16,7 @@ from ..models.gpt import GPTOptions
 from .compression import CompressOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
-from .fsdp import FSDPOptions
+from .fsdp.strategy import FSDPOptions
 from .torch_dp import DataParallelOptions
 from .pipeline.strategy import PipelineOptions
 from .tensor.strategy import TensorOptions

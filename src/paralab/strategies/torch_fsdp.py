@@ -66,7 +66,7 @@ from ..kinds import MEMORY, MemoryModel
 from .base import StepResult, Strategy, broadcast_buffers
 from .data_parallel import AccumulateOptions
 from .dtensor_state import load_local_state, local, local_state
-from .fsdp import Ledger, optimizer_kind
+from .memory_ledger import Ledger, optimizer_kind
 
 
 if AllGather is not None:

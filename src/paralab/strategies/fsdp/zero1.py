@@ -1,0 +1,121 @@
+"""ZeRO stage 1 as a data-parallel flavour: ``fsdp --zero-stage 1`` under ``--pp`` (or ``--tp``).
+
+:class:`ZeroOneReplicas` implements the :class:`~paralab.strategies.replicas.Replicas`
+contract with the flat units and primitives of :mod:`.flat`, wrapped round
+any module with its parameters kept as ordinary ``nn.Parameter``, so that a
+pipeline stage can be sharded over its ``dp`` replicas
+(``paralab train fsdp --zero-stage 1 --pp P``). See ``docs/fsdp.md``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...comm import Comm, nbytes
+from ..memory_ledger import Ledger, optimizer_state_bytes
+from ..replicas import Replicas
+from .flat import FlatUnit, step_shards
+
+
+class ZeroOneReplicas(Replicas):
+    """ZeRO stage 1 as a data-parallel flavour: each replica's optimizer owns only its shard.
+
+    Applied to any module (the whole model, or one pipeline stage's units):
+    each child unit with trainable parameters (the module itself if it has
+    parameters of its own) becomes a :class:`FlatUnit` that *keeps* its
+    parameters: they stay the module's ``nn.Parameter``, their storage a view
+    of the unit's padded flat tensor, so the module's own forward runs
+    unchanged and autograd accumulates the full gradients in ``p.grad``. The
+    optimizer is given this rank's slice of each flat tensor (a view).
+
+    - ``finish()``: per unit, the gradients flattened and padded, reduce-
+      scattered; this rank keeps the mean of its slice as the shard's gradient,
+      the full gradients are dropped;
+    - ``step()``: the optimizer steps the shards (in place, in the flat
+      tensors), then an in-place all-gather per unit completes the other
+      ranks' slices: launched asynchronously, waited for when the unit's next
+      forward starts, or before its tensors are read (``state_dict``),
+      loaded, or evaluated (``sync_buffers(after_step=False)``).
+
+    Numerically plain data parallelism (as ``fsdp --zero-stage 1``).
+    Constraints: the module is on its device before it is wrapped and is not
+    moved afterwards (moving re-allocates the parameters, undoing the views);
+    no parameter shared between units; one dtype per unit; a checkpoint loads
+    only on the same dp world.
+    """
+
+    flavour = "zero1"
+
+    def __init__(self, module: nn.Module, optim_fn, comm: Comm, ctx):
+        self.ledger = Ledger()
+        self.reduce_scatter_kind: str | None = None
+        own = any(p.requires_grad for p in module.parameters(recurse=False))
+        self.units = []
+        for i, unit in enumerate([module] if own else module.children()):
+            trainable = [p for p in unit.parameters() if p.requires_grad]
+            if not trainable:
+                continue
+            device = trainable[0].device
+            fu = FlatUnit(i, unit, comm, self.ledger, device, keep_parameters=True)
+            fu.hold_full()
+            for register in (unit.register_forward_pre_hook, unit.register_state_dict_pre_hook,
+                             unit.register_load_state_dict_pre_hook):
+                register(lambda *_, fu=fu: fu.wait())
+            self.units.append(fu)
+        if len({id(p) for fu in self.units for p in fu.params}) != sum(len(fu.params) for fu in self.units):
+            raise ValueError("zero1: a parameter is shared between units; it cannot be sharded")
+        super().__init__(module, optim_fn, comm, ctx)
+
+    def build_optimizer(self, optim_fn) -> torch.optim.Optimizer:
+        return optim_fn([fu.shard for fu in self.units])
+
+    def settle(self) -> None:
+        """Wait for every all-gather still in flight."""
+        for fu in self.units:
+            fu.wait()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        for p in self.params:
+            if p.grad is None:  # unused in this step: a zero gradient, as the reduction expects one
+                p.grad = torch.zeros_like(p)
+        self.ledger.add("grads", sum(nbytes(p.grad) for p in self.params), "backward")
+        for fu in self.units:
+            flat_grad = fu.flatten_grads([p.grad for p in fu.params])
+            for p in fu.params:
+                p.grad = None
+            self.reduce_scatter_kind = fu.reduce_scatter(flat_grad)
+            del flat_grad
+
+    def step(self) -> None:
+        self.settle()  # never step a shard whose flat tensor a gather is still writing
+        step_shards(self.rec, self.optimizer, self.ledger, self.units)
+
+    def sync_buffers(self, after_step: bool = True) -> None:
+        if not after_step:  # the weights are about to be read or evaluated
+            self.settle()
+        super().sync_buffers(after_step)
+
+    def state_dict(self) -> dict:
+        self.settle()
+        return {"zero1": {"world": self.comm.world, "shards": [fu.shard.detach().clone() for fu in self.units]},
+                "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["zero1"]
+        if saved["world"] != self.comm.world:
+            raise ValueError(f"checkpoint is zero1 over {saved['world']} data-parallel replicas; "
+                             f"this run has {self.comm.world}")
+        self.settle()
+        for fu, shard in zip(self.units, saved["shards"]):
+            fu.shard.copy_(shard)
+            fu.gather(async_op=False)  # the full parameters current on every replica
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ledger.set("optimizer", optimizer_state_bytes(self.optimizer), "load")
+
+    def summary(self) -> dict:
+        return {"zero_stage": 1, "reduce_scatter": self.reduce_scatter_kind, "units_sharded": len(self.units),
+                "shard_elements": sum(fu.shard_numel for fu in self.units),
+                "padding_elements": sum(fu.padded - fu.numel for fu in self.units),
+                "memory": {"measured": self.ledger.report()}}
