@@ -79,7 +79,7 @@ def absent_message(name: str, data_dir: Path | None) -> str:
     where = " or ".join(str(d / src.files[-1]) for d in ([data_dir] if data_dir else []) + [src.system_dir])
     return (f"the {name} text is not installed (looked for {where}). Install it with "
             f"`{src.install}` (Debian/Ubuntu, as root; `make data` does it), or put {src.files[0]} "
-            f"in --data-dir (an image whose dpkg excludes /usr/share/doc: see the README's \"Text data\"), "
+            f"in --data-dir (an image whose dpkg excludes /usr/share/doc: see docs/data.md), "
             f"or use --dataset {SYNTHETIC_TEXT}")
 
 
