@@ -120,6 +120,7 @@ def test_tp_check_of_a_batchnorm_cnn_in_fp32_is_refused(kw):
                                 dict(strategy="tp", workers=2, norm="none"),         # no BatchNorm to amplify
                                 dict(strategy="tp", workers=2, model="gpt", dataset="synthetic-text", heads=4),
                                 dict(strategy="tp", workers=2, check=False),         # nothing compared
+                                dict(strategy="tp", workers=1),                      # tp 1: nothing split
                                 dict(strategy="ddp", workers=2)])                    # no tp: no limit
 def test_tp_check_where_fp32_or_fp64_can_vouch_is_accepted(kw):
     from paralab.config import RunConfig
