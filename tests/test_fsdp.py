@@ -337,8 +337,10 @@ def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
 
 # ---------------------------------------------------------------- the command line
 def test_cli_fsdp_stage3_three_workers(paralab):
+    # --norm none: 3 replicas sum in another order than the reference, which BatchNorm over 8-sample shards at
+    # lr 0.02 would amplify by a CPU-dependent amount (issue 20); the memory model is fp32's, so not fp64
     r = paralab("train", "fsdp", "--zero-stage", "3", "--workers", "3", "--num-batches", "2",
-                "--per-worker-batch", "8", "--lr", "0.02", "--check")
+                "--per-worker-batch", "8", "--lr", "0.02", "--norm", "none", "--check")
     assert r.returncode == 0, r.stderr + r.stdout
     s = r.summary
     assert s["check"]["result"] == "PASS"

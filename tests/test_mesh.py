@@ -91,9 +91,11 @@ def test_global_batch_splits_over_dp_only():
 
 # ------------------------------------------------------------------ the DP x PP matrix
 def job_config(out: Path, strategy: str, schedule: str, norm: str, **extra) -> RunConfig:
+    # fp32's course setting (verify.py): 2 steps at lr 1e-3. At lr 1e-2 BatchNorm over 4-sample microbatches
+    # amplifies rounding by an amount that depends on the CPU's kernels (issue 20); fp64 vouches for real settings
     return RunConfig(strategy=strategy, norm=norm, workers=4, pp=2, schedule=schedule, microbatches=4,
                      out=str(out), dataset="synthetic", synthetic_size=256, width=0.125, batch_size=BATCH,
-                     num_batches=2, lr=1e-2, check=True, progress=False, eval_batches=1, eval_batch_size=64,
+                     num_batches=2, lr=1e-3, check=True, progress=False, eval_batches=1, eval_batch_size=64,
                      timeout=60, zero_stage=1, **extra).validate()
 
 

@@ -220,6 +220,12 @@ class RunConfig(StrategyOptions):
             if n < batch:
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
                                  "lower the batch size or drop --drop-last")
+        if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
+            from .strategies import check_limit
+            why = check_limit(self, self.world)
+            if why:
+                raise UsageError(f"--check of {self.strategy} on {self.model} in {self.precision} would report a "
+                                 f"FAIL that is no bug, so it is refused: {why}")
         if self.resume:
             from .checkpoint import check_resumable
             check_resumable(Path(self.resume), self)

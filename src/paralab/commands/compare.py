@@ -271,7 +271,7 @@ def takes_option(cls, name: str) -> bool:
 def plan(a) -> tuple[list[dict], list[str]]:
     """The runs to make (each {strategy, workers, name, config: RunConfig}, validated as `paralab
     train` would validate it) and the combinations left out, with why."""
-    from ..strategies import get_strategy, strategy_names
+    from ..strategies import check_limit, get_strategy, strategy_names
 
     names = strategy_names()
     if a.strategies:
@@ -325,7 +325,7 @@ def plan(a) -> tuple[list[dict], list[str]]:
                 except UsageError as exc:
                     left_out.append(f"{at}: {exc}")
                     continue
-                limit = cls.check_limit(cfg) if a.check else None
+                limit = check_limit(cfg, cfg.world) if a.check else None
                 if limit:  # a checked comparison would show a FAIL that is not a bug
                     left_out.append(f"{at}: not checkable here in fp32: {limit}")
                     continue

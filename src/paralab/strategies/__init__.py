@@ -64,3 +64,20 @@ def plan(cfg, world: int):
             inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
         return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
     return shape, inner, kwargs
+
+
+def check_limit(cfg, world: int) -> str | None:
+    """Why ``--check`` of ``cfg`` on ``world`` ranks cannot be trusted to pass although the arithmetic
+    is right (None: it can): the ``check_limit`` of the class that runs (:func:`plan`: under ``--tp``
+    the tensor parallelism around the named flavour), else of the named class. ``train --check``
+    refuses such a run (``RunConfig.validate``), ``paralab compare --check`` leaves it out."""
+    named = get_strategy(cfg.strategy)
+    try:
+        runs = plan(cfg, world)[1]
+    except UsageError:  # a layout that cannot work: validation says why
+        runs = named
+    for cls in dict.fromkeys((runs, named)):
+        why = cls.check_limit(cfg)
+        if why:
+            return why
+    return None
