@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..kinds import UNCOUNTED_COMM
-from ..strategies.compression import label as compression_of  # a config dict's compression: fp16, powersgd r2
+from ..strategies.compression import run_label as compression_of  # a config dict's compression: fp16, powersgd r2
 from .timeline import measured_steps
 
 CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")

@@ -20,7 +20,7 @@ Who asks what:
 - ``torch-ddp``: :func:`pytorch_comm_hook` (PyTorch's own ``ddp_comm_hooks``)
   and :func:`pytorch_hook_details`;
 - ``--check``: :func:`reference_for`, the same arithmetic in one process;
-- records and ``paralab compare``: :func:`label` (from a run's config
+- records and ``paralab compare``: :func:`run_label` (from a run's config
   dict), :func:`parse_variants` and the constants beside it.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def validate_pytorch_hooks(cfg) -> None:
 
 
 # ---------------------------------------------------------------------------- records and compare
-def label(config: dict) -> str | None:
+def run_label(config: dict) -> str | None:
     """A run's gradient compression from its config (``compress``, ``powersgd_rank``) for labels:
     ``fp16``, ``bf16``, ``powersgd r2``; None where the gradients are sent as they are."""
     method = config.get("compress") if isinstance(config, dict) else None

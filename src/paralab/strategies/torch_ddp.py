@@ -14,11 +14,8 @@ Gradient reduction goes through a communication hook that does what DDP's
 built-in one does (divide the bucket by N, all-reduce it) but through
 ``comm.py``, so each bucket's all-reduce is timed and its bytes counted like
 every other strategy's. ``--accumulate K`` runs K-1 microbatches under
-``DDP.no_sync()``.
-
-``--compress`` registers instead the hook ``compression.py`` names
-(``pytorch_comm_hook``: PyTorch's own ``ddp_comm_hooks``, around the hook
-above where they can be).
+``DDP.no_sync()``. ``--compress`` registers instead the hook that
+``compression.pytorch_comm_hook`` picks (PyTorch's own, around ours).
 
 Pure data parallelism runs forward through the DDP wrapper, as users do:
 its forward arms the reducer (and broadcasts rank 0's buffers). A pipeline
