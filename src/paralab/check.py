@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .data.loader import to_device
-from .strategies.compression import ReferenceCompression
+from .strategies.compression import reference_for
 from .verify import TOLERANCES, Comparison, compare_tensors, reference_train
 
 
@@ -45,10 +45,8 @@ class Reference:
         self.microbatches, self.bn_rule = strategy.microbatches, strategy.bn_rule
         self.source, self.lr_for = source, lr_for
         self.step = 0
-        # --compress: the reference applies the same compression to each shard's gradient
-        options = strategy.ctx.options
-        self.compression = (ReferenceCompression(options, self.replicas)
-                            if getattr(options, "compress", "none") != "none" else None)
+        # gradient compression: the reference applies the same to each shard's gradient (or None)
+        self.compression = reference_for(strategy.ctx.options, self.replicas)
 
     def describe(self) -> str:
         return (f"{self.replicas} shard(s) x {self.microbatches} microbatch(es), BN rule {self.bn_rule}, "
@@ -76,8 +74,7 @@ def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: lis
     """
     tol = TOLERANCES[cfg.precision]
     if ref.compression:
-        say(f"check: --compress {cfg.compress} changes the arithmetic (the gradients are not averaged exactly), so "
-            "this is not a comparison with plain training: the reference applies the same compression")
+        say(f"check: {ref.compression.caveat()}")
     say(f"check: training the single-process reference to step {steps} ({ref.describe()})")
     ref.advance_to(steps)
 

@@ -171,15 +171,8 @@ class RunConfig(StrategyOptions):
         if self.world_size is not None and self.workers != 1:
             raise UsageError("--workers starts local processes; with --world-size/--rank "
                              "run one command per rank instead")
-        if self.compress != "none":  # --compress (strategies/compression.py): ddp and torch-ddp only
-            from .strategies.compression import CompressOptions
-            if CompressOptions not in getattr(named_cls, "options", ()):
-                raise UsageError(f"--compress {self.compress}: only ddp and torch-ddp compress their gradient "
-                                 f"buckets; {self.strategy} sends them uncompressed: drop --compress")
-            if self.resume and self.compress == "powersgd":
-                raise UsageError("--compress powersgd --resume: PowerSGD's error feedback and warm-start matrices "
-                                 "are not in the checkpoint, so a resumed run would not continue the same "
-                                 "arithmetic; start the run again instead")
+        from .strategies import compression  # --compress: which strategies take it, what cannot resume
+        compression.validate(self, named_cls)
         if self.network is not None:
             from .network import check_can_emulate, parse
             if self.world_size is not None or self.launched_by == "torchrun":

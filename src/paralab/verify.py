@@ -69,7 +69,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the learning-rate schedule (None:
     keep the optimizer's).
 
-    ``combine`` (gradient compression, ``strategies/compression.py``): each shard's gradient is kept
+    ``combine`` (gradient compression: ``compression.reference_for``): each shard's gradient is kept
     apart (its share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the
     gradient the optimizer uses, as the compressed exchange leaves it on every rank.
     """

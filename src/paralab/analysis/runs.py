@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..kinds import UNCOUNTED_COMM
+from ..strategies.compression import run_label as compression_of  # a config dict's compression: fp16, powersgd r2
 from .timeline import measured_steps
 
 CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")
@@ -181,15 +182,6 @@ class Run:
 
     def step_rows(self, step: int) -> list[dict]:
         return [r for r in self.steps if r["step"] == step]
-
-
-def compression_of(config: dict) -> str | None:
-    """A run's gradient compression from its config (``compress``, ``powersgd_rank``) for labels:
-    ``fp16``, ``bf16``, ``powersgd r2``; None where the gradients are sent as they are."""
-    method = config.get("compress") if isinstance(config, dict) else None
-    if method in (None, "none"):
-        return None
-    return f"{method} r{config.get('powersgd_rank') or 1}" if method == "powersgd" else method
 
 
 def series_of(strategy: str, config: dict) -> str:

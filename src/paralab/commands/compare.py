@@ -62,6 +62,12 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import UsageError
+# --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
+# steps before PowerSGD starts) is spelled where compression is: strategies/compression.py
+from ..strategies.compression import POWERSGD_START
+from ..strategies.compression import VARIANT_FIELDS as COMPRESS_OWNED
+from ..strategies.compression import VARIANT_SPELLINGS as COMPRESS_SPELLINGS
+from ..strategies.compression import parse_variants as parse_compress
 
 HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML, trace)"
 
@@ -69,12 +75,6 @@ DEFAULTS = dict(workers="1,2", num_batches=10, batch_size=64, width=0.25, model=
                 lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5)
 #: train options compare sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "resume", "world_size", "rank")
-#: train options --compress sets per run (--train-args may not either)
-COMPRESS_OWNED = ("compress", "powersgd_rank")
-COMPRESS_SPELLINGS = "none, fp16, bf16, powersgd (rank 1), powersgd-rN (rank N, e.g. powersgd-r4)"
-#: --compress powersgd: steps all-reduced uncompressed first (the fewest PyTorch's own PowerSGD hook
-#: accepts), counted as warm-up so a run's s/iter and bytes are PowerSGD's steps only
-POWERSGD_START = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,29 +205,6 @@ def parse_int_list(text: str, what: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise UsageError(f"{what} must be positive integers such as 1,2,4 (got {text!r})")
     return sorted(dict.fromkeys(values))
-
-
-def parse_compress(text: str) -> list[tuple[str, dict]]:
-    """``--compress LIST`` -> [(variant, the RunConfig fields it sets)] in the given order, each variant
-    once: ``none`` -> {}, ``fp16`` -> {compress: fp16}, ``powersgd`` and ``powersgd-r1`` -> powersgd-r1
-    with {compress: powersgd, powersgd_rank: 1}."""
-    from ..strategies.compression import COMPRESSIONS
-    out: dict[str, dict] = {}
-    for word in (w.strip().lower() for w in str(text).split(",")):
-        if not word:
-            continue
-        method, dash_r, rank = word.partition("-r")
-        if method == "powersgd" and (not dash_r or rank.isdigit() and int(rank) >= 1):
-            r = int(rank) if dash_r else 1
-            out.setdefault(f"powersgd-r{r}", {"compress": "powersgd", "powersgd_rank": r})
-        elif word in COMPRESSIONS:
-            out.setdefault(word, {"compress": word} if word != "none" else {})
-        else:
-            raise UsageError(f"--compress: {word!r} is not a compression; use a comma-separated list of "
-                             f"{COMPRESS_SPELLINGS}")
-    if not out:
-        raise UsageError(f"--compress needs at least one of {COMPRESS_SPELLINGS}")
-    return list(out.items())
 
 
 def available_cores() -> int:

@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import UsageError
 from ..kinds import BUCKETS
 from ..options import option
-from .compression import CompressOptions, make_compressor
+from . import compression
+from .compression import CompressOptions
 from .data_parallel import AccumulateOptions, DataParallel
 from .replicas import Replicas
 
@@ -142,7 +142,7 @@ class DDPReplicas(Replicas):
                 self.slot[i] = (bucket, view)
 
         # what a bucket sends: itself, or a compressed form of it (--compress, compression.py)
-        self.compressor = make_compressor(ctx.options, comm.world)
+        self.compressor = compression.make_compressor(ctx.options, comm.world)
 
         # 3. one hook per parameter
         for i, p in enumerate(self.params):
@@ -205,7 +205,7 @@ class DDPReplicas(Replicas):
                     self._ready[i] = True
             bucket.missing = 0
         self._launch_ready_buckets()
-        for pending in self._in_flight:  # a second round where the compression has one (PowerSGD's Q)
+        for pending in self._in_flight:  # a second round, where the compressor has one
             pending.proceed()
         for pending in self._in_flight:  # the one wait: whatever is still in flight is exposed time
             pending.complete()
@@ -234,8 +234,4 @@ class DDP(DataParallel):
     @classmethod
     def validate(cls, cfg, world: int) -> None:
         super().validate(cfg, world)
-        if cfg.check and cfg.compress in ("fp16", "bf16") and cls.mesh_shape(cfg, world).dp > 2:
-            raise UsageError(f"--compress {cfg.compress} --check: the all-reduce sums {cfg.compress} numbers in "
-                             f"{cfg.compress}, in gloo's ring order, which the reference does not replay beyond 2 "
-                             "replicas (a sum of two is the same in any order); check with 2 data-parallel "
-                             "workers, or drop --check")
+        compression.validate_buckets(cfg, lambda: cls.mesh_shape(cfg, world).dp)
