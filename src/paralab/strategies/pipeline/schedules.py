@@ -1,23 +1,189 @@
-"""The schedules by name: which rank holds which stage, what a layout allows, and the built lists.
+"""The schedules by name: each one's builder, its paper and its formulas, in one registry.
 
-:func:`build_schedule` turns a schedule's name (``--schedule``) and a layout
-(``p`` ranks, ``m`` microbatches, ``v`` stages per rank) into a
-:class:`~.actions.Schedule`: the compute order from its builder
-(``builders.py``), the sends and receives from ``actions.with_transfers``.
+:data:`REGISTRY` maps a schedule's name (``--schedule``) to a
+:class:`ScheduleSpec`: the builder of its compute order (``builders.py``),
+the paper it comes from, whether it holds several stages per rank, and its
+two formulas, at equal stage times and free communication: the bubble (the
+fraction of a step a rank idles) and the peak microbatches alive per rank
+(its activation memory). :func:`build_schedule`, :func:`layout_problem`,
+``--schedule``'s choices and the cost model all read the registry, so adding
+a schedule is adding its builder and one entry here.
+
+Why the formulas live here and not in ``analysis/cost.py``: they describe the
+schedule as much as its order does (the tests hold each builder to its own
+entry), and the analysis imports the strategies, never the reverse. So an
+entry holds plain data: the values as functions of ``(p, m, v)``, and the
+text as a :class:`Law` (a title, the formula in symbols, the formula with the
+numbers substituted, a note on when it holds). ``analysis/cost.py`` wraps
+them in its ``Formula`` (value, unit, citation) and names no schedule.
+
+Notation: ``p`` pipeline ranks, ``m`` microbatches, ``v`` stages per rank;
+``T_F``, ``T_B``: a stage's forward and backward of one microbatch, the
+backward split as ``T_I + T_W`` (zero bubble). The zero-bubble formulas take
+``T_F = T_I = T_W`` (a whole backward twice a forward, split evenly).
 """
 from __future__ import annotations
 
-from .actions import Schedule, with_transfers
+from dataclasses import dataclass
+from typing import Callable
+
+from .actions import Action, Schedule, with_transfers
 from .builders import gpipe, interleaved_1f1b, one_f_one_b, virtual_gpipe, zb_h1, zb_h2
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b")
-#: schedules that hold several stages per rank (``--virtual-stages``)
-VIRTUAL = ("interleaved-1f1b",)
 #: PyTorch's V-shaped zero-bubble schedules, which only ``torch-pipeline`` runs (see its module)
 TORCH_ONLY = ("zbv", "dualpipev")
 
 
+def _nothing(p: int, m: int, v: int) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Law:
+    """A formula as text; its value comes from the :class:`ScheduleSpec` that holds it."""
+    title: str
+    formula: str                                      # in symbols
+    substituted: Callable[[int, int, int], str]       # (p, m, v) -> the formula with the numbers in
+    note: Callable[[int, int, int], str] = _nothing   # (p, m, v) -> when or why it holds ("" if nothing to add)
+    unit: str = ""                                    # what the value counts (a bubble: a fraction, no unit)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule: how to build it, where it comes from, and what it costs (bubble, memory)."""
+    name: str
+    build: Callable[..., list[list[Action]]]         # (p, m), or (p, m, v) if virtual -> per-rank compute orders
+    paper: str                                        # where the schedule and its formulas come from
+    bubble: Callable[[int, int, int], float]          # (p, m, v) -> fraction of a step each rank idles
+    alive: Callable[[int, int, int], list[int]]       # (p, m, v) -> peak (stage, microbatch) pairs alive per rank
+    bubble_law: Law
+    alive_law: Law
+    virtual: bool = False  # v stages per rank (--virtual-stages), microbatches fed in groups of p
+
+    def peak(self, p: int, m: int, v: int) -> float:
+        """The busiest rank's peak, in microbatches of one whole (non-interleaved) stage."""
+        most = max(self.alive(p, m, v))
+        return most / v if self.virtual else most
+
+
+# ---------------------------------------------------------------- the formulas
+def _fill_and_drain(p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+def _zero_bubble(p: int, m: int, v: int) -> float:
+    return (p - 1) / (3 * m + p - 1)
+
+
+_FILL_AND_DRAIN = Law("pipeline bubble (GPipe and 1F1B)", "bubble = (p-1) / (m+p-1)",
+                      lambda p, m, v: f"bubble = ({p}-1) / ({m}+{p}-1) = {p - 1}/{m + p - 1}",
+                      lambda p, m, v: "fraction of each stage's step spent idle, equal stage times, free communication")
+
+
+def _zero_bubble_law(title: str, formula: str, why: str) -> Law:
+    """ZB-H1 and ZB-H2 share their value at equal times, its substitution and its ``m >= p`` condition."""
+    return Law(title, f"{formula}; T_F = T_I = T_W: (p-1) / (3m+p-1)",
+               lambda p, m, v: f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}",
+               lambda p, m, v: f"{why}; exact for m >= p"
+                               + ("" if m >= p else " (here m < p: the schedule idles more)"))
+
+
+def _interleaved_alive(p: int, m: int, v: int) -> list[int]:
+    """Rank ``r``'s warm-up forwards plus the one it runs before its first backward, capped at all of them."""
+    return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
+
+
+_QI_2024 = "Zero Bubble Pipeline Parallelism ({}), Qi et al., ICLR 2024, sec. 3"
+
+#: every schedule of ours, in the order ``--schedule`` lists them
+REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec(
+        "gpipe", gpipe, "GPipe, Huang et al., NeurIPS 2019, sec. 2.3",
+        bubble=_fill_and_drain,
+        alive=lambda p, m, v: [m] * p,
+        bubble_law=_FILL_AND_DRAIN,
+        alive_law=Law("GPipe: microbatches alive per stage (peak)", "alive(k) = m",
+                      lambda p, m, v: f"alive(k) = {m} for k = 0..{p - 1}", unit="microbatches")),
+    ScheduleSpec(
+        # 1F1B idles as long as GPipe, (p-1)(T_F + T_B) per step, but keeps fewer microbatches alive
+        "1f1b", one_f_one_b, "PipeDream-flush / 1F1B, Narayanan et al., ICML 2021 and SC 2021 sec. 2.2.1",
+        bubble=_fill_and_drain,
+        alive=lambda p, m, v: [min(p - k, m) for k in range(p)],
+        bubble_law=_FILL_AND_DRAIN,
+        alive_law=Law("1F1B: microbatches alive per stage (peak)", "alive(k) = min(p-k, m)",
+                      lambda p, m, v: ", ".join(f"min({p}-{k}, {m}) = {min(p - k, m)}" for k in range(p)),
+                      unit="microbatches (stage 0)")),
+    ScheduleSpec(
+        # idles (p-1)(T_F + T_I - T_W) per step where 1F1B idles (p-1)(T_F + T_I + T_W)
+        "zb-h1", zb_h1, _QI_2024.format("ZB-H1"),
+        bubble=_zero_bubble,
+        alive=lambda p, m, v: [min(p, m)] * p,
+        bubble_law=_zero_bubble_law(
+            "pipeline bubble (ZB-H1)",
+            "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W))",
+            "backward split into I (input gradient) and W (weights), W filling the drain"),
+        alive_law=Law("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
+                      lambda p, m, v: f"alive(k) = min({p}, {m}) = {min(p, m)} for k = 0..{p - 1}",
+                      lambda p, m, v: "1F1B's peak (stage 0) on every stage: W holds a microbatch until it runs",
+                      unit="microbatches")),
+    ScheduleSpec(
+        # a step on its own idles only the fill, (p-1) T_F: ZB-H1's at equal times, less when T_I > T_W;
+        # steps back to back without a synchronisation between them hide the fill too (the paper's zero
+        # bubble: each stage starts its next step T_F after the stage before)
+        "zb-h2", zb_h2, _QI_2024.format("ZB-H2"),
+        bubble=_zero_bubble,
+        alive=lambda p, m, v: [min(2 * p - 1, m)] * p,
+        bubble_law=_zero_bubble_law(
+            "pipeline bubble (ZB-H2), one step on its own",
+            "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal times",
+            "only the fill: no stage waits once started, with up to 2p-1 microbatches alive; steps "
+            "back to back without a synchronisation overlap by it (the paper's zero bubble)"),
+        alive_law=Law("ZB-H2: microbatches alive per stage (peak)", "alive(k) = min(2p-1, m)",
+                      lambda p, m, v: f"alive(k) = min(2x{p}-1, {m}) = {min(2 * p - 1, m)} for k = 0..{p - 1}",
+                      lambda p, m, v: "the memory bought to leave no stage waiting: about twice 1F1B's peak",
+                      unit="microbatches")),
+    ScheduleSpec(
+        # 1F1B's bubble time divided by v (exact for m a multiple of p)
+        "interleaved-1f1b", interleaved_1f1b,
+        "Megatron-LM interleaved schedule, Narayanan et al., SC 2021, sec. 2.2.2",
+        bubble=lambda p, m, v: (p - 1) / (v * m + p - 1),
+        alive=_interleaved_alive,
+        bubble_law=Law("pipeline bubble (interleaved 1F1B)",
+                       "bubble time = (p-1)/v x (T_F+T_B); fraction = (p-1) / (v·m + p-1)",
+                       lambda p, m, v: f"bubble = ({p}-1) / ({v}x{m}+{p}-1) = {p - 1}/{v * m + p - 1}",
+                       lambda p, m, v: f"v = {v} stages per rank; needs m a multiple of p"),
+        alive_law=Law("interleaved 1F1B: stage-microbatches alive per rank (peak)",
+                      "alive(r) = min(2(p-1-r) + (v-1)p + 1, v·m), each 1/v of a rank's activations",
+                      lambda p, m, v: ", ".join(f"min(2({p}-1-{r}) + ({v}-1)x{p} + 1, {v}x{m}) = {a}"
+                                                for r, a in enumerate(_interleaved_alive(p, m, v))),
+                      lambda p, m, v: f"rank 0 holds {max(_interleaved_alive(p, m, v))} chunks of 1/{v} stage each",
+                      unit="microbatches (rank 0, in whole-stage units)"),
+        virtual=True),
+)}
+SCHEDULES = tuple(REGISTRY)
+#: schedules that hold several stages per rank (``--virtual-stages``)
+VIRTUAL = tuple(name for name, spec in REGISTRY.items() if spec.virtual)
+
+
 # ---------------------------------------------------------------- building
+def _unknown(name: str) -> str | None:
+    """Why ``name`` is not a schedule of ours (None if it is), in words for the user."""
+    if name in TORCH_ONLY:
+        return (f"{name} is run by torch-pipeline only (PyTorch's schedule); ours are {', '.join(SCHEDULES)}: "
+                f"'paralab train torch-pipeline --schedule {name}'")
+    if name not in REGISTRY:
+        return f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+    return None
+
+
+def spec_of(name: str) -> ScheduleSpec:
+    """The registry's entry for ``name``; ValueError, saying why, if there is none."""
+    problem = _unknown(name)
+    if problem:
+        raise ValueError(problem)
+    return REGISTRY[name]
+
+
 def placement_for(name: str, workers: int, virtual: int = 1) -> tuple[int, ...]:
     """Which rank holds each stage: one stage per rank, or ``v`` interleaved (stage s on rank s mod p)."""
     stages = workers * (virtual if name in VIRTUAL else 1)
@@ -26,12 +192,10 @@ def placement_for(name: str, workers: int, virtual: int = 1) -> tuple[int, ...]:
 
 def layout_problem(name: str, workers: int, microbatches: int, virtual: int = 1) -> str | None:
     """Why schedule ``name`` cannot run this layout (None if it can), in words for the user."""
-    if name in TORCH_ONLY:
-        return (f"{name} is run by torch-pipeline only (PyTorch's schedule); ours are {', '.join(SCHEDULES)}: "
-                f"'paralab train torch-pipeline --schedule {name}'")
-    if name not in SCHEDULES:
-        return f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
-    if name in VIRTUAL:
+    problem = _unknown(name)
+    if problem:
+        return problem
+    if REGISTRY[name].virtual:
         if virtual < 2:
             return f"{name} holds several stages per rank: give --virtual-stages 2 or more"
         if microbatches % workers:
@@ -45,7 +209,7 @@ def layout_problem(name: str, workers: int, microbatches: int, virtual: int = 1)
 def build_schedule(name: str, workers: int, microbatches: int, virtual: int = 1) -> Schedule:
     """Every rank's ordered action list for schedule ``name``.
 
-    ``interleaved-1f1b`` with ``m`` not a multiple of ``p`` (only an epoch's
+    A virtual schedule with ``m`` not a multiple of ``p`` (only an epoch's
     short last batch: the configured ``m`` is checked before start) runs
     GPipe's order over the same interleaved layout.
     """
@@ -55,17 +219,12 @@ def build_schedule(name: str, workers: int, microbatches: int, virtual: int = 1)
     short_batch = name in VIRTUAL and virtual >= 2 and microbatches % workers
     if problem and not short_batch:
         raise ValueError(problem)
-    placement = placement_for(name, workers, virtual)
-    if name == "gpipe":
-        compute = gpipe(workers, microbatches)
-    elif name == "1f1b":
-        compute = one_f_one_b(workers, microbatches)
-    elif name == "zb-h1":
-        compute = zb_h1(workers, microbatches)
-    elif name == "zb-h2":
-        compute = zb_h2(workers, microbatches)
-    elif short_batch:
+    spec = REGISTRY[name]
+    if short_batch:
         compute = virtual_gpipe(workers, microbatches, virtual)
+    elif spec.virtual:
+        compute = spec.build(workers, microbatches, virtual)
     else:
-        compute = interleaved_1f1b(workers, microbatches, virtual)
+        compute = spec.build(workers, microbatches)
+    placement = placement_for(name, workers, virtual)
     return Schedule(name, microbatches, placement, with_transfers(compute, placement))
