@@ -93,7 +93,7 @@ def _interleaved_alive(p: int, m: int, v: int) -> list[int]:
     return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
-_QI_2024 = "Zero Bubble Pipeline Parallelism ({}), Qi et al., ICLR 2024, sec. 3"
+_QI_2024 = "Zero Bubble Pipeline Parallelism ({}), Qi et al., ICLR 2024, sec. 2"
 
 #: every schedule of ours, in the order ``--schedule`` lists them
 REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
