@@ -35,7 +35,8 @@ sys.path.insert(0, str(SRC))
 
 from paralab.models import build_model  # noqa: E402
 from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
-from paralab.strategies.pipeline.schedules import build_schedule, simulate, simulated_bubble  # noqa: E402
+from paralab.strategies.pipeline.schedules import build_schedule  # noqa: E402
+from paralab.strategies.pipeline.simulate import simulate, simulated_bubble  # noqa: E402
 
 
 def configurations(microbatches: list[int]) -> list[tuple[str, list[str]]]:

@@ -172,7 +172,7 @@ def test_the_replay_uses_each_stages_own_mean_times(report):
     knows the cut's imbalance (the formula assumes equal stages)."""
     from paralab.analysis.pipeline import ideal_timeline
     from paralab.analysis.runs import load_run
-    from paralab.strategies.pipeline.schedules import simulated_bubble
+    from paralab.strategies.pipeline.simulate import simulated_bubble
     run = load_run(report / "runs" / "pipeline-w2")
     ideal, why = ideal_timeline(run)
     assert why is None and (ideal.schedule, ideal.stages, ideal.microbatches) == ("gpipe", 2, 2)

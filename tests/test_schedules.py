@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from paralab.analysis.cost import bubble_fraction, in_flight as in_flight_theory, schedule_bubble
-from paralab.strategies.pipeline.schedules import (Action, Kind, ScheduleError, build_schedule, check_local,
-                                                   in_flight, layout_problem, peak_in_flight, simulate,
-                                                   simulated_bubble)
+from paralab.strategies.pipeline.actions import Action, Kind, ScheduleError
+from paralab.strategies.pipeline.schedules import build_schedule, layout_problem
+from paralab.strategies.pipeline.simulate import check_local, in_flight, peak_in_flight, simulate, simulated_bubble
 
 CASES = [(name, w, m) for name in ("gpipe", "1f1b") for w in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
 

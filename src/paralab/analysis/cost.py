@@ -15,7 +15,10 @@ bandwidth in gigabits per second (1 Gb/s = 10^9 / 8 B/s); latency in seconds.
   ``T = 2(N-1) x S/B + 2(N-1) x a``.
 - Pipeline bubble (GPipe, sec. 2.3): with p equal stages and m microbatches,
   the idle fraction of a step is ``(p-1)/(m+p-1)``; 1F1B has the same bubble
-  but keeps at most p-k microbatches alive on stage k instead of m.
+  but keeps at most p-k microbatches alive on stage k instead of m. Every
+  schedule's formulas, with their papers, are entries of the schedule
+  registry (``strategies/pipeline/schedules.py``); the functions here wrap
+  them in Formulas and name no schedule but GPipe's classic bubble.
 - Bandwidth utilisation (HPML Lab 4 Q3.2): the bytes each rank moves in a
   ring all-reduce divided by the measured communication time,
   ``U = 2(N-1)/N x S / T_comm``.
@@ -23,6 +26,8 @@ bandwidth in gigabits per second (1 Gb/s = 10^9 / 8 B/s); latency in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..strategies.pipeline.schedules import REGISTRY, ScheduleSpec, spec_of
 
 GB = 1e9
 
@@ -139,13 +144,33 @@ def allreduce_bytes_per_rank(size_bytes: float, workers: int) -> Formula:
 
 
 # ---------------------------------------------------------------- pipeline
+# Each schedule's formulas are the registry's (strategies/pipeline/schedules.py): plain values and text,
+# which these functions only wrap in Formulas (adding the unit and the paper), whatever the schedule.
+#: where each schedule's formulas come from
+SCHEDULE_SOURCES = {name: spec.paper for name, spec in REGISTRY.items()}
+
+
+def _cited(source: str, note: str) -> str:
+    return "; ".join(x for x in (source, note) if x)
+
+
+def _bubble(spec: ScheduleSpec, p: int, m: int, v: int, source: str) -> Formula:
+    law, frac = spec.bubble_law, spec.bubble(p, m, v)
+    parts = {"fraction": frac, "source": source} if source else {"fraction": frac}
+    return Formula(law.title, law.formula, law.substituted(p, m, v), 100 * frac, "%",
+                   note=_cited(source, law.note(p, m, v)), parts=parts)
+
+
+def _alive(spec: ScheduleSpec, p: int, m: int, v: int, source: str) -> Formula:
+    law, per = spec.alive_law, spec.alive(p, m, v)
+    parts = {"per_stage": per, "source": source} if source else {"per_stage": per}
+    return Formula(law.title, law.formula, law.substituted(p, m, v), spec.peak(p, m, v), law.unit,
+                   note=_cited(source, law.note(p, m, v)), parts=parts)
+
+
 def bubble_fraction(stages: int, microbatches: int) -> Formula:
-    p, m = stages, microbatches
-    v = (p - 1) / (m + p - 1)
-    return Formula("pipeline bubble (GPipe and 1F1B)", "bubble = (p-1) / (m+p-1)",
-                   f"bubble = ({p}-1) / ({m}+{p}-1) = {p - 1}/{m + p - 1}", 100 * v, "%",
-                   note="fraction of each stage's step spent idle, equal stage times, free communication",
-                   parts={"fraction": v})
+    """GPipe's (and 1F1B's) bubble, ``(p-1)/(m+p-1)``, without its citation."""
+    return _bubble(spec_of("gpipe"), stages, microbatches, 1, "")
 
 
 def ideal_step_time(stages: int, microbatches: int, forward_s: float, backward_s: float) -> Formula:
@@ -158,108 +183,24 @@ def ideal_step_time(stages: int, microbatches: int, forward_s: float, backward_s
 
 
 def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[int]:
-    """Peak microbatches whose activations are alive on each pipeline rank (interleaved-1f1b:
+    """Peak microbatches whose activations are alive on each pipeline rank (a virtual schedule:
     (stage, microbatch) pairs, each a stage of 1/v of the rank's units)."""
-    p, m, v = stages, microbatches, virtual
-    if schedule == "gpipe":
-        return [m] * p
-    if schedule == "zb-h1":
-        return [min(p, m)] * p
-    if schedule == "zb-h2":
-        return [min(2 * p - 1, m)] * p
-    if schedule == "interleaved-1f1b":
-        return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
-    return [min(p - k, m) for k in range(p)]
-
-
-#: where each schedule's formulas come from
-SCHEDULE_SOURCES = {
-    "gpipe": "GPipe, Huang et al., NeurIPS 2019, sec. 2.3",
-    "1f1b": "PipeDream-flush / 1F1B, Narayanan et al., ICML 2021 and SC 2021 sec. 2.2.1",
-    "zb-h1": "Zero Bubble Pipeline Parallelism (ZB-H1), Qi et al., ICLR 2024, sec. 3",
-    "zb-h2": "Zero Bubble Pipeline Parallelism (ZB-H2), Qi et al., ICLR 2024, sec. 3",
-    "interleaved-1f1b": "Megatron-LM interleaved schedule, Narayanan et al., SC 2021, sec. 2.2.2",
-}
+    return spec_of(schedule).alive(stages, microbatches, virtual)
 
 
 def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Formula:
-    """Each schedule's bubble (idle fraction of a step, equal stage times, free communication).
-
-    zb-h1 takes T_F = T_I = T_W (a whole backward is twice a forward, split evenly): its idle time
-    is (p-1)(T_F + T_I - T_W) against 1F1B's (p-1)(T_F + T_I + T_W) (exact for m >= p).
-    zb-h2 at (or near) equal times idles only the pipeline's fill, (p-1) T_F, in a step on its own
-    (the same as zb-h1 at equal times, less when T_I > T_W); steps run back to back without a
-    synchronisation between them hide it (the paper's zero bubble).
-    interleaved-1f1b: 1F1B's bubble time divided by v (exact for m a multiple of p).
-    """
-    p, m, v = stages, microbatches, virtual
-    source = SCHEDULE_SOURCES.get(schedule, "")
-    if schedule in ("zb-h1", "zb-h2"):  # equal at T_F = T_I = T_W; they part once T_I > T_W
-        frac = (p - 1) / (3 * m + p - 1)
-        title, formula, why = {
-            "zb-h1": ("pipeline bubble (ZB-H1)",
-                      "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W))",
-                      "backward split into I (input gradient) and W (weights), W filling the drain"),
-            "zb-h2": ("pipeline bubble (ZB-H2), one step on its own",
-                      "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal times",
-                      "only the fill: no stage waits once started, with up to 2p-1 microbatches alive; steps "
-                      "back to back without a synchronisation overlap by it (the paper's zero bubble)"),
-        }[schedule]
-        return Formula(title, f"{formula}; T_F = T_I = T_W: (p-1) / (3m+p-1)",
-                       f"bubble = ({p}-1) / (3x{m}+{p}-1) = {p - 1}/{3 * m + p - 1}", 100 * frac, "%",
-                       note=f"{source}; {why}; exact for m >= p"
-                            + ("" if m >= p else " (here m < p: the schedule idles more)"),
-                       parts={"fraction": frac, "source": source})
-    if schedule == "interleaved-1f1b":
-        frac = (p - 1) / (v * m + p - 1)
-        return Formula("pipeline bubble (interleaved 1F1B)",
-                       "bubble time = (p-1)/v x (T_F+T_B); fraction = (p-1) / (v·m + p-1)",
-                       f"bubble = ({p}-1) / ({v}x{m}+{p}-1) = {p - 1}/{v * m + p - 1}", 100 * frac, "%",
-                       note=f"{source}; v = {v} stages per rank; needs m a multiple of p",
-                       parts={"fraction": frac, "source": source})
-    f = bubble_fraction(p, m)
-    f.note = f"{source}; {f.note}" if source else f.note
-    f.parts["source"] = source
-    return f
+    """A schedule's bubble (idle fraction of a step, equal stage times, free communication), cited."""
+    return _bubble(spec_of(schedule), stages, microbatches, virtual, SCHEDULE_SOURCES[schedule])
 
 
 def schedule_memory(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Formula:
     """Peak activation memory per rank, in one microbatch's activations of one (non-interleaved) stage."""
-    p, m, v = stages, microbatches, virtual
-    per = in_flight(schedule, p, m, v)
-    source = SCHEDULE_SOURCES.get(schedule, "")
-    if schedule == "zb-h1":
-        return Formula("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
-                       f"alive(k) = min({p}, {m}) = {per[0]} for k = 0..{p - 1}", max(per), "microbatches",
-                       note=f"{source}; 1F1B's peak (stage 0) on every stage: W holds a microbatch until it runs",
-                       parts={"per_stage": per, "source": source})
-    if schedule == "zb-h2":
-        return Formula("ZB-H2: microbatches alive per stage (peak)", "alive(k) = min(2p-1, m)",
-                       f"alive(k) = min(2x{p}-1, {m}) = {per[0]} for k = 0..{p - 1}", max(per), "microbatches",
-                       note=f"{source}; the memory bought to leave no stage waiting: about twice 1F1B's peak",
-                       parts={"per_stage": per, "source": source})
-    if schedule == "interleaved-1f1b":
-        return Formula("interleaved 1F1B: stage-microbatches alive per rank (peak)",
-                       "alive(r) = min(2(p-1-r) + (v-1)p + 1, v·m), each 1/v of a rank's activations",
-                       ", ".join(f"min(2({p}-1-{r}) + ({v}-1)x{p} + 1, {v}x{m}) = {a}" for r, a in enumerate(per)),
-                       max(per) / v, "microbatches (rank 0, in whole-stage units)",
-                       note=f"{source}; rank 0 holds {max(per)} chunks of 1/{v} stage each",
-                       parts={"per_stage": per, "source": source})
-    f = in_flight_formula(schedule, p, m)
-    f.note = source
-    f.parts["source"] = source
-    return f
+    return _alive(spec_of(schedule), stages, microbatches, virtual, SCHEDULE_SOURCES[schedule])
 
 
 def in_flight_formula(schedule: str, stages: int, microbatches: int) -> Formula:
-    per = in_flight(schedule, stages, microbatches)
-    if schedule == "gpipe":
-        return Formula("GPipe: microbatches alive per stage (peak)", "alive(k) = m",
-                       f"alive(k) = {microbatches} for k = 0..{stages - 1}", max(per), "microbatches",
-                       parts={"per_stage": per})
-    return Formula("1F1B: microbatches alive per stage (peak)", "alive(k) = min(p-k, m)",
-                   ", ".join(f"min({stages}-{k}, {microbatches}) = {v}" for k, v in enumerate(per)),
-                   max(per), "microbatches (stage 0)", parts={"per_stage": per})
+    """``schedule_memory`` with one stage per rank, without its citation."""
+    return _alive(spec_of(schedule), stages, microbatches, 1, "")
 
 
 # ---------------------------------------------------------------- measured

@@ -4,7 +4,7 @@ The bubble formulas (``cost.schedule_bubble``) assume every stage takes the
 same time. A real cut is never exactly even, so a rank can idle more than
 the formula says without any fault in the schedule or the executor: it
 waits for a slower neighbour. Replaying the run's schedule in the simulator
-(``strategies/pipeline/schedules.simulate``, no communication time) with
+(``strategies/pipeline/simulate.simulate``, no communication time) with
 each stage's measured mean forward and backward (input and weight parts
 where the backward is split) separates the two: the simulated bubble is
 what this cut must cost on an ideal machine; what the measured bubble adds
@@ -33,12 +33,12 @@ class Ideal:
     microbatches: int
     known: bool                          # the simulator knows this schedule (else: GPipe over the microbatches)
     stage_ms: dict[str, list[float]]     # kind -> mean milliseconds per stage (0: a kind the stage does not run)
-    timed: list                          # per rank, the simulated actions (schedules.Timed), in milliseconds
+    timed: list                          # per rank, the simulated actions (simulate.Timed), in milliseconds
 
     @property
     def bubble(self) -> list[float]:
         """Per pipeline rank: 1 - compute / step of the replayed step."""
-        from ..strategies.pipeline.schedules import simulated_bubble
+        from ..strategies.pipeline.simulate import simulated_bubble
         return simulated_bubble(self.timed)
 
 
@@ -47,7 +47,8 @@ def ideal_timeline(run) -> tuple[Ideal | None, str | None]:
     pipe = run.pipeline
     if pipe is None:
         return None, "no pipeline stages recorded"
-    from ..strategies.pipeline.schedules import SCHEDULES, build_schedule, simulate
+    from ..strategies.pipeline.schedules import SCHEDULES, build_schedule
+    from ..strategies.pipeline.simulate import simulate
     m, schedule = pipe["microbatches"], pipe["schedule"]
     known = schedule in SCHEDULES
     if not known and m > 1:

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as data (``schedules``), one executor (``executor``), the strategy."""
+"""Pipeline parallelism: schedules as data (``actions``, ``builders``, ``schedules``, checked by
+``simulate``), one executor (``executor``), the strategy."""
 from .strategy import Pipeline
 
 __all__ = ["Pipeline"]

@@ -1,6 +1,6 @@
 """One executor for every schedule: it runs a rank's action list for one training step.
 
-For each action of ``schedules.Action``:
+For each action of ``actions.Action``:
 
 - ``recv_act`` / ``recv_grad``: wait for the tensor from the neighbouring stage.
   Receives are posted ahead (``irecv``, one per channel: when one arrives the
@@ -29,7 +29,7 @@ backward (``ddp``, ``torch-ddp``) launches it; the earlier microbatches only
 accumulate. Peers are pipeline ranks; the pipeline's Comm maps them to
 global ranks. Receives are posted one ahead per peer, in the order this
 rank receives from it, which is the order the peer sends (the schedule's
-first-in-first-out channels, checked by ``schedules.simulate``): gloo pairs
+first-in-first-out channels, checked by ``simulate.simulate``): gloo pairs
 the k-th send with the k-th receive between two ranks.
 
 Shapes are known ahead: a microbatch of ``n`` samples crosses the boundary in
@@ -43,7 +43,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .schedules import Action, Kind, message_of
+from .actions import Action, Kind, message_of
 
 
 class Executor:
