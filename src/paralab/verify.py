@@ -27,7 +27,7 @@ Where a strategy performs the very same operations as the reference (e.g.
 per-parameter all-reduce over 2 workers) the deviation is 0. With Adam and
 BatchNorm, check with ``--norm none``.
 
-Why these tolerances, and what fp32 cannot verify: docs/correctness.md#known-limits
+Why these tolerances, and what fp32 cannot verify: docs/correctness.md#fp64-real-settings
 """
 from __future__ import annotations
 
