@@ -5,22 +5,22 @@ with bias and ReLU, no BatchNorm) on 32x32 CIFAR-10 images, with a
 three-layer classifier, and its ``split_vgg16`` groups the model into 13
 units, which is exactly the flat ``nn.Sequential`` built here:
 
-====  ==========================================  ==========================
-unit  layers                                      output per sample
-====  ==========================================  ==========================
-0     conv 3->64, conv 64->64                     64 x 32 x 32
-1     maxpool, conv 64->128, conv 128->128        128 x 16 x 16
-2     maxpool, 3 x conv ->256                     256 x 8 x 8
-3     maxpool, 3 x conv ->512                     512 x 4 x 4
-4     maxpool, 3 x conv 512->512, maxpool         512 x 1 x 1
-5     flatten (``-pool``: 7x7 average pool, then  512 (``-pool``: 25088)
-      flatten)
-6     Linear(512 or 25088, 4096)                  4096
-7, 10 ReLU (not in-place)                         4096
-8, 11 Dropout(p=0.0): inactive                    4096
-9     Linear(4096, 4096)                          4096
-12    Linear(4096, classes)                       classes
-====  ==========================================  ==========================
+=====  ==========================================  ==========================
+unit   layers                                      output per sample
+=====  ==========================================  ==========================
+0      conv 3->64, conv 64->64                     64 x 32 x 32
+1      maxpool, conv 64->128, conv 128->128        128 x 16 x 16
+2      maxpool, 3 x conv ->256                     256 x 8 x 8
+3      maxpool, 3 x conv ->512                     512 x 4 x 4
+4      maxpool, 3 x conv 512->512, maxpool         512 x 1 x 1
+5      flatten (``-pool``: 7x7 average pool, then  512 (``-pool``: 25088)
+       flatten)
+6      Linear(512 or 25088, 4096)                  4096
+7, 10  ReLU (not in-place)                         4096
+8, 11  Dropout(p=0.0): inactive                    4096
+9      Linear(4096, 4096)                          4096
+12     Linear(4096, classes)                       classes
+=====  ==========================================  ==========================
 
 ``vgg16-cs1390`` has no average pool (33,638,218 parameters);
 ``vgg16-cs1390-pool`` keeps torchvision's ``AdaptiveAvgPool2d((7, 7))``
