@@ -28,7 +28,8 @@ stage's gradients over its replicas, steps the optimizer and broadcasts dp
 rank 0's BatchNorm statistics (``first-replica``); within a replica each BN
 layer sees the microbatches one after another (``sequential``).
 
-Why, with each schedule's bubble and memory: docs/pipelines.md (composition: docs/strategies.md#composed-data--tensor--pipeline-parallelism-on-a-mesh)
+Why, with each schedule's bubble and memory: docs/pipelines.md
+(composition: docs/strategies.md#composed-data--tensor--pipeline-parallelism-on-a-mesh)
 """
 from __future__ import annotations
 
