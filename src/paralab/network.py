@@ -8,58 +8,28 @@ cluster on one switch::
     eth0 10.213.0.1 ──veth── r0 ┐                       ┌ r1 ──veth── eth0 10.213.0.2
          (tbf RATE)   (tbf RATE)└────── bridge br0 ─────┘(tbf RATE)   (tbf RATE)
 
-- **The switch** is a bridge in a namespace of its own (``<run>-sw``), so
-  nothing of a run touches the host's own network: every address and link
-  lives in a namespace the run created.
+- **The switch** is a bridge in a namespace of its own (``<run>-sw``).
 - **A link** is a veth pair: ``eth0`` inside the rank's namespace, ``r<i>``
-  on the bridge. Each end's egress is shaped by a token-bucket filter
-  (``tbf``) to RATE, so the link is full duplex: RATE out of the rank
-  (rank -> switch, shaped on ``eth0``) and RATE into it (switch -> rank,
-  shaped on ``r<i>``), independently per rank, as on a switched cluster.
-  Two ranks' traffic shares no link except through the switch.
+  on the bridge, each end's egress shaped by ``tbf`` to RATE (full duplex).
+  tbf: ``burst`` max(64 KiB, 1 ms at RATE), ``limit`` max(1 MiB, 50 ms at
+  RATE), MTU 1500. Latency (``--network 1gbit,200us``, one-way) is ``netem``,
+  half on each link a packet crosses; refused where ``netem`` is missing.
 - **The ranks** enter their namespace (``setns``) before torch.distributed
-  starts, and talk over real TCP through real interfaces: gloo is told to
-  use ``eth0`` (``GLOO_SOCKET_IFNAME``) and the rendezvous is rank 0's
-  address. Nothing is simulated in Python.
+  starts; gloo uses ``eth0`` (``GLOO_SOCKET_IFNAME``), the rendezvous is
+  rank 0's address.
 
-Token-bucket settings (tbf), chosen, not defaulted:
+Permissions: as root the namespaces are named ones (``ip netns``). Without
+root the launcher runs the rest of the run inside a user namespace of its
+own (:func:`sandbox_command`), mounts a private tmpfs where ``ip netns``
+keeps names (:func:`private_netns_dir`), then builds the same network; where
+the kernel refuses unprivileged user namespaces the run is refused.
 
-- ``burst`` (the bucket: bytes that may leave at once above RATE) is the
-  larger of 64 KiB (one GSO/TSO super-packet of a veth, which tbf would
-  otherwise split) and 1 ms at RATE. A larger bucket lets a short message
-  leave faster than the link allows; this one keeps the error below 1 ms
-  per message (about 1/80 of a 1 MB message at 100 Mbit).
-- ``limit`` (bytes queued before drops) is 50 ms at RATE, at least 1 MiB:
-  TCP fills the queue rather than losing packets, so the link runs at RATE
-  instead of backing off; the queue adds delay, not loss.
-- MTU 1500 (Ethernet's default): the rate counts whole frames, so TCP
-  payload gets about 95 % of RATE (1448 B of every 1514 B on the wire).
+Cleanup: :meth:`Network.down` deletes the run's namespaces, with their links
+and qdiscs; after a SIGKILLed launcher, as root, the next network run
+removes the orphans (:func:`remove_orphans`). Names carry the launcher's pid
+and a random tag.
 
-Latency (``--network 1gbit,200us``: one-way, rank to rank) needs the
-kernel's ``netem`` qdisc; half of it is added on each of the two links a
-packet crosses. Where ``netem`` is missing the latency is refused (only
-bandwidth is emulated then); it is never faked with sleeps.
-
-Permissions. As root the namespaces are named ones (``ip netns``, kept
-under ``/run/netns``). Without root the launcher runs the rest of the run
-inside a user namespace of its own (:func:`sandbox_command`: ``unshare
---user --map-root-user --net --mount``), where it holds CAP_NET_ADMIN and
-CAP_SYS_ADMIN over the namespaces it creates and nothing else: it mounts a
-private tmpfs where ``ip netns`` keeps names (:func:`private_netns_dir`),
-then builds the same network as root would; the ranks it spawns inherit the
-user namespace and so can enter theirs. Where the kernel refuses
-unprivileged user namespaces the run is refused before it starts, saying
-why and what to do.
-
-Nothing is left behind: :meth:`Network.down` deletes the run's namespaces,
-which removes their links and qdiscs with them; the launcher calls it on
-success, failure, Ctrl-C and SIGTERM. A launcher killed with SIGKILL cannot
-clean up; as root, the next network run removes namespaces whose launcher
-process is gone (:func:`remove_orphans`); without root there is nothing to
-remove: the namespaces belong to the run's user namespace, which the kernel
-frees with its last process, names and tmpfs included. Names carry the launcher's pid and a
-random tag, so runs at the same time never collide; addresses can repeat
-between runs because each run's are visible only inside its namespaces.
+Why each setting, and what it leaves out: docs/network.md#why-each-setting
 """
 from __future__ import annotations
 

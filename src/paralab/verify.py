@@ -19,34 +19,15 @@ batches* as the strategy, replaying the strategy's own batch split:
 Tolerances (``TOLERANCES``, absolute, ``rtol=0``), by ``--precision``:
 
 - fp32: weights ``1e-5``, outputs ``1e-4``: for the course setting (a few
-  steps at a small learning rate, see below);
+  steps at a small learning rate, e.g. ``--num-batches 2 --lr 1e-3``);
 - fp64 (model, collectives, optimizer state and reference all in float64):
-  weights ``1e-9``, outputs ``1e-8``. float64 rounds 2^29 (about 5e8) times
-  finer than float32, so the fp32 tolerances scaled by that would be 2e-14
-  and 2e-13; we allow about 5 orders of magnitude more, because at real
-  hyper-parameters (lr 0.1, momentum 0.9, BatchNorm, 20 steps) the
-  amplification that makes fp32 fail (below) acts on float64's rounding
-  too. The margins measured on both sides (how far every strategy lands
-  inside the tolerance, how far a real bug lands outside it) are in
-  ``docs/correctness.md``; tests/test_data_parallel.py's broken strategy and
-  tests/test_toy_strategy.py's toy-sum control must fail.
+  weights ``1e-9``, outputs ``1e-8``.
 
 Where a strategy performs the very same operations as the reference (e.g.
-per-parameter all-reduce over 2 workers) the deviation is 0.
+per-parameter all-reduce over 2 workers) the deviation is 0. With Adam and
+BatchNorm, check with ``--norm none``.
 
-Known limits of an fp32 comparison. BatchNorm over few values per channel
-(narrow models, small shards, 2x2 feature maps) has a gain up to
-1/sqrt(eps) on near-constant channels, so rounding differences between two
-summation orders grow quickly with the learning rate and the number of
-steps; the check is meant for the course setting: a few steps at a small
-learning rate (e.g. ``--num-batches 2 --lr 1e-3``). Running the reference in
-float64 does not help: the fp32 strategy is then as far from it as the fp32
-reference was.
-A known limit: with Adam *and* BatchNorm, a conv bias that feeds BatchNorm has
-a true gradient of zero (the normalisation removes any constant shift), so its
-computed gradient is pure rounding noise, which Adam rescales to steps of
-about ``lr``. Such biases then differ by ~lr between any two runs that round
-differently; check Adam runs with ``--norm none``.
+Why these tolerances, and what fp32 cannot verify: docs/correctness.md#fp64-real-settings
 """
 from __future__ import annotations
 

@@ -2,59 +2,22 @@
 
 The model of Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models* (SC'20, sec. 3.1 and 5.1). For a model of Psi
-parameters on N data-parallel workers, each worker holds three *model
-states*:
-
-- parameters: ``p`` bytes per parameter,
-- gradients: ``g`` bytes per parameter,
-- optimizer state: ``K`` bytes per parameter (everything the optimizer keeps
-  besides the working parameters and gradients).
-
-Bytes per parameter by precision and optimizer:
-
-===========  ====  ====  ===========================================  ====
-precision     p     g    optimizer state                               K
-===========  ====  ====  ===========================================  ====
-fp32          4     4    sgd: none / sgd-momentum: momentum / adam:   0/4/8
-                         exp_avg + exp_avg_sq
-mixed         2     2    fp32 master weights (4) + the above in fp32  4/8/12
-===========  ====  ====  ===========================================  ====
-
-(``mixed`` = fp16 or bf16 parameters and gradients with an fp32 optimizer;
-with Adam this is the paper's K = 12.)
-
-Per worker, where each stage partitions one more state over the N workers:
+parameters on N data-parallel workers, each worker holds ``p`` bytes per
+parameter of parameters, ``g`` of gradients and ``K`` of optimizer state
+(fp32: p = g = 4, K = 0/4/8 for sgd / sgd-momentum / adam; ``mixed``: p =
+g = 2, K = 4 more for the fp32 master weights). Per worker:
 
 - DDP (no partitioning):       ``(p + g + K) x Psi``
 - ZeRO-1 (P_os, optimizer):    ``(p + g) x Psi + K x Psi / N``
 - ZeRO-2 (P_os+g, + grads):    ``p x Psi + (g + K) x Psi / N``
 - ZeRO-3 (P_os+g+p, + params): ``(p + g + K) x Psi / N``
 
-The paper's example (7.5B parameters, N = 64, mixed-precision Adam) gives
-120 GB, 31.4 GB, 16.6 GB and 1.9 GB (1 GB = 10^9 B); ``tests`` check it.
-
-Activations, temporary buffers (a ZeRO-3 worker's gathered unit, a unit's
-full gradient before it is reduce-scattered, communication buffers) and
-fragmentation are *not* model states and are not in these formulas; pass
-``unit_parameters`` (the largest unit's parameter count, Psi_unit) to
-:func:`memory_per_worker` to add, as a separate *working* line, what a
-unit-by-unit implementation holds beside them while the largest unit runs
-backward: at stage 3 its gathered parameters and its full gradient,
-``(p + g) x Psi_unit`` (the parameters are freed before the gradient is
-copied into one flat tensor for the reduce-scatter, so the copy takes their
-place); at stage 2 the parameters stay, so the gradient and its flat copy,
-``2g x Psi_unit``; at stage 1, whose full gradients are already counted,
-the flat copy, ``g x Psi_unit``. The model states plus the working
-line bound the resident peak from above, up to padding (a sharded
-implementation pads each unit to a multiple of N) and a few bytes of
-optimizer scalars: they count every gradient shard as held, although the
-shards of the units before the running one do not exist yet.
-
-``step_in_backward=True`` (stages 2-3) models an optimizer that steps each
-unit's shard as soon as its gradient is reduce-scattered, in backward, and
-drops that gradient: gradient shards no longer pile up, and the gradient
-line becomes one unit's shard, ``g x Psi_unit / N``. (The update is the same:
-SGD and Adam keep their state per parameter.)
+``unit_parameters`` (the largest unit's parameter count, Psi_unit) adds a
+separate *working* line, what a unit-by-unit implementation holds while
+that unit runs backward: stage 3 ``(p + g) x Psi_unit``, stage 2
+``2g x Psi_unit``, stage 1 ``g x Psi_unit``. ``step_in_backward=True``
+(stages 2-3) makes the gradient line one unit's shard, ``g x Psi_unit / N``.
+Activations, temporary buffers and fragmentation are not modelled.
 
 Use::
 
@@ -62,6 +25,8 @@ Use::
     est = memory_per_worker(7_500_000_000, 64, stage=3, optimizer="adam", precision="mixed")
     est.total            # 1.875e9 bytes
     print(est.text())    # each component: formula, numbers substituted, result
+
+Why each term, and what the bound leaves out: docs/analysis.md#the-memory-model-paralab-calc-memory
 """
 from __future__ import annotations
 

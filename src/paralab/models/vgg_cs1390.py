@@ -5,46 +5,30 @@ with bias and ReLU, no BatchNorm) on 32x32 CIFAR-10 images, with a
 three-layer classifier, and its ``split_vgg16`` groups the model into 13
 units, which is exactly the flat ``nn.Sequential`` built here:
 
-====  ==========================================  ==========================
-unit  layers                                      output per sample
-====  ==========================================  ==========================
-0     conv 3->64, conv 64->64                     64 x 32 x 32
-1     maxpool, conv 64->128, conv 128->128        128 x 16 x 16
-2     maxpool, 3 x conv ->256                     256 x 8 x 8
-3     maxpool, 3 x conv ->512                     512 x 4 x 4
-4     maxpool, 3 x conv 512->512, maxpool         512 x 1 x 1
-5     flatten (``-pool``: 7x7 average pool, then  512 (``-pool``: 25088)
-      flatten)
-6     Linear(512 or 25088, 4096)                  4096
-7     ReLU                                        4096
-8     Dropout (inactive, see below)               4096
-9     Linear(4096, 4096)                          4096
-10    ReLU                                        4096
-11    Dropout (inactive)                          4096
-12    Linear(4096, classes)                       classes
-====  ==========================================  ==========================
+=====  ==========================================  ==========================
+unit   layers                                      output per sample
+=====  ==========================================  ==========================
+0      conv 3->64, conv 64->64                     64 x 32 x 32
+1      maxpool, conv 64->128, conv 128->128        128 x 16 x 16
+2      maxpool, 3 x conv ->256                     256 x 8 x 8
+3      maxpool, 3 x conv ->512                     512 x 4 x 4
+4      maxpool, 3 x conv 512->512, maxpool         512 x 1 x 1
+5      flatten (``-pool``: 7x7 average pool, then  512 (``-pool``: 25088)
+       flatten)
+6      Linear(512 or 25088, 4096)                  4096
+7, 10  ReLU (not in-place)                         4096
+8, 11  Dropout(p=0.0): inactive                    4096
+9      Linear(4096, 4096)                          4096
+12     Linear(4096, classes)                       classes
+=====  ==========================================  ==========================
 
-``vgg16-cs1390`` (model and pipeline parallelism in CS1390) has no average
-pool: 33,638,218 parameters. ``vgg16-cs1390-pool`` (CS1390's DDP and FSDP)
-keeps torchvision's ``AdaptiveAvgPool2d((7, 7))``, which on a 1x1 map
-repeats each channel 49 times, and so its first Linear is (25088, 4096):
-134,301,514 parameters. Both with ``width=1.0, norm="none"``.
+``vgg16-cs1390`` has no average pool (33,638,218 parameters);
+``vgg16-cs1390-pool`` keeps torchvision's ``AdaptiveAvgPool2d((7, 7))``
+(134,301,514), both at ``width=1.0, norm="none"``. ``width`` scales every
+channel count and the classifier's hidden 4096; ``norm="batch"`` puts a
+BatchNorm after every convolution, as torchvision's ``vgg16_bn``.
 
-**Dropout is inactive** (``p=0``): CS1390 trains its model in evaluation
-mode, where dropout is the identity, so its results (and paralab's
-``--check``, which compares with a reference process bit for bit) are
-deterministic. The Dropout modules are kept, as ``nn.Dropout(p=0.0)``, so
-the units are CS1390's 13.
-
-The ReLUs of the classifier are not in-place (torchvision's are; the values
-are the same): a ReLU can begin a pipeline stage (partition 2,2,3,6), whose
-input is the received activation, a leaf that must not be overwritten.
-
-``width`` scales every channel count and the classifier's hidden 4096, as
-for the other models (``width=1.0`` is CS1390's model). ``norm="none"`` is
-CS1390's model; ``norm="batch"`` puts a BatchNorm after every convolution,
-as torchvision's ``vgg16_bn``, which CS1390 does not use (the classifier is
-unchanged).
+Why, and where it differs from torchvision's: docs/courses.md#cs1390-assignment-1
 """
 from __future__ import annotations
 

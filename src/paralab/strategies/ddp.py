@@ -3,52 +3,32 @@
 What happens, in order:
 
 1. **Same start.** Rank 0 broadcasts its parameters and buffers, so every
-   replica begins identical (each rank seeds the same way anyway; the
-   broadcast makes it a guarantee rather than a coincidence).
+   replica begins identical.
 2. **Buckets.** Parameters are grouped into buckets of about ``--bucket-mb``
-   MiB, taken in *reverse registration order*: backward produces the last
-   layer's gradients first, so the first bucket fills first. A bucket is
-   closed as soon as it holds at least that size, the first one already at
-   1 MiB so the first all-reduce starts early (both are PyTorch's rules; for
-   VGG-11 they also leave a small last bucket, and the last bucket is the one
-   whose communication nothing can hide: it is ready only when backward
-   ends). Each bucket owns one flat buffer, and each of its parameters a
-   slice of it: one collective per bucket instead of one per parameter, and
-   big messages use the network far better than small ones.
-3. **Hooks.** Every parameter carries a post-accumulate-grad hook. When
-   autograd has written a parameter's gradient, the hook copies it, divided
-   by N, into the parameter's slice. When a bucket's last gradient is in, its
-   ``all_reduce`` is *launched asynchronously*, and backward carries on with
-   the earlier layers while the bytes travel: communication hides under
-   computation. Collectives pair up across ranks by the order they are
-   issued, so buckets are launched strictly in bucket order on every rank (a
-   bucket that is full early waits for its predecessors).
-4. **End of backward.** A parameter that got no gradient this step (unused
-   in the forward) never fires its hook; its bucket would wait forever, and
-   the other ranks with it. So after backward every bucket not yet launched
-   is completed with zeros for the missing gradients and launched: every
-   rank issues the same collectives and nothing hangs. Then one wait for all
-   that is in flight. Each bucket now holds the mean gradient, and each
-   parameter's ``.grad`` becomes a view of its slice (no copy back).
-5. **Optimizer.** Every rank takes the same step from the same bytes, so the
-   replicas stay bit-identical.
+   MiB, taken in *reverse registration order* (backward produces the last
+   layer's gradients first, so the first bucket fills first); a bucket is
+   closed once it holds at least that size, the first one already at 1 MiB.
+   Each bucket owns one flat buffer, and each of its parameters a slice of
+   it: one collective per bucket instead of one per parameter.
+3. **Hooks.** Every parameter carries a post-accumulate-grad hook that
+   copies its gradient, divided by N, into its slice. When a bucket's last
+   gradient is in, its ``all_reduce`` is *launched asynchronously* and
+   backward carries on with the earlier layers while the bytes travel.
+   Buckets are launched strictly in bucket order on every rank.
+4. **End of backward.** Every bucket not yet launched (a parameter unused in
+   the forward fires no hook) is completed with zeros for the missing
+   gradients and launched; then one wait for all that is in flight. Each
+   parameter's ``.grad`` becomes a view of its slice of the mean gradient.
+5. **Optimizer.** Every rank takes the same step from the same bytes.
 
-The hooks act only inside ``last_backward()``: before it gradients only
-accumulate locally (PyTorch's ``no_sync``). With ``--accumulate K`` the first
-K-1 microbatches run without it and the last backward sends the accumulated
-gradients through the buckets: one all-reduce per bucket per step, whatever
-K. Under ``--pp`` the same holds per pipeline stage: the stage's last
-microbatch backward launches its buckets (``pipeline/executor.py``).
+The hooks act only inside ``last_backward()``; before it gradients only
+accumulate locally (PyTorch's ``no_sync``), so with ``--accumulate K``, and
+per stage under ``--pp`` (``pipeline/executor.py``), the last microbatch
+backward sends the accumulated gradients. BatchNorm buffers: rank 0's,
+broadcast after each step. Each bucket's all-reduce is recorded as an
+in-flight span, the wait after backward as an exposed ``wait`` span.
 
-BatchNorm buffers follow the rule of every replicated strategy here: rank 0's
-are authoritative and broadcast after each step.
-
-Measurement: each bucket's all-reduce is recorded as an in-flight span
-(launch to completion) and the wait after backward as an exposed ``wait``
-span; from these the analysis (``analysis/timeline.py``) reports per step
-how much communication was hidden under backward and how much was exposed
-after it. Exposed time also holds any wait for a slower peer: the last
-bucket completes only when every rank has finished its backward.
+Why each rule, and how it compares with PyTorch's: docs/strategies.md#ddp-buckets-hooks-and-overlap
 """
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ mesh's ``dp`` group. The same object serves two layouts:
   each stage's ``dp`` replicas agree among themselves
   (:class:`~paralab.strategies.pipeline.strategy.Pipeline`).
 
-Order of application (as torchtitan's ``parallelize``): the model is staged
-first, then each stage is wrapped for data parallelism. A step, whatever
-the layout, drives a flavour in this order::
+The model is staged first, then each stage wrapped. A step, whatever the
+layout, drives a flavour in this order::
 
     replicas.start()                      # a new step: nothing reduced yet
     for each microbatch's backward:
@@ -22,18 +21,14 @@ the layout, drives a flavour in this order::
     replicas.step()                       # optimizer step, gradients dropped
     replicas.sync_buffers()               # BatchNorm statistics: dp rank 0's
 
-The module's parameters stay real ``nn.Parameter``s, current after
-``step()`` on every replica (ZeRO-1 keeps them as views of its flat
-buffers), so whoever owns the module reads its weights directly.
-
-Gradients are synchronised once per step, during or after the backward that
-completes them (the last microbatch's), never once per microbatch: a
-pipeline's earlier microbatches only accumulate. Hooks that fire during a
-backward (bucketed DDP, PyTorch's reducer) do nothing outside
-``last_backward()``.
-
-The base class is the trivial flavour: one replica, nothing to agree on
+Parameters stay real ``nn.Parameter``s, current after ``step()`` on every
+replica (ZeRO-1 keeps them as views of its flat buffers). Gradients are
+synchronised once per step, by the last microbatch's backward: hooks that
+fire during a backward (bucketed DDP, PyTorch's reducer) do nothing outside
+``last_backward()``. The base class is the trivial flavour: one replica
 (``single``, and the pure pipeline whose ``dp`` is 1).
+
+Why, and how it compares with torchtitan's: docs/strategies.md#composed-data--tensor--pipeline-parallelism-on-a-mesh
 """
 from __future__ import annotations
 

@@ -14,25 +14,16 @@ process holds the model on GPU 0 and, every step,
 Each phase is DataParallel's own method (``scatter``, ``replicate``,
 ``parallel_apply``, ``gather``), called in the order its ``forward`` calls them,
 so each gets a span: ``comm`` for the copies (with the bytes they move),
-``compute`` for forward and backward. The gradient reduce-add runs inside
-autograd and is part of the ``backward`` span; the estimate HPML asks for
-(computation = T1/N, communication = TN - T1/N) is what ``paralab sweep
-scaling --strategy torch-dp`` puts beside the spans.
+``compute`` for forward and backward (the reduce-add runs inside autograd,
+so inside ``backward``).
 
-One process, so the worker count is not processes: ``--gpus N`` picks the
-GPUs (0: every visible one) and ``--workers`` stays 1; ``paralab sweep
-scaling`` and ``paralab compare`` turn their worker counts into ``--gpus``
-(:meth:`TorchDP.for_devices`). With one GPU DataParallel calls the module
-directly: a degenerate but real DataParallel.
-
-``--check``: the process sees the whole global batch (one data-parallel shard)
-and DataParallel's gradient is that batch's, so it equals the single-process
-reference on one GPU, and on several for a model without BatchNorm. With
-BatchNorm each GPU normalises over its own chunk (and only GPU 0's running
-statistics are kept), which one process on the whole batch does not do, so
-``--check`` with ``--gpus`` > 1 needs ``--norm none``.
-
+One process: ``--gpus N`` picks the GPUs (0: every visible one) and
+``--workers`` stays 1; sweeps and ``compare`` turn their worker counts into
+``--gpus`` (:meth:`TorchDP.for_devices`). ``--check`` equals the
+single-process reference on one GPU, and on several with ``--norm none``.
 Without a CUDA device it refuses before start (exit 2), saying why.
+
+Why, and how it compares with one process: docs/gpu.md#torch-dp-one-process-several-gpus
 """
 from __future__ import annotations
 

@@ -2,49 +2,33 @@
 
 ``fully_shard`` is applied to every unit that has parameters and then to the
 whole model, so PyTorch shards, gathers and frees at the same granularity as
-our ``fsdp`` at stage 3 (parameters, gradients and optimizer state sharded;
-each unit all-gathered before its forward and backward and resharded after;
-gradients reduce-scattered and averaged over ranks). Parameters become
-``DTensor`` shards (dim-0 sharding of each tensor rather than one flat
-tensor per unit); the optimizer built from the run's factory therefore holds
-state for the local shard only. It runs on CPU with gloo in torch 2.13.
+our ``fsdp`` at stage 3 (each unit all-gathered before its forward and
+backward and resharded after; gradients reduce-scattered and averaged over
+ranks). Parameters become ``DTensor`` shards (dim 0 of each tensor); the
+optimizer built from the run's factory holds state for the local shard only.
 
-On CPU its all-gathers and reduce-scatters go through ``comm.py`` all the
-same: FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks
-(the interface it offers for custom communication) are given two small
-classes that call ``comm.all_gather_into`` / ``comm.reduce_scatter`` with the
-buffers, process group and reduce op FSDP chose, so each collective is timed
-and its bytes counted like every other strategy's. FSDP issues them from
-inside the unit's forward and backward (synchronously on CPU: there are no
-streams to overlap on), so they are ``comm`` spans nested in the ``compute``
-spans; the recorder counts each moment once, in the innermost span. On CUDA
-the hooks are installed as well: FSDP2 runs its collectives on side streams
-to overlap them with compute, and the recorder times spans with CUDA events
-on the current stream (FSDP's own, inside its hooks), read after the step,
-so timing no longer serialises that overlap (until the recorder used events,
-a clock that synchronised the device at every reading kept the hooks off
-CUDA). There a collective's span may start inside a unit's ``compute`` span
-and end after it; the split counts the shared moments once, as ``comm``.
-Not yet run on a GPU (``make gpu-check`` does: ``collectives_timed`` in
-summary.json says whether the hooks ran).
+Its all-gathers and reduce-scatters go through ``comm.py``: FSDP2's
+``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hooks are given two
+small classes that call ``comm.all_gather_into`` / ``comm.reduce_scatter``
+with the buffers, process group and reduce op FSDP chose, so each collective
+is timed and its bytes counted. FSDP issues them from inside the unit's
+forward and backward, so they are ``comm`` spans nested in ``compute`` spans
+(each moment counted once, in the innermost span); on CUDA, where they run
+on side streams, a span may outlast its unit's ``compute`` span and the
+shared moments count as ``comm``.
 
-BatchNorm buffers are not sharded by FSDP; as everywhere else rank 0's are
-authoritative and broadcast after every step (``first-replica``).
-``--accumulate K`` runs K microbatches with gradient reduction turned off for
-all but the last (``set_requires_gradient_sync``).
+BatchNorm buffers are not sharded: rank 0's are broadcast after every step
+(``first-replica``). ``--accumulate K`` turns gradient reduction off for all
+but the last microbatch (``set_requires_gradient_sync``).
+``full_state_dict()`` turns every ``DTensor`` into a full tensor under the
+plain model's keys; the checkpoint keeps each rank's local shards as plain
+tensors and rebuilds DTensors on load.
 
-``full_state_dict()`` turns every ``DTensor`` into a plain full tensor
-(``full_tensor()``, a collective) under the plain model's keys. The
-checkpoint keeps each rank's local shards as plain tensors (``weights_only``
-loading needs no DTensor), and rebuilds DTensors on load.
+Memory: the local parameter shards, the unsharded parameters FSDP has
+gathered, the local gradient shards and the optimizer state, read before and
+after each unit's forward, after backward and at the optimizer step.
 
-Memory: bytes of the local parameter shards, the unsharded parameters FSDP
-has gathered, the local gradient shards and the optimizer state, read where
-they can be seen from outside: before and after each unit's forward (hooks
-registered after FSDP's own), after backward and at the optimizer step. What
-FSDP holds inside backward (a unit's unsharded parameters and gradient, its
-reduce-scatter buffers) is not visible this way, so the figures are a lower
-bound of its true peak; on CUDA the allocator's peak is reported too.
+Why, and how it compares with our fsdp: docs/fsdp.md#compared-with-pytorchs-fsdp-torch-fsdp
 """
 from __future__ import annotations
 

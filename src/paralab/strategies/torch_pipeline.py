@@ -10,40 +10,25 @@ same unit modules, so weights, checkpoints, ``predict`` and ``--check`` are
 - ``interleaved-1f1b``: ``ScheduleInterleaved1F1B``, ``--virtual-stages v``
   stages per rank placed as ours (rank ``r`` holds ``r, r+p, ...``);
 - ``zbv``: ``ScheduleZBVZeroBubble`` and ``dualpipev``: ``ScheduleDualPipeV``,
-  two stages per rank in a V (rank ``r`` holds stages ``r`` and ``2p-1-r``:
-  rank 0 holds the first and the last), the backward split into input and
-  weight parts.
+  two stages per rank in a V (rank ``r`` holds stages ``r`` and ``2p-1-r``),
+  the backward split into input and weight parts.
 
 Shapes are given, not inferred: every stage gets example ``input_args`` and
 ``output_args`` of one microbatch (``requires_grad=True`` on the outputs and
-on every later stage's input), so PyTorch runs no shape-inference forward.
-Its default inference runs one extra train-mode forward on the first step
-(on uninitialised memory for later stages), which would update every
-BatchNorm's running statistics once more than one process does. A batch
-whose microbatches have another size (an epoch's short last batch) gets
-stages and a schedule built for that size.
+on every later stage's input), so PyTorch runs no shape-inference forward. A
+batch whose microbatches have another size gets stages and a schedule built
+for that size. Each microbatch's loss is ``cross_entropy`` of its logits,
+the gradients scaled by ``1/m`` (``scale_grads``); BatchNorm sees each
+stage's microbatches in order (``sequential``).
 
-Each microbatch's loss is ``cross_entropy`` of its logits; PyTorch scales the
-gradients by ``1/m`` (``scale_grads``), which with equal microbatches is the
-batch's mean loss, as ours. BatchNorm sees each stage's microbatches in order
-(``sequential``).
+Records: each compute call of a stage (``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``) is a ``compute`` span
+named as ours (``forward``, ``backward``, ``backward_input``,
+``backward_weight``, with ``mb`` and ``stage``). The time inside ``step()``
+between them is an ``idle`` span ``torch-pipelining p2p+wait``. Pure
+pipeline parallelism only (no ``--pp`` under a data-parallel flavour).
 
-Records. Each compute call of a stage (PyTorch's ``forward_one_chunk``,
-``backward_one_chunk`` with ``full_backward`` true or false,
-``backward_weight_one_chunk``) is a ``compute`` span named as ours
-(``forward``, ``backward``, ``backward_input``, ``backward_weight``, with
-``mb`` and ``stage``), so timelines, microbatches alive and bubbles read as
-``pipeline``'s. Communication is not routed through ``comm.py``: PyTorch's
-schedules post their sends and receives inside ``step()`` with
-``dist.batch_isend_irecv`` / ``isend`` / ``irecv`` and offer no hook to hand
-them to another implementation. The time inside ``step()`` between this
-rank's compute calls (posting and waiting for transfers, waiting for a peer)
-is recorded as ``idle`` spans named ``torch-pipelining p2p+wait``: the
-bubble is then 1 - compute / step, as the schedule simulator defines it, but
-bytes sent are not counted.
-
-Pure pipeline parallelism only (no ``--pp`` under a data-parallel flavour):
-PyTorch's stages would need its DDP/FSDP wrappers, which ours do not replace.
+Why, and how it compares with our pipeline: docs/pipelines.md#pytorchs-schedules-torch-pipeline
 """
 from __future__ import annotations
 

@@ -16,42 +16,21 @@ per submodule::
     i.mlp.proj          RowwiseParallel
     L+1.out             ColwiseParallel     vocabulary columns, kept a DTensor sharded on the last dim
 
-The attention module computes ``view(b, t, self.heads, -1)``; with q, k, v
-column-split each rank holds ``heads / tp`` heads, so ``heads`` is set to
-that on each block's attention here (torchtitan does the same); the model's
-code is untouched.
+Each block's attention gets ``heads = heads / tp`` (its ``view(b, t,
+self.heads, -1)`` then sees the local heads). The loss is ``F.cross_entropy``
+inside ``loss_parallel()`` on the vocabulary-sharded logits.
+``--sequence-parallel``: LayerNorms become ``SequenceParallel``, the
+attention / MLP inputs are all-gathered from sequence shards
+(``PrepareModuleInput``: ``Shard(1)`` -> ``Replicate``), the row-parallel
+outputs reduce-scattered onto them (``output_layouts Shard(1)``), the head
+all-gathers; the embedding's output is cut to this rank's sequence shard
+(``PrepareModuleOutput``: ``Replicate`` -> ``Shard(1)``).
 
-The loss is PyTorch's own vocabulary-parallel cross-entropy: the logits
-stay a DTensor sharded on the vocabulary and ``F.cross_entropy`` runs
-inside ``loss_parallel()`` (forward and backward), which runs on gloo: no
-rank holds whole logits in training, as in our ``tp``.
+DTensor's collectives are not ``comm`` spans (``collectives_timed``: false);
+what this file gathers itself (``full_state_dict``, the logits for
+evaluation) goes through ``comm.py``. Pure tp on the gpt only (exit 2 else).
 
-``--sequence-parallel``: LayerNorms become ``SequenceParallel`` (replicated
-weights, inputs sharded along the sequence, their gradients summed by
-DTensor), the attention / MLP inputs are all-gathered from sequence shards
-(``PrepareModuleInput``: ``Shard(1)`` -> ``Replicate``) and the
-row-parallel outputs reduce-scattered onto them (``output_layouts
-Shard(1)``); the head all-gathers before its column-parallel projection.
-One difference from ours: the gpt's embedding adds a learned position
-embedding to the token rows, which no ``ParallelStyle`` splits along the
-sequence, so here the token rows are all-reduced whole, the positions
-added on every rank, and the result cut to this rank's sequence shard
-(``PrepareModuleOutput``: ``Replicate`` -> ``Shard(1)``, a local slice;
-its backward all-gathers). Ours reduce-scatters there instead.
-
-Communication: DTensor issues its collectives itself (functional
-collectives on the tp group's gloo/NCCL group), from inside the
-forward and backward; there is no hook to route them through
-``comm.py``, so they are not ``comm`` spans here: their time is inside the
-``compute`` spans and their bytes are not counted (``collectives_timed``:
-false in summary.json), as for torch-ddp's PowerSGD. What this file
-gathers itself (the whole weights for ``full_state_dict``, the logits for
-evaluation) goes through ``comm.py``.
-
-Pure tensor parallelism only (tp = workers): composing with ``--pp`` or
-data parallelism is refused (exit 2; our ``tp`` composes). The CNNs are
-refused too (DTensor's styles are for linear and embedding layers; our
-``tp`` has a channel split for them).
+Why, and how it compares with our tp: docs/tensor-parallel.md#torch-tp-pytorchs
 """
 from __future__ import annotations
 

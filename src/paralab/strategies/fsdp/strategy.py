@@ -19,21 +19,16 @@ stage 3 the parameters as well. The step, as this file reads:
   over);
 - the optimizer step: on each unit's shard as soon as its gradient is
   reduced (stages 2-3; ``--no-step-in-backward`` turns it off), or on all
-  shards after backward; then BatchNorm buffers broadcast from rank 0
-  (``first-replica``).
+  shards after backward; at stages 1-2 the shard is a view of the full
+  parameters, stepped in place and completed by an asynchronous all-gather;
+  then BatchNorm buffers broadcast from rank 0 (``first-replica``).
 
-Stages 1-2 keep the full parameters on every rank; the shard is a view of
-them, stepped in place and completed by an asynchronous all-gather.
-A memory ledger (:mod:`..memory_ledger`) counts every parameter, gradient
-and optimizer-state byte as it is allocated and freed; ``extra_summary``
-reports it beside the cost model's prediction (``analysis/memory.py``).
+A memory ledger (:mod:`..memory_ledger`) counts every byte as it is
+allocated and freed. Under ``--pp`` only stage 1 composes (:mod:`.zero1`);
+``--accumulate`` and parameters shared between units are not supported.
 
-Under ``--pp`` only stage 1 composes, as the flavour ``ZeroOneReplicas``
-(:mod:`.zero1`). Not supported: ``--accumulate`` (refused), parameters
-shared between units.
-
-The stage table, the primitives, why the step runs in backward, where the
-memory peaks and how this differs from PyTorch's FSDP: ``docs/fsdp.md``.
+Why, and how it compares with PyTorch's: docs/fsdp.md#compared-with-pytorchs-fsdp-torch-fsdp
+(the stage table, the primitives, why the step runs in backward, where the memory peaks).
 """
 from __future__ import annotations
 

@@ -5,14 +5,11 @@ For each action of ``actions.Action``:
 - ``recv_act`` / ``recv_grad``: wait for the tensor from the neighbouring stage.
   Receives are posted ahead (``irecv``, one per channel: when one arrives the
   next receive on the same channel is posted), so a transfer can land while
-  this rank computes; the time spent blocked in the wait is an ``idle`` span
-  (the rank has nothing else to do; it includes the transfer when that was
-  not hidden).
+  this rank computes; the time blocked in the wait is an ``idle`` span.
 - ``forward`` / ``backward``: run a stage on a microbatch (``compute`` spans
   named ``forward`` / ``backward`` with ``mb=i`` and ``stage=s``). The last
   stage computes the microbatch's loss in its forward and weights it by the
-  microbatch's share of the batch, so the gradients add up to those of the
-  batch's mean loss.
+  microbatch's share of the batch.
 - ``backward_input`` / ``backward_weight`` (zero-bubble ``I`` and ``W``): the
   backward in two parts, spans of those names; the input gradient is ready
   to send after ``I``, the weight gradients are complete after ``W``.
@@ -21,20 +18,17 @@ For each action of ``actions.Action``:
 
 A rank may hold several stages (``interleaved-1f1b``); a tensor passed
 between two stages of the same rank is handed over in memory. Each stage's
-last action of the step that completes its weight gradients (its last
-``backward``, or its last ``backward_weight``) runs inside
+last action that completes its weight gradients runs inside
 ``last_backward(stage)``, the stage's data-parallel flavour's context
-(``replicas.py``): there a flavour that overlaps its all-reduce with
-backward (``ddp``, ``torch-ddp``) launches it; the earlier microbatches only
-accumulate. Peers are pipeline ranks; the pipeline's Comm maps them to
-global ranks. Receives are posted one ahead per peer, in the order this
-rank receives from it, which is the order the peer sends (the schedule's
-first-in-first-out channels, checked by ``simulate.simulate``): gloo pairs
-the k-th send with the k-th receive between two ranks.
+(``replicas.py``). Peers are pipeline ranks, mapped to global ranks by the
+pipeline's Comm; receives are posted in the order the peer sends
+(checked by ``simulate.simulate``).
 
 Shapes are known ahead: a microbatch of ``n`` samples crosses the boundary in
 front of stage ``s`` as ``(n, *stages[s].in_shape)`` and behind it as
 ``(n, *stages[s].out_shape)``, in the run's dtype.
+
+Why receives are posted this way: docs/pipelines.md#the-executor
 """
 from __future__ import annotations
 

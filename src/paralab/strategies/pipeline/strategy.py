@@ -6,48 +6,30 @@ stage ``k`` (a :class:`~.stage.Stage`). Each step the batch is cut into
 ``--microbatches M`` microbatches and a schedule (``--schedule``) orders, on
 every stage, the forwards, backwards, sends and receives of all of them:
 
-- ``gpipe``: all forwards, then all backwards; every stage holds the
-  activations of all ``M`` microbatches at once;
-- ``1f1b``: after ``P - 1 - k`` warm-up forwards, stage ``k`` alternates one
-  forward and one backward, so at most ``P - k`` microbatches are alive.
-  ``M < P`` is handled (the warm-up shrinks to ``M``), not refused.
-
-Both have the bubble ``(P - 1) / (M + P - 1)`` with equal stage times.
-
+- ``gpipe``: all forwards, then all backwards;
+- ``1f1b``: after ``P - 1 - k`` warm-up forwards (at most ``M``), stage ``k``
+  alternates one forward and one backward;
 - ``zb-h1``: 1F1B with each backward split into its input-gradient part and
-  its weight-gradient part, the latter held back to fill the drain
-  (``(P - 1) / (3M + P - 1)``);
+  its weight-gradient part, the latter held back to fill the drain;
 - ``zb-h2``: the same split with up to ``2P - 1`` microbatches alive per
-  stage, so that no stage waits once it has started: a step idles only the
-  pipeline's fill, ``(P - 1)·T_F`` (``(P - 1) / (3M + P - 1)`` at equal times);
+  stage, so that no stage waits once it has started;
 - ``interleaved-1f1b --virtual-stages V``: the model cut into ``P·V`` stages,
-  rank ``k`` holding stages ``k, k+P, ...`` (``(P - 1) / (V·M + P - 1)``;
-  ``M`` a multiple of ``P``).
+  rank ``k`` holding stages ``k, k+P, ...`` (``M`` a multiple of ``P``).
 
-Each of a rank's stages has its own data-parallel flavour, whose
-``last_backward()`` wraps the action that completes that stage's gradients
-(its last backward, or its last weight-gradient part).
 Schedules are data (``schedules.py``); one executor runs them
-(``executor.py``). Each microbatch's loss is weighted by its share of the
-batch (``1/M``), so the accumulated gradients are those of the batch's mean
-loss; ``M`` must divide the batch.
+(``executor.py``). Each microbatch's loss is weighted by ``1/M`` (``M`` must
+divide the batch), so the gradients are those of the batch's mean loss.
+Each of a rank's stages has its own data-parallel flavour (``replicas.py``)
+over its ``dp`` group (``dp = workers / P``; 1 for ``paralab train
+pipeline``), whose ``last_backward()`` wraps the action that completes that
+stage's gradients (its last backward, or its last weight-gradient part).
+After the executor has run every microbatch, the flavour averages the
+stage's gradients over its replicas, steps the optimizer and broadcasts dp
+rank 0's BatchNorm statistics (``first-replica``); within a replica each BN
+layer sees the microbatches one after another (``sequential``).
 
-Composition (the mesh, ``paralab.mesh``): ``paralab train pipeline`` is pure
-pipeline parallelism over all the workers. ``paralab train ddp --pp P`` (or
-``gather-scatter``, ``allreduce``, ``torch-ddp``, ``fsdp --zero-stage 1``) is
-data x pipeline parallelism: ``dp = workers / P`` replicas of the whole
-pipeline, each fed its own shard of the global batch. The model is staged
-first; then each stage is wrapped in the named data-parallel flavour
-(``replicas.py``) over its ``dp`` group, the ranks that hold the same stage.
-After the executor has run every microbatch, the flavour makes the stage's
-gradients the mean over its replicas (once per step: only the last
-microbatch's backward may launch communication), steps the optimizer and
-broadcasts dp rank 0's BatchNorm statistics.
-
-BatchNorm: each BN layer lives on one stage and sees a replica's
-microbatches one after another, as one process would (``bn_rule =
-"sequential"``); with ``dp > 1`` the first replica's statistics win
-(``first-replica``), which the ``--check`` reference replays.
+Why, with each schedule's bubble and memory: docs/pipelines.md
+(composition: docs/strategies.md#composed-data--tensor--pipeline-parallelism-on-a-mesh)
 """
 from __future__ import annotations
 
