@@ -123,22 +123,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ======================================================================== train options as a config
-class _RaisingParser(argparse.ArgumentParser):
-    def __init__(self, what: str, **kw):
-        super().__init__(prog=what, add_help=False, **kw)
-        self.what = what
-
-    def error(self, message):
-        raise UsageError(f"{self.what}: {message}")
-
-
-def _train_parser(what: str = "--train-args") -> argparse.ArgumentParser:
-    from ..cli import add_train_options
-    p = _RaisingParser(what)
-    add_train_options(p)
-    return p
-
-
 def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str = "compare") -> dict:
     """The RunConfig fields set by ``text``, written as `paralab train` options (user input such as
     ``--train-args="--norm none"``): {field: value} for the options given, and only those."""
@@ -146,47 +130,18 @@ def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str
         tokens = shlex.split(text or "")
     except ValueError as exc:
         raise UsageError(f"{what}: {exc}") from None
-    p = _train_parser(what)
-    for action in p._actions:  # only what the text sets, not the parser's defaults
-        action.default = argparse.SUPPRESS
-    given = vars(p.parse_args(tokens))
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    clash = [_flag(p, k) for k in given if k in owned]
+    given = RunConfig.given(tokens, what)
+    clash = ["--" + k.replace("_", "-") for k in given if k in owned]
     if clash:
         raise UsageError(f"{what} may not set {', '.join(clash)}: {owner} sets them for every run")
-    return {k: v for k, v in given.items() if k in fields}
-
-
-def _flag(p: argparse.ArgumentParser, dest: str) -> str:
-    for action in p._actions:
-        if action.dest == dest and action.option_strings:
-            return action.option_strings[0]
-    return "--" + dest.replace("_", "-")
+    return given
 
 
 def train_command(cfg: RunConfig, run_dir=None) -> str:
-    """The `paralab train` command line that makes the same run (for people: reports, --dry-run);
-    options at their default are left out."""
-    p = _train_parser()
-    default = RunConfig()
-    parts = ["paralab", "train", cfg.strategy, "--workers", str(cfg.workers)]
-    for action in p._actions:
-        dest = action.dest
-        if dest in ("workers", "out") or not action.option_strings or not hasattr(cfg, dest):
-            continue
-        value = getattr(cfg, dest)
-        if value == getattr(default, dest, None) or value is None:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            parts.append(action.option_strings[0 if value else 1])
-        elif action.nargs == 0:  # store_true / store_false
-            if value == action.const:
-                parts.append(action.option_strings[0])
-        else:
-            parts += [action.option_strings[0], str(value)]
-    if run_dir is not None:
-        parts += ["--out", str(run_dir)]
-    return shlex.join(parts)
+    """The `paralab train` command line that makes the same run (for people: reports, --dry-run):
+    ``--workers`` first, the options that differ from their default, ``--out RUN_DIR`` last."""
+    words = ["paralab", "train", *cfg.to_argv(first=("workers",), out=None)]
+    return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
 
 
 def changed_fields(cfg: RunConfig) -> dict:
