@@ -68,8 +68,8 @@ class RecordOptions:
     """records"""
     log_every: int = option(20, "print the loss every N steps", positive=True)
     warmup: int = option(1, "first N steps left out of timing averages", minimum=0)
-    eval_batches: int | None = option(None, "bound the test evaluation to N batches (default: the whole test "
-                                            "split)", type=int, positive=True)
+    eval_batches: int | None = option(None, "test batches evaluated (not given: the whole test split)",
+                                        type=int, positive=True)
     eval_batch_size: int = option(500, "test evaluation batch", positive=True)
     out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>)", type=str)
     progress: bool = option(True, "progress bar on rank 0")

@@ -22,7 +22,8 @@ all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
   ``choices``, ``minimum``/``maximum``/``above``, ``positive``; ``None`` always passes
   (an option whose default is None, e.g. ``--num-batches``, is optional);
 - a command line that gives a config back (:func:`to_argv`: the options that
-  differ from their default) and its reading (:func:`parse`, :func:`given`);
+  differ from their default; ``RunConfig.from_argv`` reads it) and which
+  options some flags set (:func:`given`: ``compare --train-args``);
 - the checkpoint identity (:func:`identity_fields`: options marked
   ``identity=True`` must match for ``--resume`` to continue the same arithmetic);
 - what a strategy receives: ``ctx.options``, a typed object (:func:`project`).
@@ -68,26 +69,30 @@ def option_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
-def add_flags(parser, cls, *, only=None, defaults=None, suppress: bool = False) -> None:
-    """One command-line flag per option of ``cls`` on ``parser`` (or an argument group).
+def add_flags(parser, *classes, only=None, defaults=None, suppress: bool = False) -> None:
+    """One command-line flag per option of ``classes`` on ``parser`` (or an argument group).
 
-    ``only``: these options alone; ``defaults``: {name: default} in place of the declared ones (a
-    command with defaults of its own); ``suppress``: no defaults at all (to see what was given).
+    ``only``: these options alone, in this order (a command that takes a few of a run's options);
+    ``defaults``: {name: default} in place of the declared ones (a command with defaults of its own);
+    ``suppress``: no defaults at all (to see which options were given).
     """
     defaults = defaults or {}
-    for f in option_fields(cls):
-        if only is not None and f.name not in only:
-            continue
+    fields = {f.name: f for cls in classes for f in option_fields(cls)}
+    missing = [name for name in only or () if name not in fields]
+    if missing:
+        raise KeyError(f"no such option: {', '.join(missing)}")
+    for name in fields if only is None else only:
+        f = fields[name]
         meta = f.metadata
-        default = defaults.get(f.name, f.default)
+        default = defaults.get(name, f.default)
         text = meta["help"] + (f" ({' | '.join(map(str, meta['choices']))})" if meta["choices"] else "")
-        kw = {"default": argparse.SUPPRESS if suppress else default, "dest": f.name}
+        kw = {"default": argparse.SUPPRESS if suppress else default, "dest": name}
         if meta["type"] is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction,
                                 help=f"{text} (default {'on' if default else 'off'})", **kw)
         else:
             shown = "" if default is None else " (default %(default)s)"
-            parser.add_argument(flag(f.name), type=meta["type"], metavar=meta["metavar"], help=text + shown, **kw)
+            parser.add_argument(flag(name), type=meta["type"], metavar=meta["metavar"], help=text + shown, **kw)
 
 
 def check(obj, cls) -> None:
@@ -112,11 +117,12 @@ def check(obj, cls) -> None:
 
 
 def to_argv(values: dict, classes, *, first=()) -> list[str]:
-    """The flags that give ``values`` ({option name: value}) back: every option of ``classes`` whose
-    value differs from its declared default (and the options named in ``first``, first, always)."""
+    """The flags that give ``values`` ({option name: value}) back: every option of ``classes`` in
+    ``values`` whose value differs from its declared default (and those named in ``first``, first,
+    always); a value None has no spelling and is left out."""
     fields = {f.name: f for cls in classes for f in option_fields(cls)}
     words: list[str] = []
-    for name in [*first, *(n for n in fields if n not in first)]:
+    for name in [*first, *(n for n in fields if n not in first and n in values)]:
         f, value = fields[name], values[name]
         if value is None or (value == f.default and name not in first):
             continue
@@ -142,8 +148,7 @@ class RaisingParser(argparse.ArgumentParser):
 def given(argv: list[str], classes, what: str) -> dict:
     """{option name: value} for the options ``argv`` sets, and only those (UsageError for others)."""
     parser = RaisingParser(what)
-    for cls in classes:
-        add_flags(parser, cls, suppress=True)
+    add_flags(parser, *classes, suppress=True)
     return vars(parser.parse_args(argv))
 
 

@@ -60,13 +60,19 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import RunConfig
+from .. import options
+from ..config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 
 HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML, trace)"
 
-DEFAULTS = dict(workers="1,2", num_batches=10, batch_size=64, width=0.25, model="vgg11", dataset="auto",
-                lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5)
+#: `paralab train` options compare takes too (flags and help from their declarations), in this order
+TRAIN_OPTIONS = ("num_batches", "batch_size", "width", "model", "dataset", "lr", "eval_batches", "microbatches",
+                 "bucket_mb", "data_dir", "check", "network")
+#: compare's defaults where they differ from `paralab train`'s (sized for a 2-core laptop: see above)
+DEFAULTS = dict(num_batches=10, batch_size=64, width=0.25, lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5,
+                check=True)
+WORKERS = "1,2"  # default worker counts
 #: train options compare sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "resume", "world_size", "rank")
 #: train options --compress sets per run (--train-args may not either)
@@ -78,35 +84,15 @@ POWERSGD_START = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     p.add_argument("--strategies", help="comma-separated strategies (default: every registered one)")
-    p.add_argument("--workers", default=None, help=f"comma-separated worker counts (default {d['workers']}: the strategies that split "
-                        "the model at 2 only, and without --strategies the others too, the baseline at 1; "
-                        "given, every strategy runs at each count it accepts)")
-    p.add_argument("--num-batches", type=int, default=d["num_batches"], help="training steps per run (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="global batch (default %(default)s)")
-    p.add_argument("--width", type=float, default=d["width"], help="model channel multiplier (default %(default)s)")
-    p.add_argument("--model", default=d["model"], help="model (default %(default)s)")
-    p.add_argument("--dataset", default=d["dataset"], help="auto | cifar10 | fashion-mnist | synthetic (default %(default)s)")
-    p.add_argument("--data-dir", help="folder with the dataset files")
-    p.add_argument("--lr", type=float, default=d["lr"], help="learning rate (default %(default)s)")
-    p.add_argument("--eval-batches", type=int, default=d["eval_batches"],
-                   help="test batches evaluated per run (default %(default)s; 0 = the whole test split)")
-    p.add_argument("--microbatches", type=int, default=d["microbatches"],
-                   help="microbatches of the runs whose strategy takes them (pipelines; default %(default)s)")
-    p.add_argument("--bucket-mb", type=float, default=d["bucket_mb"],
-                   help="gradient bucket of ddp-style runs, MiB (default %(default)s: the width-0.25 model's "
-                        "2.2 MiB of gradients then fill several buckets, so communication can overlap backward)")
+    p.add_argument("--workers", default=None, help=f"comma-separated worker counts (default {WORKERS}: the strategies "
+                   "that split the model at 2 only, and without --strategies the others too, the baseline at 1; "
+                   "given, every strategy runs at each count it accepts)")
+    options.add_flags(p, *ALL_OPTION_CLASSES, only=TRAIN_OPTIONS, defaults=DEFAULTS)
     p.add_argument("--cores-per-worker", default="auto",
                    help="cores pinned to each worker: auto (cores // the largest worker count, so every run "
                         "of the matrix gives a worker the same cores, like one machine per worker in CS744), "
                         "a number, or none (no pinning: one worker then uses every core)")
-    p.add_argument("--check", dest="check", action="store_true", default=True,
-                   help="compare every run with the single-process reference (default)")
-    p.add_argument("--network", metavar="RATE[,LATENCY]",
-                   help="every multi-worker run on an emulated network: each worker on its own full-duplex "
-                        "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the reference check")
     p.add_argument("--compress", default="none", metavar="LIST",
                    help=f"gradient compression variants, comma-separated from {COMPRESS_SPELLINGS}; applies "
                         "to ddp and torch-ddp (as `paralab train --compress`), each of which runs once per "
@@ -236,7 +222,7 @@ def plan(a) -> tuple[list[dict], list[str]]:
     else:
         wanted = names
     explicit_workers = a.workers is not None
-    workers = parse_int_list(a.workers or DEFAULTS["workers"], "--workers")
+    workers = parse_int_list(a.workers or WORKERS, "--workers")
     a.pinned = cores_per_worker(a, workers)
     for name, value in (("--num-batches", a.num_batches), ("--batch-size", a.batch_size),
                         ("--microbatches", a.microbatches), ("--run-timeout", a.run_timeout),
@@ -336,16 +322,9 @@ def canonical_command(a) -> str:
     parts = ["paralab", "compare"]
     if a.strategies:
         parts += ["--strategies", a.strategies]
-    parts += ["--workers", a.workers or DEFAULTS["workers"], "--num-batches", str(a.num_batches), "--batch-size",
-              str(a.batch_size), "--width", str(a.width), "--model", a.model, "--dataset", a.dataset, "--lr",
-              str(a.lr), "--eval-batches", str(a.eval_batches), "--microbatches", str(a.microbatches),
-              "--bucket-mb", str(a.bucket_mb)]
-    if a.data_dir:
-        parts += ["--data-dir", a.data_dir]
-    parts += ["--cores-per-worker", str(a.cores_per_worker)]
-    parts.append("--check" if a.check else "--no-check")
-    if getattr(a, "network", None):
-        parts += ["--network", a.network]
+    parts += ["--workers", a.workers or WORKERS, "--cores-per-worker", str(a.cores_per_worker)]
+    parts += options.to_argv({name: getattr(a, name, None) for name in TRAIN_OPTIONS}, ALL_OPTION_CLASSES,
+                             first=[name for name in TRAIN_OPTIONS if getattr(a, name, None) is not None])
     variants = [v for v, _ in parse_compress(getattr(a, "compress", "none"))]
     if variants != ["none"]:
         parts += ["--compress", ",".join(variants)]
