@@ -228,7 +228,7 @@ def _epoch_samples(sw: Sweep) -> tuple[int, str]:
 
 def baseline() -> str | None:
     """The single-process strategy (sweeps' 1-worker point and batch-size default)."""
-    from ..runner import strategy_for
+    from ..strategies import strategy_for
     return strategy_for("baseline")
 
 
@@ -304,7 +304,7 @@ def sweep_batch_size(a) -> int:
 def sweep_scaling(a) -> int:
     from ..analysis.cost import bandwidth_utilisation
     from ..report import Report, text_table
-    from ..runner import strategy_for
+    from ..strategies import strategy_for
     from ..strategies import get_strategy
     strategy = a.strategy or strategy_for("scaling")
     if not strategy:
