@@ -73,7 +73,7 @@ class RecordOptions:
     eval_batch_size: int = option(500, "test evaluation batch", positive=True)
     out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>)", type=str)
     progress: bool = option(True, "progress bar on rank 0")
-    checkpoint_every: int = option(0, "save resumable state every N steps (0: at the end only; always at the end)",
+    checkpoint_every: int = option(0, "save resumable state every N steps, and at the end (0: at the end only)",
                                    minimum=0)
     resume: str | None = option(None, "run directory whose checkpoint to continue from", type=str)
     check: bool = option(False, "compare with the single-process reference; exit 1 on FAIL")

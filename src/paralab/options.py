@@ -54,7 +54,8 @@ def option(default, help: str, *, type=None, choices=(), noun: str | None = None
         raise TypeError("an option whose default is None needs type=")
     return field(default=default, metadata={
         "help": help, "type": type or builtin_type(default), "choices": tuple(choices), "noun": noun,
-        "minimum": minimum, "maximum": maximum, "above": above, "positive": positive, "identity": identity, "metavar": metavar})
+        "minimum": minimum, "maximum": maximum, "above": above, "positive": positive, "identity": identity,
+        "metavar": metavar})
 
 
 def builtin_type(value):

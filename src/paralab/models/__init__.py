@@ -78,4 +78,5 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS", "build_model", "count_parameters"]
+__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS",
+           "build_model", "count_parameters"]
