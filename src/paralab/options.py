@@ -66,6 +66,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def name_of(word: str) -> str:
+    """The option a name or a flag names: ``--num-batches`` -> ``num_batches``."""
+    return word.removeprefix("--").replace("-", "_")
+
+
 def option_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
@@ -73,12 +78,14 @@ def option_fields(cls) -> list[dataclasses.Field]:
 def add_flags(parser, *classes, only=None, defaults=None, suppress: bool = False) -> None:
     """One command-line flag per option of ``classes`` on ``parser`` (or an argument group).
 
-    ``only``: these options alone, in this order (a command that takes a few of a run's options);
+    ``only``: these options alone, in this order, by name or by flag (``"--model"``: a command that
+    takes a few of a run's options);
     ``defaults``: {name: default} in place of the declared ones (a command with defaults of its own);
     ``suppress``: no defaults at all (to see which options were given).
     """
     defaults = defaults or {}
     fields = {f.name: f for cls in classes for f in option_fields(cls)}
+    only = None if only is None else [name_of(word) for word in only]
     missing = [name for name in only or () if name not in fields]
     if missing:
         raise KeyError(f"no such option: {', '.join(missing)}")

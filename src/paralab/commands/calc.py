@@ -94,7 +94,7 @@ def add_arguments(p) -> None:
                                    "2022), training FLOPs per token (6N + 12 L h s). With RUN: the shape from the "
                                    "run, the collectives it recorded per step beside the prediction, and its MFU.")
     q.add_argument("run", nargs="?", help="a run directory of --model gpt with --tp (optional)")
-    add_flags(q, GPTOptions, only=("layers", "embed", "heads", "context"))
+    add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
     q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
     q.add_argument("--tp", type=int, default=2)
     q.add_argument("--sequence-parallel", action="store_true")
@@ -106,7 +106,7 @@ def add_arguments(p) -> None:
     q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
                        description="Cut the model as `paralab train model|pipeline` would and count the "
                                    "activations sent forward and gradients sent back at each boundary.")
-    add_flags(q, ModelOptions, only=("model", "width", "norm"))
+    add_flags(q, ModelOptions, only=("--model", "--width", "--norm"))
     q.add_argument("--workers", type=int, required=True, help="stages (one per worker)")
     q.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
     q.add_argument("--microbatches", type=int, default=1, help="microbatches per step (messages, not bytes)")
@@ -130,10 +130,10 @@ def add_arguments(p) -> None:
 def _size_options(q, bytes_option: bool) -> None:
     g = q.add_mutually_exclusive_group(required=True)
     g.add_argument("--parameters", type=float, help="parameter count Psi (e.g. 7.5e9)")
-    add_flags(g, ModelOptions, only=("model",), defaults={"model": None})  # or --parameters
+    add_flags(g, ModelOptions, only=("--model",), defaults=dict(model=None))  # or --parameters
     if bytes_option:
         g.add_argument("--bytes", type=float, help="message size S in bytes")
-    add_flags(q, ModelOptions, only=("width",))
+    add_flags(q, ModelOptions, only=("--width",))
 
 
 def run(args) -> int:

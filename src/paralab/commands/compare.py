@@ -67,8 +67,8 @@ from ..errors import UsageError
 HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML, trace)"
 
 #: `paralab train` options compare takes too (flags and help from their declarations), in this order
-TRAIN_OPTIONS = ("num_batches", "batch_size", "width", "model", "dataset", "lr", "eval_batches", "microbatches",
-                 "bucket_mb", "data_dir", "check", "network")
+TRAIN_OPTIONS = ("--num-batches", "--batch-size", "--width", "--model", "--dataset", "--lr", "--eval-batches",
+                 "--microbatches", "--bucket-mb", "--data-dir", "--check", "--network")
 #: compare's defaults where they differ from `paralab train`'s (sized for a 2-core laptop: see above)
 DEFAULTS = dict(num_batches=10, batch_size=64, width=0.25, lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5,
                 check=True)
@@ -323,8 +323,8 @@ def canonical_command(a) -> str:
     if a.strategies:
         parts += ["--strategies", a.strategies]
     parts += ["--workers", a.workers or WORKERS, "--cores-per-worker", str(a.cores_per_worker)]
-    parts += options.to_argv({name: getattr(a, name, None) for name in TRAIN_OPTIONS}, ALL_OPTION_CLASSES,
-                             first=[name for name in TRAIN_OPTIONS if getattr(a, name, None) is not None])
+    given = {name: getattr(a, name, None) for name in map(options.name_of, TRAIN_OPTIONS)}
+    parts += options.to_argv(given, ALL_OPTION_CLASSES, first=[k for k, v in given.items() if v is not None])
     variants = [v for v, _ in parse_compress(getattr(a, "compress", "none"))]
     if variants != ["none"]:
         parts += ["--compress", ",".join(variants)]

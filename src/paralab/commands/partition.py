@@ -25,11 +25,11 @@ HELP = "split a model into pipeline stages; show parameters, time shares and bou
 
 
 def add_arguments(p) -> None:
-    add_flags(p, ModelOptions, only=("model",))
+    add_flags(p, ModelOptions, only=("--model",))
     p.add_argument("--workers", type=int, default=2, help="number of stages (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="batch crossing the boundaries (default %(default)s)")
     p.add_argument("--microbatches", type=int, default=1, help="also show per-microbatch sizes")
-    add_flags(p, ModelOptions, only=("width", "norm"))
+    add_flags(p, ModelOptions, only=("--width", "--norm"))
     p.add_argument("--partition", default="balanced", help="balanced | params | counts such as 2,3,8")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per unit (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -88,12 +88,12 @@ def add_arguments(p) -> None:
 def _common(q) -> None:
     q.add_argument("--epoch-samples", type=int, default=2048,
                    help="samples per epoch (default %(default)s; 0 = the whole training split)")
-    options.add_flags(q, *ALL_OPTION_CLASSES, only=("model", "width", "dataset", "data_dir", "lr", "lr_scaling",
-                                                    "warmup_epochs"), defaults=DEFAULTS)
+    options.add_flags(q, *ALL_OPTION_CLASSES, only=("--model", "--width", "--dataset", "--data-dir", "--lr",
+                                                    "--lr-scaling", "--warmup-epochs"), defaults=DEFAULTS)
     q.add_argument("--cores-per-worker", default="auto",
                    help="cores pinned to each worker: auto (cores // the largest worker count: a 1-worker run "
                         "gets the same cores as each worker of a larger one), a number, or none")
-    options.add_flags(q, *ALL_OPTION_CLASSES, only=("network",))
+    options.add_flags(q, *ALL_OPTION_CLASSES, only=("--network",))
     q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
     q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
     q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
