@@ -28,8 +28,8 @@ all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
   ``identity=True`` must match for ``--resume`` to continue the same arithmetic);
 - what a strategy receives: ``ctx.options``, a typed object (:func:`project`).
 
-Checks that relate two options (``--rank`` needs ``--world-size``) stay in
-``RunConfig.validate``.
+A new class joins ``OPTION_CLASSES`` (a strategy's) or ``RUN_OPTION_CLASSES``
+(config.py); checks that relate two options stay in ``RunConfig.validate``.
 """
 from __future__ import annotations
 
