@@ -248,13 +248,12 @@ def test_the_first_failure_is_blamed_even_when_a_lost_peer_reports_earlier():
 
 
 def test_the_resume_command_gives_back_the_same_config():
-    """train_command spells a config as the train parser reads it: parsed back, it is the same config."""
+    """to_argv spells a config as the train parser reads it: parsed back, it is the same config."""
     from paralab.cli import build_parser, config_from_args
-    from paralab.launch import train_command
     cfg = RunConfig(strategy="fsdp", workers=3, batch_size=48, lr=1e-3, num_batches=7, dataset="synthetic",
                     augment=False, progress=False, check=True, zero_stage=2, step_in_backward=False,
                     checkpoint_every=2, save_init=True, width=0.125, timeout=12.5, eval_batches=1)
-    words = train_command(cfg, out="runs/x y", resume="runs/x y", save_init=False)
+    words = ["paralab", "train", *cfg.to_argv(out="runs/x y", resume="runs/x y", save_init=False)]
     assert words[:3] == ["paralab", "train", "fsdp"] and "--save-init" not in words
     assert "--no-step-in-backward" in words and "--no-augment" in words and "--check" in words
     back = config_from_args(build_parser().parse_args(words[1:]))

@@ -73,3 +73,34 @@ def test_norm_defaults_to_the_models_own():
     assert RunConfig(dataset="synthetic").validate().norm == "batch"
     assert RunConfig(model="vgg16-cs1390", dataset="synthetic", batch_size=32).validate().norm == "none"
     assert RunConfig(model="vgg16-cs1390", dataset="synthetic", norm="batch").validate().norm == "batch"
+
+
+def test_to_argv_and_from_argv_give_the_same_config_back():
+    cfg = RunConfig(strategy="ddp", model="resnet18", width=0.375, norm="none", dataset="synthetic",
+                    data_dir="/tmp/some data", synthetic_size=1234, augment=False, drop_last=True,
+                    per_worker_batch=16, num_batches=7, optimizer="adam", lr=0.0123456789, momentum=0.0,
+                    weight_decay=0.0, seed=3, precision="fp64", lr_scaling="linear", warmup_epochs=0.5,
+                    allow_slow_bf16=True, log_every=5, warmup=0, eval_batches=2, out="runs/a b", progress=False,
+                    checkpoint_every=3, resume="runs/old run", check=True, save_init=True, check_every=2,
+                    workers=2, cores_per_worker=1, master_addr="10.0.0.1", master_port=29999, timeout=12.5,
+                    network="1gbit,200us", bucket_mb=0.5, accumulate=2, compress="powersgd", powersgd_rank=2)
+    argv = cfg.to_argv()
+    assert argv[0] == "ddp" and "--no-augment" in argv and "--drop-last" in argv and "--model" in argv
+    assert "--epochs" not in argv  # options at their default are left out
+    assert RunConfig.from_argv(argv) == cfg
+    assert RunConfig.from_argv(RunConfig().to_argv()) == RunConfig()
+    assert RunConfig.from_argv(cfg.to_argv(first=("epochs",), out=None)) == dataclasses.replace(cfg, out=None)
+
+
+def test_every_old_flag_spelling_still_parses():
+    cfg = parse("single", "--no-augment", "--no-progress", "--drop-last", "--check", "--save-init",
+                "--allow-slow-bf16", "--check-every", "2", "--network", "1gbit")
+    assert (cfg.augment, cfg.progress, cfg.drop_last, cfg.check, cfg.save_init, cfg.allow_slow_bf16) == \
+        (False, False, True, True, True, True)
+    assert parse("single") == RunConfig()
+
+
+def test_given_reports_only_what_the_flags_set():
+    assert RunConfig.given(["--lr", "0.5", "--no-progress"], "--x") == {"lr": 0.5, "progress": False}
+    with pytest.raises(UsageError, match="--x: unrecognized arguments: --bogus"):
+        RunConfig.given(["--bogus"], "--x")

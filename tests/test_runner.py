@@ -96,17 +96,17 @@ def test_event_reader_waits_for_complete_lines(tmp_path):
 
 
 def test_strategy_roles_come_from_the_classes(monkeypatch):
-    from paralab.strategies import get_strategy
-    runner.strategy_for.cache_clear()
-    assert runner.strategy_for("baseline") == RunConfig().strategy
-    assert runner.strategy_for("scaling") == "ddp"
-    assert runner.strategy_for("no such role") is None
+    from paralab.strategies import get_strategy, strategy_for
+    strategy_for.cache_clear()
+    assert strategy_for("baseline") == RunConfig().strategy
+    assert strategy_for("scaling") == "ddp"
+    assert strategy_for("no such role") is None
     monkeypatch.setattr(get_strategy("allreduce"), "roles", ("scaling",))  # registered before ddp: it wins
-    runner.strategy_for.cache_clear()
+    strategy_for.cache_clear()
     try:
-        assert runner.strategy_for("scaling") == "allreduce"
+        assert strategy_for("scaling") == "allreduce"
     finally:
-        runner.strategy_for.cache_clear()
+        strategy_for.cache_clear()
 
 
 # ---------------------------------------------------------------- progress events, status line

@@ -1,11 +1,19 @@
-"""RunConfig: every option of a run, documented once, validated before any worker starts.
+"""RunConfig: every option of a run, declared once, validated before any worker starts.
 
-The run's own options are fields here; the strategies' options are declared
-in the strategies' files and come in by inheritance
-(``strategies.options.StrategyOptions``), so each is written once. The CLI
-builds a RunConfig from its flags; ``validate()`` raises UsageError (exit
-code 2) with a message saying what to change. Workers receive the validated
-config and never re-check it.
+Each option is declared once, as an ``option(...)`` field of a small class
+beside the code that reads it (``paralab.options`` says how): the model's in
+``models`` (ModelOptions), the data's in ``data`` (DataOptions), the
+optimiser's, the records' and the launcher's here (the worker and the
+launcher that read them import this module), the strategies' in their own
+files (``strategies.options.StrategyOptions``). RunConfig inherits them all,
+so its attributes are flat (``cfg.lr``, ``cfg.workers``, ``cfg.bucket_mb``).
+
+The CLI builds a RunConfig from the flags the declarations give
+(:meth:`RunConfig.add_flags`); :meth:`RunConfig.to_argv` spells a config as
+``paralab train`` arguments and :meth:`RunConfig.from_argv` reads them back.
+``validate()`` checks each value against its declaration, then what relates
+several options, and raises UsageError (exit code 2) with a message saying
+what to change. Workers receive the validated config and never re-check it.
 """
 from __future__ import annotations
 
@@ -16,74 +24,98 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import options
+from .data import DataOptions
 from .errors import UsageError
+from .models import ModelOptions
+from .options import option
 from .strategies.options import OPTION_CLASSES, StrategyOptions
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16", "fp64")
-NORMS = ("batch", "none")
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 CPUINFO = Path("/proc/cpuinfo")  # where the CPU's features are read (tests point it at their own)
 # Native bfloat16 instructions, as /proc/cpuinfo names them: x86 AVX512-BF16 and AMX-BF16 (and
 # AVX-NE-CONVERT, which oneDNN uses for bf16 on AVX2-class cores), Arm's BF16 extension. Without
-# them PyTorch's CPU bf16 kernels fall back to conversions and reference code: VGG-11 ran 19x
-# slower in bf16 than in fp32 on a 2-core AVX2 AMD EPYC.
+# them PyTorch's CPU bf16 kernels fall back to conversions and reference code: much slower than fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
 
 
 @dataclass
-class RunConfig(StrategyOptions):
-    # what to train
-    strategy: str = "single"          #: strategy name (see `paralab train --help`)
-    model: str = "vgg11"              #: vgg11 | vgg13 | vgg16 | vgg19 | resnet18 | vgg16-cs1390[-pool] | gpt
-    width: float = 1.0                #: channel multiplier (0.25 for fast runs)
-    norm: str | None = None           #: batch | none (BatchNorm-free); None: the model's own (validate sets it)
-    # data
-    dataset: str = "auto"             #: auto | cifar10 | fashion-mnist | synthetic | jargon | synthetic-text
-    data_dir: str | None = None       #: folder with the dataset files
-    synthetic_size: int = 10000       #: training samples of the synthetic set
-    augment: bool = True              #: random crop (pad 4) + horizontal flip
-    drop_last: bool = False           #: epochs of n // B full global batches: no sample repeated, none padded
-    # optimisation
-    batch_size: int = 256             #: global batch (split over data-parallel workers)
-    per_worker_batch: int | None = None  #: per-worker batch instead (weak scaling)
-    epochs: int = 1                   #: epochs to train, unless num_batches is given
-    num_batches: int | None = None    #: train exactly this many steps
-    optimizer: str = "sgd"            #: sgd | adam
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    seed: int = 0
-    precision: str = "fp32"           #: fp32 | bf16 (autocast) | fp64 (everything in float64: exact checks)
-    lr_scaling: str = "none"          #: none | linear (lr x global batch / 256, Goyal et al.)
-    warmup_epochs: float = 0.0        #: linear lr warm-up over this many epochs
-    allow_slow_bf16: bool = False     #: run bf16 on a CPU without bf16 instructions (about 19x slower)
-    # reporting
-    log_every: int = 20               #: print the loss every N steps
-    warmup: int = 1                   #: first N steps left out of timing averages
-    eval_batches: int | None = None   #: bound the test evaluation (None: whole test split)
-    eval_batch_size: int = 500
-    out: str | None = None            #: run directory (default runs/<strategy>-w<N>-<time>)
-    progress: bool = True             #: progress bar on rank 0
-    # checkpoints and verification
-    checkpoint_every: int = 0         #: save resumable state every N steps (0: at the end only)
-    resume: str | None = None         #: run directory to resume from
-    check: bool = False               #: compare with the single-process reference
-    save_init: bool = False           #: also save the starting weights (checkpoint/init/, `paralab export --init`)
-    check_every: int = 0              #: with check: also compare every N steps (the deviation's growth)
-    # launch
-    workers: int = 1                  #: local worker processes
-    cores_per_worker: int | None = None  #: pin rank r to cores [rC, rC+C)
-    world_size: int | None = None     #: manual multi-node: total ranks
-    rank: int | None = None           #: manual multi-node: this process's rank
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    backend: str = "auto"             #: auto | gloo | nccl
-    device: str = "auto"              #: auto | cpu | cuda
-    timeout: float = 60.0             #: seconds before a stuck collective fails the run
-    network: str | None = None        #: emulated link per local rank: RATE[,LATENCY] (network.py), e.g. 1gbit
-    # the strategies' options: inherited from StrategyOptions (pp, microbatches, bucket_mb, zero_stage...)
-    # filled in by the launcher, for the record
+class OptimizerOptions:
+    """optimisation"""
+    batch_size: int = option(256, "global batch (split over the data-parallel replicas)", positive=True)
+    per_worker_batch: int | None = option(None, "per-worker batch instead (weak scaling)", type=int, positive=True)
+    epochs: int = option(1, "epochs to train, unless --num-batches is given", positive=True)
+    num_batches: int | None = option(None, "train exactly this many steps instead of --epochs", type=int,
+                                     positive=True)
+    optimizer: str = option("sgd", "the optimizer", choices=OPTIMIZERS)
+    lr: float = option(0.1, "learning rate", positive=True)
+    momentum: float = option(0.9, "SGD momentum", minimum=0)
+    weight_decay: float = option(1e-4, "L2 weight decay", minimum=0)
+    seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation")
+    precision: str = option("fp32", "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and --check "
+                                    "reference in float64: exact checks at real hyper-parameters)",
+                            choices=PRECISIONS)
+    lr_scaling: str = option("none", "linear: lr x global batch / 256 (Goyal et al.)", choices=("none", "linear"))
+    warmup_epochs: float = option(0.0, "linear lr warm-up over this many epochs", minimum=0)
+    allow_slow_bf16: bool = option(False, "run --precision bf16 even on a CPU without bf16 instructions (refused "
+                                          "otherwise: much slower than fp32 there, on slow fallback kernels)")
+
+
+@dataclass
+class RecordOptions:
+    """records"""
+    log_every: int = option(20, "print the loss every N steps", positive=True)
+    warmup: int = option(1, "first N steps left out of timing averages", minimum=0)
+    eval_batches: int | None = option(None, "test batches evaluated (not given: the whole test split)",
+                                        type=int, positive=True)
+    eval_batch_size: int = option(500, "test evaluation batch", positive=True)
+    out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>)", type=str)
+    progress: bool = option(True, "progress bar on rank 0")
+    checkpoint_every: int = option(0, "save resumable state every N steps, and at the end (0: at the end only)",
+                                   minimum=0)
+    resume: str | None = option(None, "run directory whose checkpoint to continue from", type=str)
+    check: bool = option(False, "compare with the single-process reference; exit 1 on FAIL")
+    save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
+    check_every: int = option(0, "with --check: also record the deviation from the reference every N steps "
+                                 "(summary.json check.history; `paralab plot deviation`)", metavar="N")
+
+
+@dataclass
+class LaunchOptions:
+    """launch"""
+    workers: int = option(1, "local worker processes", positive=True)
+    cores_per_worker: int | None = option(None, "pin rank r to cores [rC, rC+C)", type=int, positive=True)
+    world_size: int | None = option(None, "multi-node by hand: total ranks", type=int, positive=True)
+    rank: int | None = option(None, "multi-node by hand: this process's rank", type=int)
+    master_addr: str = option("127.0.0.1", "rank 0's address")
+    master_port: int | None = option(None, "rank 0's port (local default: a free port)", type=int, minimum=1,
+                                     maximum=65535)
+    backend: str = option("auto", "the process group's backend", choices=BACKENDS)
+    device: str = option("auto", "where the model runs", choices=DEVICES)
+    timeout: float = option(60.0, "seconds before a stuck collective fails the run", positive=True)
+    network: str | None = option(None, "emulate a cluster network: each local worker in its own network namespace "
+                                       "on a full-duplex link of RATE (e.g. 100mbit, 1gbit, 10gbit) to one switch, "
+                                       "shaped by tc; needs iproute2 and root or unprivileged user namespaces. "
+                                       "LATENCY (e.g. ,200us) only where the kernel has netem", type=str,
+                                 metavar="RATE[,LATENCY]")
+
+
+#: the run's own option classes, in the order the command line lists them (the strategies' follow)
+RUN_OPTION_CLASSES = (ModelOptions, DataOptions, OptimizerOptions, RecordOptions, LaunchOptions)
+ALL_OPTION_CLASSES = RUN_OPTION_CLASSES + OPTION_CLASSES
+
+
+@dataclass
+class _Strategy:
+    strategy: str = "single"          #: strategy name (see `paralab train --help`): the positional argument
+
+
+@dataclass
+class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
+    """Every option of a run (flat: each declared once in its own class) and what the launcher records."""
+    # filled in by the launcher, for the record (not options)
     launched_by: str = "local"
     network_emulated: dict | None = None  #: the links the launcher built for --network (network.Network.record)
 
@@ -104,6 +136,32 @@ class RunConfig(StrategyOptions):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return str(Path("runs") / f"{self.strategy}-w{self.world}-{stamp}")
 
+    # ---------------------------------------------------------------- as a command line
+    @staticmethod
+    def add_flags(parser) -> None:
+        """Every option's flag on ``parser`` (`paralab train`'s), one argument group per declaring class."""
+        for cls in ALL_OPTION_CLASSES:
+            options.add_flags(parser.add_argument_group(cls.__doc__.strip()), cls)
+
+    def to_argv(self, *, first=(), **changes) -> list[str]:
+        """The `paralab train` arguments that make this run (with ``changes``): the strategy, then every
+        option that differs from its default (the options named in ``first`` first, always)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | changes
+        return [values["strategy"], *options.to_argv(values, ALL_OPTION_CLASSES, first=first)]
+
+    @classmethod
+    def from_argv(cls, argv: list[str], what: str = "paralab train") -> "RunConfig":
+        """The config that `paralab train` arguments (STRATEGY and flags) give; UsageError if they are wrong."""
+        parser = options.RaisingParser(what)
+        parser.add_argument("strategy")
+        cls.add_flags(parser)
+        return cls(**vars(parser.parse_args(argv)))
+
+    @staticmethod
+    def given(argv: list[str], what: str) -> dict:
+        """{option: value} for the options that `paralab train` flags ``argv`` set (no strategy), only those."""
+        return options.given(argv, ALL_OPTION_CLASSES, what)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -117,36 +175,14 @@ class RunConfig(StrategyOptions):
     # ---------------------------------------------------------------- checks
     def validate(self) -> "RunConfig":
         from .data import check_dataset
-        from .models import MODELS
         from .strategies import get_strategy, plan
 
-        def positive(name, value, allow_none=False):
-            if value is None and allow_none:
-                return
-            if value is None or value <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive (got {value})")
-
         named_cls = get_strategy(self.strategy)
-        for cls in OPTION_CLASSES:
+        for cls in ALL_OPTION_CLASSES:  # each value against its declaration; below, what relates several
             options.check(self, cls)
-        if self.model not in MODELS:
-            raise UsageError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        for name in ("width", "batch_size", "epochs", "lr", "log_every", "eval_batch_size",
-                     "synthetic_size", "workers", "timeout"):
-            positive(name, getattr(self, name))
-        for name in ("num_batches", "per_worker_batch", "eval_batches", "cores_per_worker", "world_size"):
-            positive(name, getattr(self, name), allow_none=True)
         if self.check_every < 0 or (self.check_every and not self.check):
             raise UsageError("--check-every N compares with the reference every N steps: it needs --check "
                              "and N >= 1")
-        if self.warmup < 0 or self.checkpoint_every < 0:
-            raise UsageError("--warmup and --checkpoint-every must be zero or positive")
-        if self.lr_scaling not in ("none", "linear"):
-            raise UsageError(f"--lr-scaling must be none or linear (got {self.lr_scaling!r})")
-        if self.warmup_epochs < 0:
-            raise UsageError("--warmup-epochs must be zero or positive")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise UsageError("--momentum and --weight-decay must be zero or positive")
         from .models import DEFAULT_NORM, MODALITY
         if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s and the gpt
             self.norm = DEFAULT_NORM[self.model]
@@ -157,10 +193,6 @@ class RunConfig(StrategyOptions):
             if self.embed % self.heads:
                 raise UsageError(f"--embed {self.embed} must be divisible by --heads {self.heads} "
                                  "(each head gets embed / heads features)")
-        for name, allowed in (("norm", NORMS), ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
-                              ("backend", BACKENDS), ("device", ("auto", "cpu", "cuda"))):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"--{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
         if self.check and self.precision == "bf16":
             raise UsageError("--check compares fp32 or fp64 arithmetic with a reference; autocast's bf16 "
                              "rounding is not replayed: drop --precision bf16 (or use fp64 for an exact check)")
@@ -182,8 +214,6 @@ class RunConfig(StrategyOptions):
                 check_can_emulate(parse(self.network))
             else:
                 parse(self.network)
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise UsageError(f"--master-port must be a TCP port (got {self.master_port})")
         if self.cores_per_worker is not None and self.world_size is None:
             cores = os.cpu_count() or 1
             if self.cores_per_worker * self.workers > cores:
@@ -266,9 +296,8 @@ def refuse_slow_bf16(cfg: RunConfig) -> None:
     native, cpu = cpu_bf16_support()
     if native is False:
         raise UsageError(f"--precision bf16: this CPU ({cpu}) has no bfloat16 instructions ({CPUINFO} lists none "
-                         f"of {', '.join(BF16_FLAGS)}), so bf16 autocast would run on slow fallback kernels "
-                         "(VGG-11: 19x slower than fp32 on an AVX2-only AMD EPYC). Use --precision fp32, or "
-                         "add --allow-slow-bf16 to run it anyway")
+                         f"of {', '.join(BF16_FLAGS)}), so bf16 autocast would run much slower than fp32 (slow "
+                         "fallback kernels). Use --precision fp32, or add --allow-slow-bf16 to run it anyway")
 
 
 def _registered(name: str):

@@ -565,30 +565,6 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
 
 
 # ---------------------------------------------------------------------------- resuming
-def train_command(cfg: RunConfig, **changes) -> list[str]:
-    """The ``paralab train`` command line that gives ``cfg`` (with ``changes``): every option
-    that differs from its default, as the train parser spells it."""
-    import argparse
-    from .cli import add_train_options
-    parser = argparse.ArgumentParser(add_help=False)
-    add_train_options(parser)
-    values = cfg.to_dict() | changes
-    words = ["paralab", "train", values["strategy"]]
-    for action in parser._actions:  # argparse offers no public list of its options
-        if not action.option_strings or action.dest not in values:
-            continue
-        value = values[action.dest]
-        if value == action.default:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
-            words.append(action.option_strings[0 if value else 1])
-        elif action.nargs == 0:  # store_true / store_false: the flag is the non-default value
-            words.append(action.option_strings[0])
-        else:
-            words += [action.option_strings[0], str(value)]
-    return words
-
-
 def resume_hint(cfg: RunConfig, run_dir, ranks: list[int] | None = None) -> tuple[str, list[str]] | None:
     """After a failure: (the command that resumes the run, the lines that say so), or None when no
     complete checkpoint of this run exists (in the run directory, or the one it resumed from).
@@ -608,7 +584,7 @@ def resume_hint(cfg: RunConfig, run_dir, ranks: list[int] | None = None) -> tupl
     if cfg.num_batches is not None and step >= cfg.num_batches:
         return None, [f"paralab: training had finished: {folder / 'checkpoint'} holds the last step, {step}; "
                       f"the failure came after it. Its weights: paralab export {shlex.quote(str(folder))}"]
-    command = shlex.join(train_command(cfg, out=str(run_dir), resume=str(folder), save_init=False))
+    command = shlex.join(["paralab", "train", *cfg.to_argv(out=str(run_dir), resume=str(folder), save_init=False)])
     if cfg.launched_by == "torchrun":
         return command, [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume, "
                          f"give the same torchrun command these paralab arguments:",

@@ -24,7 +24,7 @@ Each kind has a table function (``*_table(runs) -> (headers, rows)``, what
 What is drawn follows from what the records hold (``Run.stages``,
 ``Run.pipeline``, asynchronous communication, memory figures), never from a
 strategy's name. Speed-ups are measured against a strategy's own 1-worker
-run, else the single-process baseline's (``paralab.runner.strategy_for``).
+run, else the single-process baseline's (``paralab.strategies.strategy_for``).
 
 Sweeps draw with :func:`plot_epoch_time` and :func:`plot_speedup`.
 """
@@ -155,7 +155,7 @@ def plot_split_time(runs: list[Run], path) -> Path:
 def baseline_strategy() -> str | None:
     """The single-process strategy speed-ups fall back on (``single``), or None."""
     try:
-        from .runner import strategy_for
+        from .strategies import strategy_for
         return strategy_for("baseline")
     except Exception:  # noqa: BLE001 - without a registry: no baseline, each run against its own
         return None

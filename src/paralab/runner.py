@@ -40,7 +40,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -246,25 +245,6 @@ def stop(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
-
-
-# ---------------------------------------------------------------------------- strategy roles
-@lru_cache(maxsize=None)
-def strategy_for(role: str) -> str | None:
-    """The registered strategy that plays ``role`` (its class lists it in ``roles``), else None.
-
-    Roles: "baseline", the single-process run speed-ups are measured against (and sweeps' 1-worker
-    point); "scaling", the data-parallel strategy ``paralab sweep scaling`` studies by default.
-    """
-    from .strategies import get_strategy, strategy_names
-    for name in strategy_names():
-        try:
-            cls = get_strategy(name)
-        except Exception:  # noqa: BLE001 - a strategy that does not import plays no role
-            continue
-        if role in (getattr(cls, "roles", None) or ()):
-            return name
-    return None
 
 
 # ---------------------------------------------------------------------------- the child

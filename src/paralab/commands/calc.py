@@ -27,6 +27,8 @@ import json
 import math
 
 from ..errors import UsageError
+from ..models import GPTOptions, ModelOptions
+from ..options import add_flags
 
 HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
 
@@ -92,10 +94,7 @@ def add_arguments(p) -> None:
                                    "2022), training FLOPs per token (6N + 12 L h s). With RUN: the shape from the "
                                    "run, the collectives it recorded per step beside the prediction, and its MFU.")
     q.add_argument("run", nargs="?", help="a run directory of --model gpt with --tp (optional)")
-    q.add_argument("--layers", type=int, default=4)
-    q.add_argument("--embed", type=int, default=128, help="model width h")
-    q.add_argument("--heads", type=int, default=4)
-    q.add_argument("--context", type=int, default=64, help="tokens per sequence s")
+    add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
     q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
     q.add_argument("--tp", type=int, default=2)
     q.add_argument("--sequence-parallel", action="store_true")
@@ -107,9 +106,7 @@ def add_arguments(p) -> None:
     q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
                        description="Cut the model as `paralab train model|pipeline` would and count the "
                                    "activations sent forward and gradients sent back at each boundary.")
-    q.add_argument("--model", default="vgg11")
-    q.add_argument("--width", type=float, default=1.0)
-    q.add_argument("--norm", help="batch | none (default: the model's own)")
+    add_flags(q, ModelOptions, only=("--model", "--width", "--norm"))
     q.add_argument("--workers", type=int, required=True, help="stages (one per worker)")
     q.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
     q.add_argument("--microbatches", type=int, default=1, help="microbatches per step (messages, not bytes)")
@@ -133,10 +130,10 @@ def add_arguments(p) -> None:
 def _size_options(q, bytes_option: bool) -> None:
     g = q.add_mutually_exclusive_group(required=True)
     g.add_argument("--parameters", type=float, help="parameter count Psi (e.g. 7.5e9)")
-    g.add_argument("--model", help="count the parameters of a paralab model (vgg11, resnet18, ...)")
+    add_flags(g, ModelOptions, only=("--model",), defaults=dict(model=None))  # or --parameters
     if bytes_option:
         g.add_argument("--bytes", type=float, help="message size S in bytes")
-    q.add_argument("--width", type=float, default=1.0, help="with --model: channel multiplier (default 1)")
+    add_flags(q, ModelOptions, only=("--width",))
 
 
 def run(args) -> int:

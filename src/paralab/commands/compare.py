@@ -60,7 +60,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import RunConfig
+from .. import options
+from ..config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
 # steps before PowerSGD starts) is spelled where compression is: strategies/compression.py
@@ -71,42 +72,27 @@ from ..strategies.compression import parse_variants as parse_compress
 
 HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML, trace)"
 
-DEFAULTS = dict(workers="1,2", num_batches=10, batch_size=64, width=0.25, model="vgg11", dataset="auto",
-                lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5)
+#: `paralab train` options compare takes too (flags and help from their declarations), in this order
+TRAIN_OPTIONS = ("--num-batches", "--batch-size", "--width", "--model", "--dataset", "--lr", "--eval-batches",
+                 "--microbatches", "--bucket-mb", "--data-dir", "--check", "--network")
+#: compare's defaults where they differ from `paralab train`'s (sized for a 2-core laptop: see above)
+DEFAULTS = dict(num_batches=10, batch_size=64, width=0.25, lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5,
+                check=True)
+WORKERS = "1,2"  # default worker counts
 #: train options compare sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "resume", "world_size", "rank")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     p.add_argument("--strategies", help="comma-separated strategies (default: every registered one)")
-    p.add_argument("--workers", default=None, help=f"comma-separated worker counts (default {d['workers']}: the strategies that split "
-                        "the model at 2 only, and without --strategies the others too, the baseline at 1; "
-                        "given, every strategy runs at each count it accepts)")
-    p.add_argument("--num-batches", type=int, default=d["num_batches"], help="training steps per run (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="global batch (default %(default)s)")
-    p.add_argument("--width", type=float, default=d["width"], help="model channel multiplier (default %(default)s)")
-    p.add_argument("--model", default=d["model"], help="model (default %(default)s)")
-    p.add_argument("--dataset", default=d["dataset"], help="auto | cifar10 | fashion-mnist | synthetic (default %(default)s)")
-    p.add_argument("--data-dir", help="folder with the dataset files")
-    p.add_argument("--lr", type=float, default=d["lr"], help="learning rate (default %(default)s)")
-    p.add_argument("--eval-batches", type=int, default=d["eval_batches"],
-                   help="test batches evaluated per run (default %(default)s; 0 = the whole test split)")
-    p.add_argument("--microbatches", type=int, default=d["microbatches"],
-                   help="microbatches of the runs whose strategy takes them (pipelines; default %(default)s)")
-    p.add_argument("--bucket-mb", type=float, default=d["bucket_mb"],
-                   help="gradient bucket of ddp-style runs, MiB (default %(default)s: the width-0.25 model's "
-                        "2.2 MiB of gradients then fill several buckets, so communication can overlap backward)")
+    p.add_argument("--workers", default=None, help=f"comma-separated worker counts (default {WORKERS}: the strategies "
+                   "that split the model at 2 only, and without --strategies the others too, the baseline at 1; "
+                   "given, every strategy runs at each count it accepts)")
+    options.add_flags(p, *ALL_OPTION_CLASSES, only=TRAIN_OPTIONS, defaults=DEFAULTS)
     p.add_argument("--cores-per-worker", default="auto",
                    help="cores pinned to each worker: auto (cores // the largest worker count, so every run "
                         "of the matrix gives a worker the same cores, like one machine per worker in CS744), "
                         "a number, or none (no pinning: one worker then uses every core)")
-    p.add_argument("--check", dest="check", action="store_true", default=True,
-                   help="compare every run with the single-process reference (default)")
-    p.add_argument("--network", metavar="RATE[,LATENCY]",
-                   help="every multi-worker run on an emulated network: each worker on its own full-duplex "
-                        "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the reference check")
     p.add_argument("--compress", default="none", metavar="LIST",
                    help=f"gradient compression variants, comma-separated from {COMPRESS_SPELLINGS}; applies "
                         "to ddp and torch-ddp (as `paralab train --compress`), each of which runs once per "
@@ -123,22 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ======================================================================== train options as a config
-class _RaisingParser(argparse.ArgumentParser):
-    def __init__(self, what: str, **kw):
-        super().__init__(prog=what, add_help=False, **kw)
-        self.what = what
-
-    def error(self, message):
-        raise UsageError(f"{self.what}: {message}")
-
-
-def _train_parser(what: str = "--train-args") -> argparse.ArgumentParser:
-    from ..cli import add_train_options
-    p = _RaisingParser(what)
-    add_train_options(p)
-    return p
-
-
 def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str = "compare") -> dict:
     """The RunConfig fields set by ``text``, written as `paralab train` options (user input such as
     ``--train-args="--norm none"``): {field: value} for the options given, and only those."""
@@ -146,47 +116,18 @@ def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str
         tokens = shlex.split(text or "")
     except ValueError as exc:
         raise UsageError(f"{what}: {exc}") from None
-    p = _train_parser(what)
-    for action in p._actions:  # only what the text sets, not the parser's defaults
-        action.default = argparse.SUPPRESS
-    given = vars(p.parse_args(tokens))
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    clash = [_flag(p, k) for k in given if k in owned]
+    given = RunConfig.given(tokens, what)
+    clash = ["--" + k.replace("_", "-") for k in given if k in owned]
     if clash:
         raise UsageError(f"{what} may not set {', '.join(clash)}: {owner} sets them for every run")
-    return {k: v for k, v in given.items() if k in fields}
-
-
-def _flag(p: argparse.ArgumentParser, dest: str) -> str:
-    for action in p._actions:
-        if action.dest == dest and action.option_strings:
-            return action.option_strings[0]
-    return "--" + dest.replace("_", "-")
+    return given
 
 
 def train_command(cfg: RunConfig, run_dir=None) -> str:
-    """The `paralab train` command line that makes the same run (for people: reports, --dry-run);
-    options at their default are left out."""
-    p = _train_parser()
-    default = RunConfig()
-    parts = ["paralab", "train", cfg.strategy, "--workers", str(cfg.workers)]
-    for action in p._actions:
-        dest = action.dest
-        if dest in ("workers", "out") or not action.option_strings or not hasattr(cfg, dest):
-            continue
-        value = getattr(cfg, dest)
-        if value == getattr(default, dest, None) or value is None:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            parts.append(action.option_strings[0 if value else 1])
-        elif action.nargs == 0:  # store_true / store_false
-            if value == action.const:
-                parts.append(action.option_strings[0])
-        else:
-            parts += [action.option_strings[0], str(value)]
-    if run_dir is not None:
-        parts += ["--out", str(run_dir)]
-    return shlex.join(parts)
+    """The `paralab train` command line that makes the same run (for people: reports, --dry-run):
+    ``--workers`` first, the options that differ from their default, ``--out RUN_DIR`` last."""
+    words = ["paralab", "train", *cfg.to_argv(first=("workers",), out=None)]
+    return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
 
 
 def changed_fields(cfg: RunConfig) -> dict:
@@ -258,7 +199,7 @@ def plan(a) -> tuple[list[dict], list[str]]:
     else:
         wanted = names
     explicit_workers = a.workers is not None
-    workers = parse_int_list(a.workers or DEFAULTS["workers"], "--workers")
+    workers = parse_int_list(a.workers or WORKERS, "--workers")
     a.pinned = cores_per_worker(a, workers)
     for name, value in (("--num-batches", a.num_batches), ("--batch-size", a.batch_size),
                         ("--microbatches", a.microbatches), ("--run-timeout", a.run_timeout),
@@ -358,16 +299,9 @@ def canonical_command(a) -> str:
     parts = ["paralab", "compare"]
     if a.strategies:
         parts += ["--strategies", a.strategies]
-    parts += ["--workers", a.workers or DEFAULTS["workers"], "--num-batches", str(a.num_batches), "--batch-size",
-              str(a.batch_size), "--width", str(a.width), "--model", a.model, "--dataset", a.dataset, "--lr",
-              str(a.lr), "--eval-batches", str(a.eval_batches), "--microbatches", str(a.microbatches),
-              "--bucket-mb", str(a.bucket_mb)]
-    if a.data_dir:
-        parts += ["--data-dir", a.data_dir]
-    parts += ["--cores-per-worker", str(a.cores_per_worker)]
-    parts.append("--check" if a.check else "--no-check")
-    if getattr(a, "network", None):
-        parts += ["--network", a.network]
+    parts += ["--workers", a.workers or WORKERS, "--cores-per-worker", str(a.cores_per_worker)]
+    given = {name: getattr(a, name, None) for name in map(options.name_of, TRAIN_OPTIONS)}
+    parts += options.to_argv(given, ALL_OPTION_CLASSES, first=[k for k, v in given.items() if v is not None])
     variants = [v for v, _ in parse_compress(getattr(a, "compress", "none"))]
     if variants != ["none"]:
         parts += ["--compress", ",".join(variants)]

@@ -16,7 +16,8 @@ import json
 import torch
 
 from ..errors import UsageError
-from ..models import DEFAULT_NORM, MODELS, build_model, count_parameters
+from ..models import DEFAULT_NORM, MODELS, ModelOptions, build_model, count_parameters
+from ..options import add_flags
 from ..partition import (analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch,
                          split_costs)
 
@@ -24,12 +25,11 @@ HELP = "split a model into pipeline stages; show parameters, time shares and bou
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="vgg11", help=f"{' | '.join(MODELS)} (default %(default)s)")
+    add_flags(p, ModelOptions, only=("--model",))
     p.add_argument("--workers", type=int, default=2, help="number of stages (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="batch crossing the boundaries (default %(default)s)")
     p.add_argument("--microbatches", type=int, default=1, help="also show per-microbatch sizes")
-    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (default %(default)s)")
-    p.add_argument("--norm", help="batch | none (default: the model's own; none for the CS1390 VGG-16s)")
+    add_flags(p, ModelOptions, only=("--width", "--norm"))
     p.add_argument("--partition", default="balanced", help="balanced | params | counts such as 2,3,8")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per unit (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

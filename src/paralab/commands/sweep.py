@@ -42,12 +42,15 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import RunConfig
+from .. import options
+from ..config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 from .compare import changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
 
 HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
 
+#: the sweep's defaults where they differ from `paralab train`'s
+DEFAULTS = dict(width=0.25, lr=0.02)
 #: train options the sweep sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "num_batches", "batch_size", "per_worker_batch", "warmup", "epochs", "cores_per_worker",
          "lr", "lr_scaling", "warmup_epochs")
@@ -85,21 +88,12 @@ def add_arguments(p) -> None:
 def _common(q) -> None:
     q.add_argument("--epoch-samples", type=int, default=2048,
                    help="samples per epoch (default %(default)s; 0 = the whole training split)")
-    q.add_argument("--model", default="vgg11")
-    q.add_argument("--width", type=float, default=0.25, help="channel multiplier (default %(default)s)")
-    q.add_argument("--dataset", default="auto")
-    q.add_argument("--data-dir")
-    q.add_argument("--lr", type=float, default=0.02, help="learning rate (default %(default)s)")
-    q.add_argument("--lr-scaling", default="none",
-                   help="none | linear: lr x global batch / 256 for large batches (Goyal et al.; default none)")
-    q.add_argument("--warmup-epochs", type=float, default=0.0,
-                   help="ramp the lr up over this many dataset epochs (Goyal et al.'s gradual warm-up)")
+    options.add_flags(q, *ALL_OPTION_CLASSES, only=("--model", "--width", "--dataset", "--data-dir", "--lr",
+                                                    "--lr-scaling", "--warmup-epochs"), defaults=DEFAULTS)
     q.add_argument("--cores-per-worker", default="auto",
                    help="cores pinned to each worker: auto (cores // the largest worker count: a 1-worker run "
                         "gets the same cores as each worker of a larger one), a number, or none")
-    q.add_argument("--network", metavar="RATE[,LATENCY]",
-                   help="every multi-worker run on an emulated network: each worker on its own full-duplex "
-                        "link of RATE, e.g. 1gbit (as `paralab train --network`: root or user namespaces)")
+    options.add_flags(q, *ALL_OPTION_CLASSES, only=("--network",))
     q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
     q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
     q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
@@ -234,7 +228,7 @@ def _epoch_samples(sw: Sweep) -> tuple[int, str]:
 
 def baseline() -> str | None:
     """The single-process strategy (sweeps' 1-worker point and batch-size default)."""
-    from ..runner import strategy_for
+    from ..strategies import strategy_for
     return strategy_for("baseline")
 
 
@@ -310,7 +304,7 @@ def sweep_batch_size(a) -> int:
 def sweep_scaling(a) -> int:
     from ..analysis.cost import bandwidth_utilisation
     from ..report import Report, text_table
-    from ..runner import strategy_for
+    from ..strategies import strategy_for
     from ..strategies import get_strategy
     strategy = a.strategy or strategy_for("scaling")
     if not strategy:

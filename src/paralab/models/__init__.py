@@ -8,8 +8,11 @@ same way: by index into the unit list.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
+from ..options import option
 from .gpt import GPTOptions, gpt
 from .resnet import resnet18
 from .vgg import VGG_CONFIGS, vgg
@@ -37,6 +40,18 @@ MODALITY = {name: "text" if name == "gpt" else "image" for name in MODELS}
 #: (the transformer has LayerNorm, never BatchNorm)
 DEFAULT_NORM = {name: "none" if name.startswith("vgg16-cs1390") or MODALITY[name] == "text" else "batch"
                 for name in MODELS}
+NORMS = ("batch", "none")
+
+
+@dataclass
+class ModelOptions:
+    """model"""
+    model: str = option("vgg11", "the model (gpt's shape: --layers --heads --embed --context)", choices=MODELS,
+                        noun="model")
+    width: float = option(1.0, "channel multiplier, e.g. 0.25 for fast runs", positive=True)
+    norm: str | None = option(None, "normalisation: BatchNorm, or none (a BatchNorm-free model); default: the model's "
+                                    "own (batch; none for the CS1390 VGG-16s, as CS1390 trains them)",
+                              type=str, choices=NORMS)
 
 
 def build_model(name: str, *, width: float = 1.0, norm: str | None = None,
@@ -63,4 +78,5 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "model_shape", "VGG_CONFIGS", "build_model", "count_parameters"]
+__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS",
+           "build_model", "count_parameters"]

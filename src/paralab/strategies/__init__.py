@@ -8,6 +8,7 @@ each stage's units over tp, then wrap them for data parallelism).
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 
 from ..errors import UsageError
 
@@ -37,6 +38,23 @@ def get_strategy(name: str):
         raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(REGISTRY)}")
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+@lru_cache(maxsize=None)
+def strategy_for(role: str) -> str | None:
+    """The registered strategy that plays ``role`` (its class lists it in ``roles``), else None.
+
+    Roles: "baseline", the single-process run speed-ups are measured against (and sweeps' 1-worker
+    point); "scaling", the data-parallel strategy ``paralab sweep scaling`` studies by default.
+    """
+    for name in strategy_names():
+        try:
+            cls = get_strategy(name)
+        except Exception:  # noqa: BLE001 - a strategy that does not import plays no role
+            continue
+        if role in (getattr(cls, "roles", None) or ()):
+            return name
+    return None
 
 
 def plan(cfg, world: int):

@@ -1,0 +1,130 @@
+"""paralab's modules import each other in layers, with no cycle.
+
+Every module under src/paralab is parsed (``ast``, nothing is imported);
+every import it makes counts, at the top or inside a function, except under
+``if TYPE_CHECKING:`` (never run). A package's ``__init__`` importing its own
+submodules is fine (that is how a package exposes them) and is left out of the
+cycle search. The rules are the two tables below: a restructure that moves
+files edits the tables, not the test. A name stands for the module and,
+if it is a package, everything under it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+#: module -> the only modules (besides its own package's) that may import it
+ONLY_IMPORTED_BY = {
+    "paralab.cli": ("paralab.__main__",),   # the command line is the top: nothing builds on it
+    "paralab.commands": ("paralab.cli",),   # subcommands are registered by the command line alone
+}
+#: (these modules, must never import these): the library below the run machinery
+NEVER = [
+    (("paralab.strategies", "paralab.models", "paralab.data"),
+     ("paralab.commands", "paralab.cli", "paralab.launch", "paralab.runner", "paralab.worker", "paralab.plots",
+      "paralab.report", "paralab.analysis")),
+    # drawing reads run records; it does not start runs
+    (("paralab.plots", "paralab.analysis"), ("paralab.runner", "paralab.launch", "paralab.worker")),
+]
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "paralab"
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """{dotted name: (file, is a package's __init__)} for every module under src/paralab."""
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if package else parts)] = (path, package)
+    return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except what sits under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def imports() -> dict[str, set[str]]:
+    """{module: the paralab modules it imports}, relative imports resolved."""
+    known = modules()
+    graph = {}
+    for name, (path, package) in known.items():
+        here = name if package else name.rpartition(".")[0]
+        found = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                found.add(target)
+                found |= {f"{target}.{alias.name}" for alias in node.names}  # `from . import x`: module x
+        graph[name] = {m for m in found if m in known and m != name}
+    return graph
+
+
+def within(module: str, names) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def test_the_parser_sees_the_package():
+    graph = imports()
+    assert "paralab.config" in graph and "paralab.options" in graph["paralab.config"]
+    assert "paralab.strategies.ddp" in graph and "paralab.commands.compare" in graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, path = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        state[m] = "done"
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    known = modules()
+    graph = {m: {n for n in deps if not (known[m][1] and n.startswith(m + "."))}  # __init__ -> own submodules
+             for m, deps in imports().items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("target,allowed", sorted(ONLY_IMPORTED_BY.items()))
+def test_only_its_callers_import(target, allowed):
+    bad = sorted(m for m, deps in imports().items()
+                 if any(within(d, [target]) for d in deps) and not within(m, [target, *allowed]))
+    assert not bad, f"{target} may be imported by {', '.join(allowed)} only; also by {', '.join(bad)}"
+
+
+@pytest.mark.parametrize("importers,forbidden", NEVER)
+def test_layers_never_import_upward(importers, forbidden):
+    bad = sorted(f"{m} imports {d}" for m, deps in imports().items() if within(m, importers)
+                 for d in deps if within(d, forbidden))
+    assert not bad, "; ".join(bad)
