@@ -82,7 +82,7 @@ def plot(rows: list[dict], rates: list[str], path: Path, title: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    from paralab import network
+    from paralab.run import network
     from paralab.errors import UsageError
     try:  # root, or a user namespace where the kernel allows one (as `paralab train --network`)
         network.check_can_emulate(network.parse("1gbit"))

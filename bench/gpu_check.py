@@ -128,7 +128,7 @@ CHECK_ARGS = ["--device", "cuda", "--precision", "fp64", "--dataset", "synthetic
 def plan_checks(gpus: int) -> list[tuple[str, int, list[str], str | None]]:
     """(strategy, workers, extra args, why left out) for every registered strategy."""
     sys.path.insert(0, str(SRC))
-    from paralab.config import RunConfig
+    from paralab.run.config import RunConfig
     from paralab.errors import UsageError
     from paralab.strategies import strategy_names
     out = []
@@ -183,7 +183,7 @@ def step_flops(model: str, width: float, batch: int, **shape) -> int:
     sys.path.insert(0, str(SRC))
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from paralab.losses import cross_entropy
+    from paralab.training.losses import cross_entropy
     from paralab.models import MODALITY, build_model
     with torch.device("meta"):
         net = build_model(model, width=width, **shape)

@@ -3,7 +3,7 @@
 ``sudo python bench/network.py [--workers 4] [--rates 100mbit,1gbit,10gbit] [--repeats 3]``
 
 For each link rate, N ranks each get a namespace and a full-duplex link of
-that rate to one switch (``paralab.network``, as ``paralab train --network``
+that rate to one switch (``paralab.run.network``, as ``paralab train --network``
 builds it) and time, through ``paralab.comm`` over gloo:
 
 - **all-reduce** of S bytes, against the ring formula of ``analysis/cost.py``:
@@ -63,7 +63,7 @@ def sizes_for(rate_bps: float, args) -> list[int]:
 
 
 def _rank(rank: int, args, record: dict, init_method: str, sizes: list[int], queue) -> None:
-    from paralab.network import join
+    from paralab.run.network import join
     join(record, rank)
     import torch
     import torch.distributed as dist
@@ -121,7 +121,7 @@ def predicted(op: str, size: int, n: int, gbps: float) -> dict:
 def measure(rate: str, args) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from paralab import network
+    from paralab.run import network
 
     spec = network.parse(rate)
     sizes = sizes_for(spec.rate_bps, args)
@@ -185,7 +185,7 @@ def plot(rows: list[dict], rates: list[str], n: int, path) -> None:
 def main(argv: list[str]) -> int:
     import torch
 
-    from paralab import network
+    from paralab.run import network
 
     args = parse(argv)
     if os.geteuid() != 0:

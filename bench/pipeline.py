@@ -34,7 +34,7 @@ from common import RESULTS, ROOT, SRC, paralab_train, write_result
 sys.path.insert(0, str(SRC))
 
 from paralab.models import build_model  # noqa: E402
-from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
+from paralab.strategies.pipeline.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
 from paralab.strategies.pipeline.schedules import build_schedule  # noqa: E402
 from paralab.strategies.pipeline.simulate import simulate, simulated_bubble  # noqa: E402
 

@@ -47,7 +47,7 @@ from paralab.analysis.cost import SCHEDULE_SOURCES, schedule_bubble  # noqa: E40
 from paralab.analysis.pipeline import ideal_timeline  # noqa: E402
 from paralab.analysis.runs import load_run  # noqa: E402
 from paralab.models import build_model  # noqa: E402
-from paralab.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
+from paralab.strategies.pipeline.partition import measure_unit_times, sample_batch, split_costs  # noqa: E402
 
 #: name -> (strategy, schedule, stages per rank)
 CONFIGS = {

@@ -149,7 +149,7 @@ def test_crafted_cifar_batch_is_refused_without_running_it(capsys, tmp_path):
 def test_bf16_refused_on_a_cpu_without_bf16_instructions(capsys, tmp_path, monkeypatch):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n")
-    monkeypatch.setattr("paralab.config.CPUINFO", cpuinfo)
+    monkeypatch.setattr("paralab.run.config.CPUINFO", cpuinfo)
     err = refused(capsys, tmp_path, "single", *FAST, "--precision", "bf16", "--device", "cpu")
     assert "this CPU (AMD EPYC) has no bfloat16 instructions" in err and "avx512_bf16" in err
     assert "--allow-slow-bf16" in err

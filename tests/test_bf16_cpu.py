@@ -1,11 +1,11 @@
 """--precision bf16 on a CPU: refused (exit 2) where the CPU has no bf16 instructions, unless forced.
 
-The detection reads /proc/cpuinfo through ``paralab.config.CPUINFO``; the tests point it at
+The detection reads /proc/cpuinfo through ``paralab.run.config.CPUINFO``; the tests point it at
 made-up files, so both paths are covered whatever CPU runs them.
 """
 import pytest
 
-from paralab.config import RunConfig, cpu_bf16_support
+from paralab.run.config import RunConfig, cpu_bf16_support
 from paralab.errors import UsageError
 
 EPYC_AVX2 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
@@ -47,7 +47,7 @@ def config(**overrides) -> RunConfig:
 
 def test_validation_refuses_only_bf16_on_a_cpu_without_it_unless_forced(tmp_path, monkeypatch):
     path = tmp_path / "cpuinfo"
-    monkeypatch.setattr("paralab.config.CPUINFO", path)
+    monkeypatch.setattr("paralab.run.config.CPUINFO", path)
     path.write_text(EPYC_AVX2)
     with pytest.raises(UsageError, match=r"this CPU \(AMD EPYC\) has no bfloat16 instructions.*--allow-slow-bf16"):
         config().validate()

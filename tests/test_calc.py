@@ -8,7 +8,7 @@ import torch
 
 from paralab.analysis import cost
 from paralab.cli import main
-from paralab.schedule import lr_at, target_lr
+from paralab.training.lr_schedule import lr_at, target_lr
 
 from report_runs import tiny_compare
 
@@ -119,7 +119,7 @@ def test_bubble_and_in_flight_functions():
 # ---------------------------------------------------------------- boundary traffic (CS1390 Q2.3)
 def test_comm_counts_the_real_boundary(capsys):
     from paralab.models import build_model
-    from paralab.partition import partition_model
+    from paralab.strategies.pipeline.partition import partition_model
     code, out, _ = calc(capsys, "comm", "--model", "vgg11", "--width", "0.25", "--workers", "2",
                         "--batch-size", "64", "--partition", "params")
     assert code == 0

@@ -13,7 +13,7 @@ from paralab.analysis.runs import Run
 from paralab.commands import compare
 from paralab.errors import UsageError
 from paralab.kinds import UNCOUNTED_COMM
-from paralab.report import results_table
+from paralab.report.page import results_table
 
 from report_runs import TINY, run_compare
 

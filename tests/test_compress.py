@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.strategies.compression import (ReferenceCompression, compressible, initial_q, matrix_shape,
                                             orthonormalize_)

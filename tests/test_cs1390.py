@@ -11,7 +11,7 @@ import torch.nn as nn
 from paralab.cli import main
 from paralab.errors import UsageError
 from paralab.models import build_model, count_parameters
-from paralab.partition import analyze_partition, boundary_shapes, partition_model
+from paralab.strategies.pipeline.partition import analyze_partition, boundary_shapes, partition_model
 
 # CS1390's partitions (split_vgg16's unit counts per worker) for 1..6 workers
 PARTITIONS = {1: [13], 2: [5, 8], 3: [2, 3, 8], 4: [2, 2, 3, 6], 5: [1, 2, 2, 3, 5], 6: [1, 1, 2, 2, 2, 5]}

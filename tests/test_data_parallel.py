@@ -17,7 +17,7 @@ import torch
 from spawn_ranks import spawn
 import torch.nn as nn
 
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.strategies.allreduce import AllReduce, AllReduceReplicas
 
 STRATEGIES = ("allreduce", "gather-scatter", "ddp", "torch-ddp")
@@ -47,7 +47,7 @@ def job_config(world: int, out: Path, strategy: str, norm: str, **extra) -> RunC
 def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
     """One rank: every job in turn (each a whole run with its own process group), then unit checks."""
     from paralab.strategies import REGISTRY
-    from paralab.worker import run_worker
+    from paralab.run.worker import run_worker
     torch.set_num_threads(1)
     REGISTRY[NoAverage.name] = f"{__name__}:NoAverage"  # only in these worker processes
     for i, cfg in enumerate(jobs):
@@ -262,7 +262,7 @@ def test_ddp_unused_parameters_do_not_hang(matrix):
 
 
 def test_biases_cancelled_by_batchnorm_are_found():
-    from paralab.check import cancelled_by_batchnorm
+    from paralab.check.verdict import cancelled_by_batchnorm
     from paralab.models import build_model
     model = build_model("vgg11", width=0.125, norm="batch")
     vgg = cancelled_by_batchnorm(model)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import run_paralab
-from paralab.checkpoint import load
+from paralab.run.checkpoint import load
 from paralab.cli import main
 from paralab.models import build_model
 
@@ -154,8 +154,8 @@ def test_torch_ddp_rank_files_hold_rank0s_batchnorm_statistics(tmp_path, capsys)
 
 def fake_run(run: Path, strategy: str, workers: int, ranks) -> Path:
     """A run directory holding the checkpoints a data-parallel run of the seeded model would write."""
-    from paralab import checkpoint
-    from paralab.config import RunConfig
+    from paralab.run import checkpoint
+    from paralab.run.config import RunConfig
     cfg = RunConfig(strategy=strategy, workers=workers, width=0.125, norm="none", dataset="synthetic")
     for rank in ranks:
         checkpoint.save(run, rank, 3, cfg, {"model": seeded_model("none").state_dict(), "optimizer": {}})

@@ -17,8 +17,8 @@ import pytest
 import torch
 from spawn_ranks import spawn
 
-from paralab.config import RunConfig
-from paralab.verify import TOLERANCES
+from paralab.run.config import RunConfig
+from paralab.check.reference import TOLERANCES
 
 # about 4 minutes on 2 quiet cores: `make test-slow`, which CI runs after `make test`
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -55,7 +55,7 @@ def job_config(out: Path, strategy: str, workers: int, extra: dict) -> RunConfig
 
 
 def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
-    from paralab.worker import run_worker
+    from paralab.run.worker import run_worker
     torch.set_num_threads(1)
     for i, cfg in enumerate(jobs):
         try:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from spawn_ranks import spawn
 import torch.nn as nn
 
-from paralab.records import predicted_memory
+from paralab.run.records import predicted_memory
 
 from paralab.strategies.fsdp import FlatUnit, Ledger
 
@@ -162,14 +162,14 @@ COMBOS = [("fsdp", stage, norm, "sgd") for stage in (1, 2, 3) for norm in ("batc
 
 
 def _run_combo(rank, world, combo, data):
-    from paralab.check import Reference, run_check
+    from paralab.check.verdict import Reference, run_check
     from paralab.comm import Comm
-    from paralab.config import RunConfig
+    from paralab.run.config import RunConfig
     from paralab.data import BatchSource
     from paralab.recorder import Recorder
     from paralab.strategies import get_strategy
     from paralab.strategies.base import Context
-    from paralab.worker import build_model_factory, build_optimizer_factory
+    from paralab.run.worker import build_model_factory, build_optimizer_factory
 
     name, stage, norm, optimizer = combo
     stage, _, when = str(stage).partition("-")
@@ -354,7 +354,7 @@ def test_cli_fsdp_stage3_three_workers(paralab):
     assert details["memory"]["measured"]["resident_peak_bytes"] > 0
     assert any(sp["args"].get("async") for sp in r.rows("spans.jsonl") if sp["category"] == "comm")
     # the memory figure and table: measured resident peak beside the model's states and peak
-    from paralab import plots
+    from paralab.report import plots
     from paralab.analysis.runs import load_run
     for rank, m in plots.memory_by_rank(load_run(r.out)).items():
         measured = sum(v for v, _ in m["parts"].values())

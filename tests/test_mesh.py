@@ -14,7 +14,7 @@ import pytest
 import torch
 from spawn_ranks import spawn
 
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.mesh import Mesh, MeshShape
 
@@ -100,7 +100,7 @@ def job_config(out: Path, strategy: str, schedule: str, norm: str, **extra) -> R
 
 
 def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
-    from paralab.worker import run_worker
+    from paralab.run.worker import run_worker
     torch.set_num_threads(1)
     for i, cfg in enumerate(jobs):
         try:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from paralab import network
-from paralab.config import RunConfig
+from paralab.run import network
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 
 from conftest import FAST
@@ -181,7 +181,7 @@ def test_ddp_over_a_100mbit_network_is_correct_link_limited_recorded_and_cleaned
     assert 0.005 < busbw < 0.0125 * 1.2, busbw
 
     from paralab.analysis.runs import load_run
-    from paralab.report import environment_rows
+    from paralab.report.page import environment_rows
     rows = dict(map(tuple, environment_rows(load_run(run))))
     assert "full-duplex 100 Mbit/s link" in rows["network"]
     calc = subprocess.run([sys.executable, "-m", "paralab", "calc", "run", str(run)], capture_output=True,

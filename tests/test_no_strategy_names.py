@@ -23,7 +23,7 @@ import paralab
 from paralab.strategies import strategy_names
 
 SRC = Path(paralab.__file__).parent
-SCANNED = ["plots.py", "report.py", "analysis/*.py", "commands/*.py"]
+SCANNED = ["report/*.py", "analysis/*.py", "commands/*.py"]
 
 #: (file relative to src/paralab, literal) -> why it is not a strategy's name
 ALLOWED = {

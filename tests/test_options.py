@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from paralab import options
-from paralab.checkpoint import IDENTITY_KEYS
+from paralab.run.checkpoint import IDENTITY_KEYS
 from paralab.cli import build_parser, config_from_args
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.strategies import get_strategy, strategy_names
 from paralab.strategies.options import OPTION_CLASSES, StrategyOptions

@@ -11,7 +11,7 @@ import torch
 from paralab.cli import main
 from paralab.errors import UsageError
 from paralab.models import build_model
-from paralab.partition import (analyze_partition, boundary_shapes, measure_unit_times, parse_spec,
+from paralab.strategies.pipeline.partition import (analyze_partition, boundary_shapes, measure_unit_times, parse_spec,
                                partition_model, sample_batch, split_costs)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.models import build_model
 from paralab.strategies.base import Context

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.models import build_model
 from paralab.strategies.base import Context
@@ -132,7 +132,7 @@ def test_check_p2_m4(paralab, schedule, norm):
     assert_records(r, 2, schedule, 4, virtual)
     # the ideal timeline beside the measured one: the same schedule on the measured stage times
     from paralab.analysis.runs import load_run
-    from paralab.plots import ideal_schedule_boxes, timeline_table
+    from paralab.report.plots import ideal_schedule_boxes, timeline_table
     panel, why = ideal_schedule_boxes(load_run(r.out))
     assert why is None
     boxes, desc = panel

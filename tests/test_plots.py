@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from paralab import plots
+from paralab.report import plots
 from paralab.analysis.runs import load_run, load_runs
 from paralab.cli import main
 

@@ -194,9 +194,9 @@ def test_allocator_peak_per_step_reset_at_each_boundary():
 
 
 def test_records_put_the_allocator_peak_beside_the_prediction():
-    from paralab.config import RunConfig
+    from paralab.run.config import RunConfig
     from paralab.kinds import ALLOCATOR, MEMORY, MemoryModel
-    from paralab.records import derive_details
+    from paralab.run.records import derive_details
     model = MemoryModel(parameters=1000, workers=2, zero_stage=3, optimizer="sgd", precision="fp32",
                         unit_parameters=100).to_dict()
     details = [{MEMORY: {"model": model}, ALLOCATOR: {"peak_bytes": 4000, "by_step": {"0": 4000}}},
@@ -212,7 +212,7 @@ def test_records_put_the_allocator_peak_beside_the_prediction():
 def test_summary_gives_the_mean_and_the_median_step_of_the_slowest_rank():
     from types import SimpleNamespace
 
-    from paralab.records import summarize
+    from paralab.run.records import summarize
     cfg = SimpleNamespace(strategy="toy", model="mlp", width=1.0, norm="none", dataset="synthetic",
                           precision="fp32", warmup=1)
     # step 0 is warm-up; then the slowest rank takes 1, 1, 1 and (one disturbed step) 5 seconds

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from paralab.analysis.runs import Run, load_run
-from paralab.report import Report, markdown_table, merge_traces, results_table, text_table
+from paralab.report.page import Report, markdown_table, merge_traces, results_table, text_table
 
 from report_runs import TINY, run_compare, tiny_compare
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from paralab import runner
+from paralab.run import runner
 from paralab.analysis.runs import Run
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.progress import EVENTS_ENV, Progress, StatusLine
 
@@ -198,8 +198,8 @@ def toy_run(details: dict, workers: int = 2, spans=None, steps=None, split=None)
 
 
 def test_a_new_strategy_that_records_stages_is_drawn_as_a_pipeline():
-    from paralab import plots
-    from paralab.report import timeline_runs
+    from paralab.report import plots
+    from paralab.report.page import timeline_runs
     spans, steps = [], []
     for rank in (0, 1):
         steps.append({"rank": rank, "step": 0, "seconds": 0.1, "split": {}})
@@ -228,8 +228,8 @@ def test_a_new_strategy_that_records_stages_is_drawn_as_a_pipeline():
 
 
 def test_runs_without_stages_or_overlap_have_no_timeline_or_ideal_schedule():
-    from paralab import plots
-    from paralab.report import timeline_runs
+    from paralab.report import plots
+    from paralab.report.page import timeline_runs
     plain = toy_run({})
     assert plain.stages == {} and plain.pipeline is None and plain.bubbles == {}
     assert plain.label == "toy w2" and timeline_runs([plain]) == []
@@ -239,8 +239,8 @@ def test_runs_without_stages_or_overlap_have_no_timeline_or_ideal_schedule():
 
 
 def test_speedup_baseline_is_a_parameter():
-    from paralab import plots
-    from paralab.report import results_table
+    from paralab.report import plots
+    from paralab.report.page import results_table
     a1, a2 = toy_run({}, workers=1), toy_run({}, workers=2)
     a2.summary["seconds_per_iter"] = 0.05
     entries = [{"strategy": "toy", "workers": 1, "status": "ok"}, {"strategy": "toy", "workers": 2, "status": "ok"}]
@@ -251,7 +251,7 @@ def test_speedup_baseline_is_a_parameter():
 
 
 def test_sweep_figures_are_public_plot_functions(tmp_path):
-    from paralab import plots
+    from paralab.report import plots
     p = plots.plot_epoch_time([(16, {"epoch_s": 2.0, "epoch_no_data_s": 1.5}),
                                (32, {"epoch_s": 1.5, "epoch_no_data_s": 1.0})], tmp_path / "e.png")
     assert p.read_bytes()[:4] == b"\x89PNG"

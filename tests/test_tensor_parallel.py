@@ -16,7 +16,7 @@ import torch.distributed as dist
 from spawn_ranks import spawn
 
 from paralab.comm import Comm
-from paralab.losses import cross_entropy
+from paralab.training.losses import cross_entropy
 from paralab.models import build_model
 from paralab.recorder import Recorder
 from paralab.strategies.tensor import TensorParallelism

@@ -10,7 +10,7 @@ from paralab.cli import main
 from paralab.data import BatchSource, check_dataset, load_dataset, resolve_dataset, to_device, train_size
 from paralab.data import text
 from paralab.errors import UsageError
-from paralab.evaluate import format_report, text_metrics
+from paralab.training.evaluate import format_report, text_metrics
 
 TINY = ["--model", "gpt", "--layers", "1", "--embed", "32", "--heads", "2", "--context", "16",
         "--batch-size", "8", "--dataset", "synthetic-text", "--synthetic-size", "256", "--no-progress",

@@ -13,7 +13,7 @@ import torch
 
 from paralab.cli import main
 from paralab.comm import Comm
-from paralab.config import RunConfig
+from paralab.run.config import RunConfig
 from paralab.models import build_model
 from paralab.recorder import Recorder
 from paralab.strategies.base import Context

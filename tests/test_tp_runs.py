@@ -106,7 +106,7 @@ REFUSED = [dict(strategy="tp", workers=2),                                   # p
 
 @pytest.mark.parametrize("kw", REFUSED, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
 def test_tp_check_of_a_batchnorm_cnn_in_fp32_is_refused(kw):
-    from paralab.config import RunConfig
+    from paralab.run.config import RunConfig
     from paralab.errors import UsageError
     with pytest.raises(UsageError) as err:
         RunConfig(**CNN, **kw).validate()
@@ -123,7 +123,7 @@ def test_tp_check_of_a_batchnorm_cnn_in_fp32_is_refused(kw):
                                 dict(strategy="tp", workers=1),                      # tp 1: nothing split
                                 dict(strategy="ddp", workers=2)])                    # no tp: no limit
 def test_tp_check_where_fp32_or_fp64_can_vouch_is_accepted(kw):
-    from paralab.config import RunConfig
+    from paralab.run.config import RunConfig
     RunConfig(**{**CNN, **kw}).validate()
 
 

@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from paralab.checkpoint import load
+from paralab.run.checkpoint import load
 
 
 def test_synthetic_is_learnable_and_run_directory_is_complete(paralab):

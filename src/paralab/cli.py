@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .commands import COMMANDS
-from .config import RunConfig
+from .run.config import RunConfig
 from .errors import UsageError
 
 
@@ -25,7 +25,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from .launch import launch, under_torchrun
+    from .run.launch import launch, under_torchrun
     cfg = config_from_args(args)
     if under_torchrun():
         cfg.launched_by = "torchrun"

@@ -2,7 +2,7 @@
 
 - :class:`Progress`: the bar a rank draws (redrawn in place on a terminal, a
   line per 10% otherwise). When the environment names an events file
-  (``PARALAB_EVENTS``, set by :func:`paralab.runner.run` for the run it
+  (``PARALAB_EVENTS``, set by :func:`paralab.run.runner.run` for the run it
   starts), it also appends one JSON line per update to that file, so a
   program that runs paralab reads its progress as data instead of reading
   its output.
@@ -134,7 +134,7 @@ class StatusLine:
         self.stream.flush()
 
     def follow(self, prefix: str):
-        """An ``on_event`` callback (``paralab.runner.run``) that keeps this line up to date."""
+        """An ``on_event`` callback (``paralab.run.runner.run``) that keeps this line up to date."""
         state = {"phase": "starting", "done": None, "total": None, "note": "", "t0": time.monotonic()}
 
         def on_event(e: dict) -> None:

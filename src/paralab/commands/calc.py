@@ -212,7 +212,7 @@ def calc_memory(args) -> int:
     for e in estimates:
         print(e.text())
         print()
-    from ..report import text_table
+    from ..report.page import text_table
     header = ["strategy", "parameters", "gradients", "optimizer state", "total per worker"]
     rows = [[e.name, _gb(e.params.value), _gb(e.grads.value), _gb(e.optimizer_state.value), _gb(e.total)]
             for e in estimates]
@@ -289,7 +289,7 @@ def calc_bubble(args) -> int:
         _print(*fs)
         rows.append([m, f"{fs[0].value:.1f}", fs[1].value, fs[2].value])
     if len(ms) > 1:
-        from ..report import text_table
+        from ..report.page import text_table
         print(text_table(["microbatches", "bubble %", "alive GPipe (any stage)", "alive 1F1B (stage 0)"], rows))
     return 0
 
@@ -313,7 +313,7 @@ def _calc_schedule_bubble(args, p: int, ms: list[int]) -> int:
         _print(*fs)
         rows.append([m, f"{fs[0].value:.1f}", f"{fs[1].value:g}"])
     if len(ms) > 1:
-        from ..report import text_table
+        from ..report.page import text_table
         print(text_table(["microbatches", "bubble %", "peak alive (busiest rank)"], rows))
     return 0
 
@@ -416,7 +416,7 @@ def _measured_peak(workers: int) -> tuple[float, str]:
 def calc_comm(args) -> int:
     from ..analysis.cost import allreduce_bytes_per_rank, boundary_traffic, fmt_bytes, fmt_seconds, bytes_per_second
     from ..models import count_parameters
-    from ..partition import analyze_partition, parse_spec, partition_model, sample_batch
+    from ..strategies.pipeline.partition import analyze_partition, parse_spec, partition_model, sample_batch
     _positive("workers", args.workers)
     _positive("batch-size", args.batch_size)
     _positive("microbatches", args.microbatches)
@@ -427,7 +427,7 @@ def calc_comm(args) -> int:
     parse_spec(args.partition, args.workers, len(model))
     unit_times = None
     if args.partition == "balanced":
-        from ..partition import measure_unit_times
+        from ..strategies.pipeline.partition import measure_unit_times
         print("measuring each unit's forward+backward time on a batch of 32 to balance the stages...")
         unit_times = measure_unit_times(model, sample_batch(32, model=model))
     ranges = partition_model(model, args.workers, args.partition, unit_times=unit_times)
@@ -467,12 +467,12 @@ def calc_run(args) -> int:
     from ..analysis.cost import (bandwidth_utilisation, fmt_bytes, fmt_seconds,
                                  gather_scatter_time, link_share, ring_allreduce_time)
     from ..analysis.runs import load_run
-    from ..report import text_table
+    from ..report.page import text_table
     r = load_run(args.run)
     if args.bandwidth is not None:
         _positive("bandwidth", args.bandwidth)
     elif (r.config.get("network_emulated") or {}).get("gbps"):  # --network: the link the run had
-        from ..network import describe
+        from ..run.network import describe
         args.bandwidth = r.config["network_emulated"]["gbps"]
         print(f"link bandwidth from the run's --network: {args.bandwidth:g} Gb/s "
               f"({describe(r.config['network_emulated'])})")

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 from .. import options
-from ..config import ALL_OPTION_CLASSES, RunConfig
+from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
 # steps before PowerSGD starts) is spelled where compression is: strategies/compression.py
@@ -312,7 +312,7 @@ def canonical_command(a) -> str:
 
 # ======================================================================== running the matrix
 def run(a) -> int:
-    from .. import runner
+    from ..run import runner
     from ..progress import StatusLine
 
     runs, left_out = plan(a)
@@ -363,7 +363,7 @@ def run(a) -> int:
             entries.append(r)
         wall = time.time() - started
         print("compare: drawing figures and writing the report", file=sys.stderr)
-        from ..report import build_compare_report
+        from ..report.page import build_compare_report
         build_compare_report(tmp, entries, left_out, canonical_command(a), vars(a), wall, final_dir=out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -379,6 +379,6 @@ def run(a) -> int:
 
 
 def _print_table(out: Path) -> None:
-    from ..report import text_table
+    from ..report.page import text_table
     data = json.loads((out / "results.json").read_text())
     print(text_table(data["headers"], data["rows"]))

@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
 
 def read_states(run_dir: Path, tag: str | None) -> tuple[list[dict], int, dict]:
     """Every rank's checkpoint (weights_only), checked to be one run at one step: (files, step, identity)."""
-    from ..checkpoint import checkpoint_path, load
+    from ..run.checkpoint import checkpoint_path, load
     first = checkpoint_path(run_dir, 0, tag)
     if not first.exists():
         if tag:
@@ -85,7 +85,7 @@ def read_states(run_dir: Path, tag: str | None) -> tuple[list[dict], int, dict]:
 
 def run_config(run_dir: Path, ident: dict):
     """The run's config: config.json (a finished run) under the checkpoint's identity (always there)."""
-    from ..config import RunConfig
+    from ..run.config import RunConfig
     recorded = {}
     config_file = run_dir / "config.json"
     if config_file.exists():
@@ -147,7 +147,7 @@ def consolidate(run_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
 
 def run(args) -> int:
     import torch
-    from ..checkpoint import INIT
+    from ..run.checkpoint import INIT
     run_dir = Path(args.run)
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} is not a directory; give a run directory (paralab train --out)")

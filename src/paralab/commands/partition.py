@@ -18,7 +18,7 @@ import torch
 from ..errors import UsageError
 from ..models import DEFAULT_NORM, MODELS, ModelOptions, build_model, count_parameters
 from ..options import add_flags
-from ..partition import (analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch,
+from ..strategies.pipeline.partition import (analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch,
                          split_costs)
 
 HELP = "split a model into pipeline stages; show parameters, time shares and boundary tensors"

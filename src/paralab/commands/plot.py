@@ -32,7 +32,7 @@ from ..errors import UsageError
 
 HELP = "plot throughput | split-time | timeline | scaling | memory | deviation from run directories"
 
-from ..plots import KINDS  # noqa: E402
+from ..report.plots import KINDS  # noqa: E402
 
 
 def add_arguments(p) -> None:
@@ -45,9 +45,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import plots
+    from ..report import plots
     from ..analysis.runs import load_runs
-    from ..report import text_table
+    from ..report.page import text_table
 
     import sys
     runs = load_runs(args.runs, skip_unfinished=True, warn=lambda m: print(f"paralab plot: {m}", file=sys.stderr))

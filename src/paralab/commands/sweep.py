@@ -23,7 +23,7 @@ sweep.json, report.md, report.html and a figure.
 
 Large batches: --lr-scaling linear --warmup-epochs 1 apply Goyal et al.'s linear
 scaling rule and gradual warm-up to every run (`paralab train` options; the
-lr each step used follows paralab.schedule.lr_at).
+lr each step used follows paralab.training.lr_schedule.lr_at).
 
 examples:
   paralab sweep batch-size --max 512
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from .. import options
-from ..config import ALL_OPTION_CLASSES, RunConfig
+from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 from .compare import changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
 
@@ -178,7 +178,7 @@ class Sweep:
         self.tmp.mkdir()
 
     def run(self, name: str, cfg: RunConfig, index: str) -> dict:
-        from .. import runner
+        from ..run import runner
         from ..analysis.runs import load_run
         run_dir = self.tmp / "runs" / name
         prefix = f"[{index}] {name}"
@@ -234,7 +234,7 @@ def baseline() -> str | None:
 
 # ======================================================================== batch size (Q1)
 def sweep_batch_size(a) -> int:
-    from ..report import Report, text_table
+    from ..report.page import Report, text_table
     from ..strategies import get_strategy
     a.strategy = a.strategy or baseline()
     if not a.strategy:
@@ -287,7 +287,7 @@ def sweep_batch_size(a) -> int:
                 "it did not fit in memory." if sw.entries[-1]["status"] == "oom" else "the run failed (see logs/)."))
         ok = [e for e in sw.entries if e["status"] == "ok"]
         if ok:
-            from ..plots import plot_epoch_time
+            from ..report.plots import plot_epoch_time
             fig = plot_epoch_time([(int(e["name"][1:]), e["epoch"]) for e in ok], sw.tmp / "epoch_time.png")
             sec.figure(fig, "epoch_time.png", "Second-epoch time vs per-device batch size.")
         rep.section("Commands").code("\n".join(e["command"] for e in sw.entries))
@@ -303,7 +303,7 @@ def sweep_batch_size(a) -> int:
 # ======================================================================== scaling (Q2, Q3)
 def sweep_scaling(a) -> int:
     from ..analysis.cost import bandwidth_utilisation
-    from ..report import Report, text_table
+    from ..report.page import Report, text_table
     from ..strategies import strategy_for
     from ..strategies import get_strategy
     strategy = a.strategy or strategy_for("scaling")
@@ -421,7 +421,7 @@ def sweep_scaling(a) -> int:
 
 def _plot_speedup(path, results, modes, sizes, workers, strategy):
     """Speedup over the first worker count, one curve per mode and batch size."""
-    from ..plots import plot_speedup
+    from ..report.plots import plot_speedup
     if len(workers) < 2:
         return None
     curves = []

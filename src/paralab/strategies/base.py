@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..errors import UsageError
-from ..losses import cross_entropy
+from ..training.losses import cross_entropy
 from ..mesh import Mesh, MeshShape
 from ..recorder import Recorder
 

@@ -1,7 +1,7 @@
 """``model``: naive model parallelism (CS1390 Part 2): a pipeline fed one microbatch.
 
 The model's flat unit list is cut into ``W`` contiguous stages
-(``--partition``, see :mod:`paralab.partition`); rank ``k`` holds stage ``k``
+(``--partition``, see :mod:`paralab.strategies.pipeline.partition`); rank ``k`` holds stage ``k``
 only. One training step is the pipeline executor's with a single microbatch:
 
 1. forward: stage 0 runs its units on the batch and sends the activation to

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UsageError
-from ..losses import cross_entropy
+from ..training.losses import cross_entropy
 from .base import StepResult, split_microbatches
 from .pipeline.schedules import placement_for
 from .pipeline.strategy import Pipeline, PipelineOptions

@@ -39,7 +39,7 @@ import torch
 from ...comm import nbytes
 from ...errors import UsageError
 from ...kinds import MEMORY, MemoryModel
-from ...losses import cross_entropy
+from ...training.losses import cross_entropy
 from ...options import option
 from ..base import StepResult, Strategy, broadcast_buffers
 from ..memory_ledger import Ledger, optimizer_kind, optimizer_state_bytes

@@ -1,7 +1,7 @@
 """A pipeline stage: one rank's contiguous slice of the model's units.
 
 The model is a flat ``nn.Sequential`` of units; the partitioner
-(``paralab.partition``) cuts it into contiguous ranges, one per stage. A
+(``paralab.strategies.pipeline.partition``) cuts it into contiguous ranges, one per stage. A
 :class:`Stage` runs its units forward for one microbatch at a time, keeping
 what backward needs, and backward whole or in two parts; the executor
 (``executor.py``) decides in which order, from a schedule (``schedules.py``).

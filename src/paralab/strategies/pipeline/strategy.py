@@ -1,7 +1,7 @@
 """``pipeline``: model parallelism fed ``M`` microbatches (CS1390 Part 4), alone or under data parallelism.
 
 The model's flat unit list is cut into ``P`` contiguous stages
-(``--partition``, see :mod:`paralab.partition`); pipeline rank ``k`` holds
+(``--partition``, see :mod:`paralab.strategies.pipeline.partition`); pipeline rank ``k`` holds
 stage ``k`` (a :class:`~.stage.Stage`). Each step the batch is cut into
 ``--microbatches M`` microbatches and a schedule (``--schedule``) orders, on
 every stage, the forwards, backwards, sends and receives of all of them:
@@ -43,7 +43,7 @@ from ...errors import UsageError
 from ...kinds import StageRecord
 from ...mesh import MeshShape
 from ...options import option
-from ...partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
+from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
                           split_costs, unit_label)
 from ..base import StepResult, Strategy, split_microbatches
 from ..replicas import Replicas

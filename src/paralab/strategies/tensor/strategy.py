@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import UsageError
-from ...losses import cross_entropy
+from ...training.losses import cross_entropy
 from ...mesh import MeshShape
 from ...options import option
 from ..base import Strategy

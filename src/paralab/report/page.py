@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .analysis.runs import Run
+from ..analysis.runs import Run
 
 
 # ======================================================================== tables as text
@@ -207,7 +207,7 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
     strategy shows the compression (``ddp (powersgd r2)``) and a column gives the megabytes the
     busiest rank sent per measured step (``Run.bytes_sent_per_step``; "-" where not known).
     """
-    from .analysis.runs import compression_of, series_of
+    from ..analysis.runs import compression_of, series_of
     from .plots import baseline_strategy
     baseline = baseline or baseline_strategy()
     configs = [runs[i].config if i in runs else e.get("config") or {} for i, e in enumerate(entries)]
@@ -280,7 +280,7 @@ def environment_rows(run: Run) -> list[list]:
     rows.append(["dataset", f"{run.config.get('resolved_dataset', run.get('dataset'))} "
                             f"({run.config.get('dataset_source', '')})"])
     if "network" in run.config:  # --network (network.py): the emulated links, or none
-        from .network import describe
+        from ..run.network import describe
         rows.append(["network", describe(run.config.get("network_emulated"), run.config.get("network"))])
     return rows
 
@@ -325,7 +325,7 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
     to ``out_dir``, log, seconds). Figures that cannot be drawn are named in the report with the reason.
     """
     from . import plots
-    from .analysis.runs import load_run, series_of, sort_runs
+    from ..analysis.runs import load_run, series_of, sort_runs
 
     out_dir = Path(out_dir)
     final_dir = Path(final_dir or out_dir)

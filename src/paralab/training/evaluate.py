@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from .data.loader import to_device
+from ..data.loader import to_device
 from .losses import cross_entropy
-from .progress import Progress
+from ..progress import Progress
 
 
 def predictions(strategy, source, batch_size: int, max_batches: int | None, device, progress: bool = False):

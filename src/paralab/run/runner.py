@@ -1,7 +1,7 @@
 """Run one training run from a program: ``run(cfg, run_dir, on_event) -> RunResult``.
 
 This is how ``paralab compare`` and ``paralab sweep`` (or a notebook, or a
-benchmark script) run paralab: they build a :class:`~paralab.config.RunConfig`
+benchmark script) run paralab: they build a :class:`~paralab.run.config.RunConfig`
 and call :func:`run`. The run goes into its own process, so a run that
 crashes, hangs or runs out of memory is stopped and reported while the
 caller goes on. What comes back is data, never text to parse:
@@ -24,7 +24,7 @@ evaluation when the run checks against the reference, else ``records``), and
 ``{"event": "tick", "seconds": s}`` about twice a second while nothing else
 happens.
 
-Run as ``python -m paralab.runner RUN_DIR`` with the config as JSON on
+Run as ``python -m paralab.run.runner RUN_DIR`` with the config as JSON on
 standard input, this module is that child.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Callable
 
 from .config import RunConfig
-from .errors import UsageError
-from .progress import EVENTS_ENV, emit
+from ..errors import UsageError
+from ..progress import EVENTS_ENV, emit
 
 TICK_S = 0.5
 
@@ -95,7 +95,7 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     fd, events_path = tempfile.mkstemp(prefix="paralab-events-", suffix=".jsonl")
     os.close(fd)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", EVENTS_ENV: events_path}
-    cmd = [sys.executable, "-m", "paralab.runner", str(run_dir)]
+    cmd = [sys.executable, "-m", "paralab.run.runner", str(run_dir)]
     t0 = time.monotonic()
     lines: queue.Queue = queue.Queue()
     reader = EventReader(events_path)
@@ -105,7 +105,7 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     proc = None
     try:
         if log_file:
-            log_file.write(f"# paralab.runner: {cfg.strategy} on {cfg.workers} worker(s) -> {run_dir}\n")
+            log_file.write(f"# paralab.run.runner: {cfg.strategy} on {cfg.workers} worker(s) -> {run_dir}\n")
             log_file.write("# config: " + json.dumps(cfg.to_dict(), default=str) + "\n")
             log_file.flush()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -150,7 +150,7 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     finally:
         if log_file:
             if timed_out:
-                log_file.write(f"paralab.runner: stopped after {timeout:.0f} s\n")
+                log_file.write(f"paralab.run.runner: stopped after {timeout:.0f} s\n")
             log_file.close()
         try:
             os.unlink(events_path)
@@ -251,7 +251,7 @@ def stop(proc: subprocess.Popen) -> None:
 def _child(argv: list[str]) -> int:
     from .launch import launch
     if len(argv) != 1:
-        print("usage: python -m paralab.runner RUN_DIR < config.json", file=sys.stderr)
+        print("usage: python -m paralab.run.runner RUN_DIR < config.json", file=sys.stderr)
         return 2
     try:
         cfg = RunConfig.from_dict(json.loads(sys.stdin.read()))

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from .analysis import timeline
-from .analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
-from .evaluate import format_report
-from .analysis.memory import beside_prediction, memory_per_worker
-from .kinds import ALLOCATOR, MEMORY, STAGE, MemoryModel
-from .recorder import CATEGORIES, union_length
-from .trace import chrome_trace
+from ..analysis import timeline
+from ..analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
+from ..training.evaluate import format_report
+from ..analysis.memory import beside_prediction, memory_per_worker
+from ..kinds import ALLOCATOR, MEMORY, STAGE, MemoryModel
+from ..recorder import CATEGORIES, union_length
+from ..analysis.trace import chrome_trace
 
 SPLIT_KEYS = CATEGORIES + ("other",)
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from .errors import UsageError
+from ...errors import UsageError
 
 #: per-sample input shape of every dataset paralab reads (CIFAR-shaped)
 SAMPLE_SHAPE = (3, 32, 32)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .data.loader import to_device
-from .losses import cross_entropy
-from .schedule import set_lr
-from .strategies.base import has_batchnorm, split_microbatches
+from ..data.loader import to_device
+from ..training.losses import cross_entropy
+from ..training.lr_schedule import set_lr
+from ..strategies.base import has_batchnorm, split_microbatches
 
 TOLERANCES = {"fp32": {"weights": 1e-5, "outputs": 1e-4},
               "fp64": {"weights": 1e-9, "outputs": 1e-8}}

@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, records
-from .comm import Comm
+from ..comm import Comm
 from .config import RunConfig
-from .data import BatchSource, load_dataset, to_device
-from .evaluate import evaluate, headline
-from .models import build_model, count_parameters, model_shape
-from .progress import Progress
-from .recorder import Recorder
-from .schedule import lr_at, set_lr
-from .mesh import Mesh
-from .strategies import plan
-from .strategies.base import Context
+from ..data import BatchSource, load_dataset, to_device
+from ..training.evaluate import evaluate, headline
+from ..models import build_model, count_parameters, model_shape
+from ..progress import Progress
+from ..recorder import Recorder
+from ..training.lr_schedule import lr_at, set_lr
+from ..mesh import Mesh
+from ..strategies import plan
+from ..strategies.base import Context
 
 
 def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -145,7 +145,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
 
     reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
     if cfg.check:
-        from .check import Reference, weight_deviation
+        from ..check.verdict import Reference, weight_deviation
         reference = Reference(strategy, source, s.model_fn, build_optimizer_factory(cfg), s.lr_for)
 
     # ------------------------------------------------------------------ the training loop
@@ -194,7 +194,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if main and result_eval is not None:
             say(headline(result_eval))
         if reference is not None:
-            from .check import run_check
+            from ..check.verdict import run_check
             check = run_check(cfg, strategy, reference, s.total_steps, comm, say, history)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=s.parameters,

@@ -40,7 +40,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
-from .errors import UsageError
+from ..errors import UsageError
 
 PREFIX = "paralab-"                 # every namespace of every run starts with this
 SUBNET = "10.213.0"                 # rank i has SUBNET.(i+1)/24; private to the run's namespaces

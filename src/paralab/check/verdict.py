@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .data.loader import to_device
-from .strategies.compression import reference_for
-from .verify import TOLERANCES, Comparison, compare_tensors, reference_train
+from ..data.loader import to_device
+from ..strategies.compression import reference_for
+from .reference import TOLERANCES, Comparison, compare_tensors, reference_train
 
 
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:

@@ -61,7 +61,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .config import RunConfig
-from .progress import emit
+from ..progress import emit
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
@@ -249,7 +249,7 @@ def _run_in_user_namespace(cfg: RunConfig, run_dir: str) -> int:
     import subprocess
     from . import network
 
-    cmd = network.sandbox_command([sys.executable, "-m", "paralab.runner", str(run_dir)])
+    cmd = network.sandbox_command([sys.executable, "-m", "paralab.run.runner", str(run_dir)])
     print(f"paralab: not root: building the emulated network inside a user namespace ({' '.join(cmd[:5])})",
           file=sys.stderr, flush=True)
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, env={**os.environ, network.SANDBOX_ENV: "1"},

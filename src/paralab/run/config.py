@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import options
-from .data import DataOptions
-from .errors import UsageError
-from .models import ModelOptions
-from .options import option
-from .strategies.options import OPTION_CLASSES, StrategyOptions
+from .. import options
+from ..data import DataOptions
+from ..errors import UsageError
+from ..models import ModelOptions
+from ..options import option
+from ..strategies.options import OPTION_CLASSES, StrategyOptions
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16", "fp64")
@@ -167,15 +167,15 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        """The inverse of :meth:`to_dict` (how ``paralab.runner`` hands a config to its child);
+        """The inverse of :meth:`to_dict` (how ``paralab.run.runner`` hands a config to its child);
         keys that are not fields (e.g. config.json's environment) are left out."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     # ---------------------------------------------------------------- checks
     def validate(self) -> "RunConfig":
-        from .data import check_dataset
-        from .strategies import get_strategy, plan
+        from ..data import check_dataset
+        from ..strategies import get_strategy, plan
 
         named_cls = get_strategy(self.strategy)
         for cls in ALL_OPTION_CLASSES:  # each value against its declaration; below, what relates several
@@ -183,7 +183,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.check_every < 0 or (self.check_every and not self.check):
             raise UsageError("--check-every N compares with the reference every N steps: it needs --check "
                              "and N >= 1")
-        from .models import DEFAULT_NORM, MODALITY
+        from ..models import DEFAULT_NORM, MODALITY
         if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s and the gpt
             self.norm = DEFAULT_NORM[self.model]
         if MODALITY[self.model] == "text":
@@ -203,7 +203,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.world_size is not None and self.workers != 1:
             raise UsageError("--workers starts local processes; with --world-size/--rank "
                              "run one command per rank instead")
-        from .strategies import compression  # --compress: which strategies take it, what cannot resume
+        from ..strategies import compression  # --compress: which strategies take it, what cannot resume
         compression.validate(self, named_cls)
         if self.network is not None:
             from .network import check_can_emulate, parse
@@ -236,7 +236,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None, model=self.model,
                       context=self.context)
         if self.drop_last:
-            from .data import train_size
+            from ..data import train_size
             n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size,
                            model=self.model, context=self.context)
             batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
@@ -244,7 +244,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
                                  "lower the batch size or drop --drop-last")
         if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
-            from .strategies import check_limit
+            from ..strategies import check_limit
             why = check_limit(self, self.world)
             if why:
                 raise UsageError(f"--check of {self.strategy} on {self.model} in {self.precision} would report a "
@@ -301,5 +301,5 @@ def refuse_slow_bf16(cfg: RunConfig) -> None:
 
 
 def _registered(name: str):
-    from .strategies import get_strategy
+    from ..strategies import get_strategy
     return get_strategy(name)

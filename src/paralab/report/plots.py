@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .analysis.runs import Run, sort_runs
+from ..analysis.runs import Run, sort_runs
 
 KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation")
 
@@ -155,7 +155,7 @@ def plot_split_time(runs: list[Run], path) -> Path:
 def baseline_strategy() -> str | None:
     """The single-process strategy speed-ups fall back on (``single``), or None."""
     try:
-        from .strategies import strategy_for
+        from ..strategies import strategy_for
         return strategy_for("baseline")
     except Exception:  # noqa: BLE001 - without a registry: no baseline, each run against its own
         return None
@@ -322,7 +322,7 @@ def _run_boxes(run: Run, step: int | None):
 def ideal_schedule_boxes(run: Run):
     """The ideal timeline of the run's pipeline schedule on the measured stage times, or (None, reason)
     (``analysis/pipeline.ideal_timeline``), as boxes to draw."""
-    from .analysis.pipeline import ideal_timeline
+    from ..analysis.pipeline import ideal_timeline
     ideal, why = ideal_timeline(run)
     if ideal is None:
         return None, why
@@ -481,7 +481,7 @@ def estimate_model_state(run: Run, parameters: float | None = None) -> dict[str,
     p = parameters if parameters is not None else run.get("parameters")
     if not p:
         return {}
-    from .analysis.memory import memory_per_worker, optimizer_kind
+    from ..analysis.memory import memory_per_worker, optimizer_kind
     precision = "mixed" if run.config.get("precision", "fp32") != "fp32" else "fp32"
     est = memory_per_worker(int(p), 1, 0, optimizer_kind(run.config.get("optimizer", "sgd"),
                                                          run.config.get("momentum", 0.9)), precision)
