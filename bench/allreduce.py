@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from paralab.run.launch import free_port
+    from paralab.run.rendezvous import free_port
 
     args = parse(argv)
     ctx = mp.get_context("spawn")

@@ -193,7 +193,7 @@ def test_test_shards_are_padded_to_equal_calls_and_cover_every_sample_once():
 
 def test_download_offline_says_what_to_do(tmp_path):
     from paralab.data.download import DownloadError, download_cifar10
-    from paralab.run.launch import free_port
+    from paralab.run.rendezvous import free_port
     url = f"http://127.0.0.1:{free_port()}/cifar-10-python.tar.gz"  # nothing listens there
     with pytest.raises(DownloadError, match="offline.*fashion-mnist"):
         download_cifar10(tmp_path, url=url, timeout=5, log=lambda *a: None)

@@ -19,7 +19,7 @@ from conftest import FAST
 from paralab.cli import main
 from paralab.run.config import RunConfig
 from paralab.errors import UsageError
-from paralab.run.launch import free_port
+from paralab.run.rendezvous import free_port
 
 CHECK = ["--num-batches", "2", "--check", "--lr", "1e-3"]
 
@@ -193,7 +193,7 @@ def test_a_single_process_run_that_fails_says_how_to_resume(paralab):
 def test_resume_refuses_rank_files_of_different_steps(tmp_path):
     """A run stopped between two ranks' saves leaves files that cannot continue one run together."""
     from paralab.run import checkpoint
-    from paralab.run.launch import resume_hint
+    from paralab.run.failures import resume_hint
     cfg = RunConfig(strategy="ddp", workers=2, dataset="synthetic", batch_size=32, num_batches=10).validate()
     for rank, step in ((0, 4), (1, 2)):
         checkpoint.save(tmp_path, rank, step, cfg, {"model": {}})
@@ -209,7 +209,7 @@ def test_resume_refuses_rank_files_of_different_steps(tmp_path):
 
 # ------------------------------------------------------------------ what the launcher says, without processes
 def ending(rank, code, seen, report=None, stopped=False):
-    from paralab.run.launch import Ending
+    from paralab.run.failures import Ending
     return Ending(rank, code, seen, report, stopped)
 
 
@@ -221,7 +221,7 @@ def exception(rank, at, last_line):
 def test_the_first_failure_is_blamed_even_when_a_lost_peer_reports_earlier():
     """A survivor's "Connection closed by peer" can reach the launcher before it sees the killed rank
     end (the rank's clock vs the launcher's): a lost peer is never the cause while a death explains it."""
-    from paralab.run.launch import explain
+    from paralab.run.failures import explain
     lost = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:4242: Connection closed by peer"
     cause, lines = explain([ending(0, 1, 10.5, exception(0, 10.1, lost)), ending(1, -9, 10.2),
                             ending(2, -15, 12.6, stopped=True)])

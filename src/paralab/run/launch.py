@@ -17,22 +17,12 @@ Failures. A rank that fails makes every rank stop: locally, the launcher
 sees the first rank end, gives the others ``GRACE_S`` to end on their own,
 terminates the rest (SIGTERM, then SIGKILL) and exits 1; workers also die
 with the launcher (``PR_SET_PDEATHSIG``), so nothing is orphaned. It then
-names the rank that failed *first* and how (:func:`explain`): its Python
-exception with the traceback, the signal that killed it (a rank killed by
-SIGKILL, e.g. by the out-of-memory killer, reports nothing itself), or an
-exit code it did not explain; then the ranks that failed as a consequence
-(a peer's loss: "Connection closed by peer" and the like) or that it
-stopped. A rank's exception is timed by the rank, a silent death by when
-the launcher saw it; a lost connection is never the cause while another
-failure explains it. If the run had written a complete checkpoint, it
-prints the exact command that resumes it (:func:`resume_hint`). In the
-manual and torchrun forms each process prints its own traceback (and the
-resume command) and exits 1; its peers see the connection drop (or hit
-``--timeout``) and exit 1 too. A check FAIL (exit 1) or a diverged loss
-(exit 3) is an orderly exit that every rank takes together, not a crash.
-
-With gloo across hosts, the interface gloo uses is the one that routes to
-``--master-addr`` unless ``GLOO_SOCKET_IFNAME`` says otherwise.
+names the rank that failed first and how, and the command that resumes
+(``failures.py``). In the manual and torchrun forms each process prints its
+own traceback (and the resume command) and exits 1; its peers see the
+connection drop (or hit ``--timeout``) and exit 1 too. A check FAIL (exit 1)
+or a diverged loss (exit 3) is an orderly exit every rank takes together.
+Ports, interfaces and core pinning are ``rendezvous.py``'s.
 
 The rendezvous has no authentication (a property of torch.distributed):
 local runs bind to 127.0.0.1; multi-node runs belong on a trusted network.
@@ -44,135 +34,24 @@ ends (:func:`_run_on_network`).
 """
 from __future__ import annotations
 
-import ipaddress
 import os
-import random
-import shlex
 import signal
-import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import wait
-from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
-from .config import RunConfig
 from ..progress import emit
+from .config import RunConfig
+from .failures import Ending, describe, explain, is_peer_loss, resume_hint
+from .rendezvous import choose_gloo_interface, free_port, pin, tcp_url, under_torchrun
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
 POLL_S = 0.2   # once a rank has ended: how often the launcher reads the others' reports
 
-# Errors a rank raises because *another* rank died: the launcher reports the
-# rank whose error is not one of these (the cause), not the ones it brought down.
-PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
-             "timed out", "DistNetworkError", "DistBackendError", "Connection refused")
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                   and "LOCAL_RANK" in os.environ)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for the rendezvous to bind a few seconds later.
-
-    Picked below the kernel's ephemeral range where possible: outgoing connections
-    take their local ports from that range, so one of them could grab a port from
-    it in between (a real risk with many runs at once). 29500-29599 (torch's
-    default) is avoided too.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    pick = random.SystemRandom()
-    candidates = [pick.randrange(max(1024, low - 10000), low) for _ in range(20)] if low > 11024 else []
-    for port in candidates + [0]:  # 0: let the kernel choose
-        if 29500 <= port < 29600:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free TCP port on 127.0.0.1")
-
-
-def tcp_url(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):  # IPv6 literal
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
-
-
-# ---------------------------------------------------------------------------- placement
-def pin(local_rank: int, cfg: RunConfig, local_workers: int) -> None:
-    """Give each local rank its own cores (where the OS allows) and a matching thread count."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        allowed = list(range(os.cpu_count() or 1))
-    if cfg.cores_per_worker:
-        c = cfg.cores_per_worker
-        mine = allowed[local_rank * c:(local_rank + 1) * c]
-        if len(mine) < c:
-            print(f"paralab: rank {local_rank}: only {len(allowed)} core(s) allowed here; "
-                  f"cannot give {c} to each of {local_workers} worker(s); running unpinned",
-                  file=sys.stderr, flush=True)
-        elif hasattr(os, "sched_setaffinity"):
-            try:
-                os.sched_setaffinity(0, mine)
-            except OSError as exc:
-                print(f"paralab: rank {local_rank}: could not pin to cores {mine} ({exc}); running unpinned",
-                      file=sys.stderr, flush=True)
-        torch.set_num_threads(c)
-    elif local_workers > 1:
-        torch.set_num_threads(max(1, len(allowed) // local_workers))
-
-
-def interface_towards(host: str) -> str | None:
-    """The network interface this machine uses to reach ``host`` (IPv4, Linux), or None.
-
-    Connecting a UDP socket sends nothing; it only asks the kernel for the route.
-    """
-    try:
-        import fcntl
-        import struct
-        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-        if ipaddress.ip_address(addr).is_loopback:
-            return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((addr, 9))
-            local = s.getsockname()[0]
-            for _, name in socket.if_nameindex():
-                try:  # SIOCGIFADDR: the interface's IPv4 address
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                except OSError:
-                    continue
-                if socket.inet_ntoa(packed[20:24]) == local:
-                    return name
-    except (OSError, ImportError, IndexError, ValueError):
-        return None
-    return None
-
-
-def choose_gloo_interface(cfg: RunConfig, rank: int) -> None:
-    """Multi-host gloo: use the interface that routes to the master, unless the user chose one."""
-    if cfg.backend == "nccl" or "GLOO_SOCKET_IFNAME" in os.environ:
-        return
-    name = interface_towards(cfg.master_addr)
-    if name:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-        print(f"paralab: rank {rank}: gloo uses interface {name} (the route to {cfg.master_addr}); "
-              "set GLOO_SOCKET_IFNAME to choose another", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- entry points
 def launch(cfg: RunConfig, run_dir: str) -> int:
     """Run every rank this command is responsible for; return the exit code."""
     if under_torchrun():
@@ -295,7 +174,7 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         return int(exc.code or 0)
     except Exception as exc:  # noqa: BLE001 - report the traceback, exit non-zero
         traceback.print_exc()
-        lost = _is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
+        lost = is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
         print(f"paralab: rank {rank} failed" + (" after losing a peer: the rank that failed first is another one "
                                                "(see its output)" if lost else ""), file=sys.stderr, flush=True)
         hint = None
@@ -305,12 +184,6 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
                 print("\n".join(hint[1]), file=sys.stderr, flush=True)
         emit("error", rank=rank, message=describe(exc), resume=hint[0] if hint else None)
         return 1
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: message``, as the last line of a traceback says it (bounded)."""
-    lines = str(exc).strip().splitlines()
-    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:300]
 
 
 # ---------------------------------------------------------------------------- local workers
@@ -358,138 +231,6 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _is_peer_loss(text: str) -> bool:
-    last = text.strip().splitlines()[-1] if text.strip() else ""
-    return any(marker in last for marker in PEER_LOSS)
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-# What a signal that ended a rank usually means (it leaves no traceback).
-SIGNAL_HINTS = {
-    "SIGKILL": "no traceback: killed from outside the process, by the kernel's out-of-memory killer "
-               "(see `dmesg`) or a `kill -9`",
-    "SIGSEGV": "a crash in native code (segmentation fault)",
-    "SIGBUS": "a crash in native code (bus error; on Linux often a full /dev/shm)",
-    "SIGABRT": "native code aborted (e.g. a C++ exception nobody caught)",
-    "SIGFPE": "a crash in native code (arithmetic fault)",
-    "SIGILL": "a crash in native code (an instruction this CPU lacks)",
-    "SIGTERM": "terminated from outside the process",
-    "SIGINT": "interrupted",
-}
-
-
-@dataclass
-class Ending:
-    """How one local rank ended, as the launcher saw it."""
-    rank: int
-    code: int | None             # exit code; negative: killed by that signal
-    seen: float                  # wall clock: when the launcher saw it end
-    report: dict | None = None   # what the rank said before it ended (an exception, or an orderly exit)
-    stopped: bool = False        # still running after a failure: the launcher stopped it
-
-    @property
-    def kind(self) -> str:
-        """exception | signal | exit (non-zero, unexplained) | orderly | ok | stopped"""
-        if self.report is not None and self.report["kind"] == "exception":
-            return "exception"  # (even if the launcher had to stop it after it reported)
-        if self.stopped:
-            return "stopped"
-        if self.code == 0:
-            return "ok"
-        if self.report is not None:  # an orderly exit it announced (check FAIL, diverged loss)
-            return "orderly"
-        return "signal" if self.code is not None and self.code < 0 else "exit"
-
-    @property
-    def failed(self) -> bool:
-        """Failed on its own account or because it lost a peer (not: stopped by the launcher)."""
-        return self.kind in ("exception", "signal", "exit")
-
-    @property
-    def peer_loss(self) -> bool:
-        """Its error is one a rank raises because another rank died."""
-        return self.kind == "exception" and _is_peer_loss(self.report["traceback"])
-
-    @property
-    def time(self) -> float:
-        """When it failed: an exception by the rank's own clock (it reports before it exits), a
-        silent death by when the launcher saw it."""
-        return self.report["time"] if self.kind == "exception" else self.seen
-
-    def what(self) -> str:
-        """How it ended, in a few words (``killed by signal SIGKILL``, ``RuntimeError: ...``)."""
-        kind = self.kind
-        if kind == "exception":
-            return self.report["summary"]
-        if kind == "signal":
-            return f"killed by signal {signal_name(-self.code)}"
-        if kind == "exit":
-            return f"exited with code {self.code} and no Python error"
-        if kind == "orderly":
-            return self.report["summary"]
-        if kind == "stopped":
-            return "still running: stopped by the launcher"
-        return "finished (exit code 0)"
-
-    def why(self) -> str:
-        """What that usually means, where the ending says no more itself."""
-        if self.kind == "signal":
-            return SIGNAL_HINTS.get(signal_name(-self.code), "")
-        if self.kind == "exit" and (self.code or 0) > 128:
-            name = signal_name(self.code - 128)
-            if name.startswith("SIG"):
-                return (f"{self.code} = 128 + {self.code - 128}: how a shell or container runtime reports a process "
-                        f"killed by {name}" + (", most often by the out-of-memory killer: see `dmesg`"
-                                               if name == "SIGKILL" else ""))
-        if self.kind == "exit":
-            return "its own output above may say why"
-        return ""
-
-
-def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
-    """The rank that failed first and the lines that say so, or None if no rank failed.
-
-    The cause is the earliest failure that is not a lost peer (an exception,
-    a signal, an unexplained exit code); lost peers and the ranks the
-    launcher stopped are listed after it as its consequences. Only when
-    every failure is a lost connection is the earliest of those named (the
-    cause is then outside the ranks: the network, or a process killed
-    elsewhere).
-    """
-    failed = [e for e in endings if e.failed]
-    if not failed:
-        return None
-    own = [e for e in failed if not e.peer_loss]
-    cause = min(own or failed, key=lambda e: (e.time, e.rank))
-    why = cause.why()
-    lines = [f"paralab: rank {cause.rank} failed first: {cause.what()}{f' ({why})' if why else ''}; "
-             "all ranks stopped."]
-    if not own:
-        lines.append("paralab: every rank's error is a lost connection; the first is shown. The cause is "
-                     "outside the ranks' Python code (the network, or a process ended from elsewhere)")
-    if cause.kind == "exception":
-        lines.append(cause.report["traceback"].rstrip())
-    others = sorted((e for e in endings if e is not cause), key=lambda e: (e.time, e.rank))
-    consequences = [e for e in others if e.peer_loss or e.kind == "stopped"]
-    if consequences:
-        lines.append("paralab: then, as a consequence:")
-        for e in consequences:
-            last = e.report["traceback"].strip().splitlines()[-1][:200].rstrip() if e.peer_loss else e.what()
-            lines.append(f"paralab:   rank {e.rank}: {'lost its peer: ' if e.peer_loss else ''}{last}")
-    for e in others:
-        if e not in consequences:
-            why = e.why()
-            verb = "also failed" if e.failed else "had ended"
-            lines.append(f"paralab: rank {e.rank} {verb}: {e.what()}{f' ({why})' if why else ''}")
-    return cause, lines
 
 
 def _drain(reports, received: dict[int, dict]) -> None:
@@ -562,38 +303,6 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
                        if e is not cause and e.kind != "ok"],
          resume=hint[0] if hint else None)
     return 1
-
-
-# ---------------------------------------------------------------------------- resuming
-def resume_hint(cfg: RunConfig, run_dir, ranks: list[int] | None = None) -> tuple[str, list[str]] | None:
-    """After a failure: (the command that resumes the run, the lines that say so), or None when no
-    complete checkpoint of this run exists (in the run directory, or the one it resumed from).
-
-    ``ranks``: the ranks whose files must be here (default: all; a manual rank checks its own).
-    """
-    from .checkpoint import resumable_step
-    run_dir = Path(run_dir)
-    best = None
-    for folder in [run_dir] + ([Path(cfg.resume)] if cfg.resume else []):
-        step = resumable_step(folder, cfg, ranks)
-        if step is not None and (best is None or step > best[1]):
-            best = (folder, step)
-    if best is None:
-        return None
-    folder, step = best
-    if cfg.num_batches is not None and step >= cfg.num_batches:
-        return None, [f"paralab: training had finished: {folder / 'checkpoint'} holds the last step, {step}; "
-                      f"the failure came after it. Its weights: paralab export {shlex.quote(str(folder))}"]
-    command = shlex.join(["paralab", "train", *cfg.to_argv(out=str(run_dir), resume=str(folder), save_init=False)])
-    if cfg.launched_by == "torchrun":
-        return command, [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume, "
-                         f"give the same torchrun command these paralab arguments:",
-                         "  " + command.removeprefix("paralab ")]
-    lines = [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume:",
-             f"  {command}"]
-    if cfg.world_size is not None:
-        lines.append("paralab: (this rank's command; every other rank likewise, with its own --rank and run directory)")
-    return command, lines
 
 
 def _stop(procs) -> None:
