@@ -9,7 +9,7 @@ that groups the options one part of paralab reads::
         bucket_mb: float = option(25.0, "gradient bucket size in MiB", minimum=0, above=True)
 
 The run's own options (``ModelOptions`` in models/, ``DataOptions`` in data/,
-``OptimizerOptions``, ``RecordOptions`` and ``LaunchOptions`` in config.py)
+``OptimizerOptions``, ``RecordOptions`` and ``LaunchOptions`` in run/config.py)
 and the strategies' (gathered in ``strategies.options.StrategyOptions``) are
 all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
 ``cfg.bucket_mb``). From the declarations, and nothing else, come:
@@ -29,7 +29,7 @@ all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
 - what a strategy receives: ``ctx.options``, a typed object (:func:`project`).
 
 A new class joins ``OPTION_CLASSES`` (a strategy's) or ``RUN_OPTION_CLASSES``
-(config.py); checks that relate two options stay in ``RunConfig.validate``.
+(run/config.py); checks that relate two options stay in ``RunConfig.validate``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every function here reads span and step records (dicts as in
 ``spans.jsonl`` / ``steps.jsonl``, see ``paralab.kinds``) and nothing else:
-no strategy object, no live recorder. ``records.py`` calls them when it writes
+no strategy object, no live recorder. ``run/records.py`` calls them when it writes
 a run's summary, and anything that reads a run directory can call them again.
 
 - :func:`measured_steps`: the steps that count in averages (after warm-up);

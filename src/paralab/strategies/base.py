@@ -14,7 +14,7 @@ A strategy is built from a model factory, an optimizer factory and the rank's
   process without a process group (``paralab export``).
 
 A strategy declares how a global batch is split, so the loop hands each rank
-exactly its samples and the reference run (verify.py) replays the same
+exactly its samples and the reference run (check/reference.py) replays the same
 arithmetic: ``replicas()`` (how many data-parallel shards and which one is
 ours: the mesh's ``dp`` dimension) and ``microbatches`` (how each shard is
 cut inside a step).
@@ -129,7 +129,7 @@ class Strategy:
     data_parallel = True
     #: every rank holds a full replica whose parameters must stay identical
     replicated = True
-    #: how BatchNorm running statistics relate to a single process (see verify.py):
+    #: how BatchNorm running statistics relate to a single process (see check/reference.py):
     #: "first-replica": rank 0's statistics are authoritative (broadcast each step);
     #: "sequential": one module sees each microbatch in turn.
     bn_rule = "first-replica"
@@ -164,7 +164,7 @@ class Strategy:
     @classmethod
     def check_limit(cls, cfg) -> str | None:
         """Why ``--check`` of this strategy at ``cfg`` cannot be trusted to pass although the
-        arithmetic is right (a known limit of the fp32 comparison, see verify.py); None: it can.
+        arithmetic is right (a known limit of the fp32 comparison, see check/reference.py); None: it can.
         ``paralab compare`` leaves such runs out of a checked comparison, saying why."""
         return None
 

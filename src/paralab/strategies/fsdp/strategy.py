@@ -301,7 +301,7 @@ class FSDP(Strategy):
 
     # ------------------------------------------------------------ records
     def memory_model(self) -> MemoryModel:
-        """What the cost model needs to predict this rank's memory (``records.py`` asks it)."""
+        """What the cost model needs to predict this rank's memory (``run/records.py`` asks it)."""
         # autocast (bf16) keeps parameters, gradients and state in fp32: the fp32 model applies
         return MemoryModel(parameters=self.parameters, workers=self.ctx.world, zero_stage=self.stage,
                            optimizer=optimizer_kind(self.optimizer), precision="fp32",

@@ -302,7 +302,7 @@ class Pipeline(Strategy):
     # ------------------------------------------------------------ records
     def extra_summary(self) -> dict:
         """What only this stage knows. Its bubble and microbatches alive are derived from the
-        spans, beside their theory (``analysis/timeline.py``, ``records.py``). Under
+        spans, beside their theory (``analysis/timeline.py``, ``run/records.py``). Under
         interleaved-1f1b ``units`` is the rank's first stage's; ``held_stages`` and
         ``held_units`` list all of them."""
         held = sorted(self.stages)
