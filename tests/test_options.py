@@ -12,7 +12,7 @@ from paralab.cli import build_parser, config_from_args
 from paralab.run.config import RunConfig
 from paralab.errors import UsageError
 from paralab.strategies import get_strategy, strategy_names
-from paralab.strategies.options import OPTION_CLASSES, StrategyOptions
+from paralab.strategies.all_options import OPTION_CLASSES, StrategyOptions
 
 
 def parse(*argv):

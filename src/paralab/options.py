@@ -10,7 +10,7 @@ that groups the options one part of paralab reads::
 
 The run's own options (``ModelOptions`` in models/, ``DataOptions`` in data/,
 ``OptimizerOptions``, ``RecordOptions`` and ``LaunchOptions`` in run/config.py)
-and the strategies' (gathered in ``strategies.options.StrategyOptions``) are
+and the strategies' (gathered in ``strategies.all_options.StrategyOptions``) are
 all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
 ``cfg.bucket_mb``). From the declarations, and nothing else, come:
 

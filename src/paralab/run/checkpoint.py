@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UsageError
 from ..options import identity_fields
-from ..strategies.options import StrategyOptions
+from ..strategies.all_options import StrategyOptions
 
 # What must match for a resumed run to continue the same arithmetic: the model and
 # strategy, everything that decides which samples each step reads, and the strategy

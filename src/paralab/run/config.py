@@ -5,7 +5,7 @@ beside the code that reads it (``paralab.options`` says how): the model's in
 ``models`` (ModelOptions), the data's in ``data`` (DataOptions), the
 optimiser's, the records' and the launcher's here (the worker and the
 launcher that read them import this module), the strategies' in their own
-files (``strategies.options.StrategyOptions``). RunConfig inherits them all,
+files (``strategies.all_options.StrategyOptions``). RunConfig inherits them all,
 so its attributes are flat (``cfg.lr``, ``cfg.workers``, ``cfg.bucket_mb``).
 
 The CLI builds a RunConfig from the flags the declarations give
@@ -28,7 +28,7 @@ from ..data import DataOptions
 from ..errors import UsageError
 from ..models import ModelOptions
 from ..options import option
-from ..strategies.options import OPTION_CLASSES, StrategyOptions
+from ..strategies.all_options import OPTION_CLASSES, StrategyOptions
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16", "fp64")

@@ -50,7 +50,7 @@ class Context:
     comm: Comm
     recorder: Recorder
     precision: str = "fp32"
-    options: object = None       # the strategies' options, typed (strategies.options.StrategyOptions)
+    options: object = None       # the strategies' options, typed (strategies.all_options.StrategyOptions)
     mesh: Mesh | None = None     # the rank grid; None: one dimension, dp over the whole world
     batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
     tp: object = None            # tensor parallelism (strategies/tensor): None, or what shards the units held
