@@ -29,11 +29,16 @@ def tiny(**kw) -> RunConfig:
 
 
 # ---------------------------------------------------------------- runner.run
-def test_run_reports_progress_as_events_and_results_from_the_summary(tmp_path):
+def test_run_reports_progress_as_events_and_results_from_the_summary(tmp_path, monkeypatch):
     import tempfile
     events = []
     cfg = tiny(check=True, lr=1e-3).validate()
-    before = set(Path(tempfile.gettempdir()).glob("paralab-events-*"))
+    scratch = tmp_path / "tmp"  # this run's own temporary folder: other runs on the machine leave theirs alone
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    made = []
+    mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: made.append(mkstemp(*a, **k)) or made[-1])
     res = runner.run(cfg, tmp_path / "run", events.append, log=tmp_path / "run.log", timeout=300)
     assert res.ok and res.returncode == 0 and res.error is None and res.check == "PASS"
     assert res.summary == json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -49,7 +54,8 @@ def test_run_reports_progress_as_events_and_results_from_the_summary(tmp_path):
     # the child's output is kept for people, not parsed
     log = (tmp_path / "run.log").read_text()
     assert "records written" in log and '"strategy": "single"' in log
-    assert set(Path(tempfile.gettempdir()).glob("paralab-events-*")) <= before  # the events file is gone
+    assert [Path(path).parent for _, path in made] == [scratch]  # the events file was made here...
+    assert not list(scratch.glob("paralab-events-*"))  # ...and is gone
 
 
 def test_a_failing_rank_comes_back_as_an_error_event(tmp_path, monkeypatch):
