@@ -137,6 +137,84 @@ def test_comm_counts_the_real_boundary(capsys):
     assert "2 x m x (p-1) = 2 x 1 x 1 = 2" in out
 
 
+# ---------------------------------------------------------------- tp (Narayanan et al. 2021, Korthikanti et al. 2022)
+GPT3_175B = ["--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048", "--vocab", "50257"]
+
+
+@pytest.mark.parametrize("shape", [dict(layers=1, heads=4, embed=32, context=16, vocab=256),
+                                   dict(layers=4, heads=4, embed=128, context=64, vocab=256),
+                                   dict(layers=3, heads=3, embed=24, context=7, vocab=50),
+                                   dict(layers=2, heads=1, embed=8, context=5, vocab=1000)])
+def test_gpt_parameters_counted_without_building_equal_the_models(shape):
+    from paralab.models import count_parameters
+    from paralab.models.gpt import gpt, parameter_counts
+    counts = parameter_counts(shape["layers"], shape["embed"], shape["context"], shape["vocab"])
+    assert counts["total"] == count_parameters(gpt(**shape))
+    assert counts["tokens"] == shape["vocab"] * shape["embed"] and counts["positions"] == shape["context"] * shape["embed"]
+
+
+def test_tp_flops_leave_the_embedding_tables_out(capsys):
+    """6N + 12 L h s with N the matmul parameters: the blocks and the (untied) head, not the two lookup tables."""
+    code, out, _ = calc(capsys, "tp", "--layers", "1", "--embed", "32", "--context", "16")
+    assert code == 0
+    # 29,664 parameters, less the token (256 x 32) and position (16 x 32) tables = 20,960
+    assert "6 x 20,960 + 12 x 1 x 32 x 16" in out and "result:      131904 FLOP" in out
+    assert "N = 20,960" in out and "embedding tables" in out
+
+
+def test_tp_runs_gpt3_175b_in_seconds_with_the_papers_flops(capsys):
+    code, out, _ = calc(capsys, "tp", *GPT3_175B, "--tp", "8", "--batch-size", "1", "--sequence-parallel")
+    assert code == 0
+    assert "175,221,817,344 parameters" in out
+    # Narayanan et al. 2021 (eq. 3 without recomputation): 72 L h^2 (1 + s/(6h)) + 6 h V per token
+    L, h, s, V = 96, 12288, 2048, 50257
+    paper = 72 * L * h ** 2 * (1 + s / (6 * h)) + 6 * h * V
+    from paralab.analysis.tensor import gpt_flops_per_token
+    f = gpt_flops_per_token(L, h, s, V)
+    assert f.value == pytest.approx(paper, rel=1e-4)  # the paper leaves out biases and LayerNorms
+    assert f"{f.value:.6g} FLOP" in out
+
+
+def test_activation_memory_with_recomputation_is_korthikantis_table_2():
+    """Korthikanti et al. 2022, Table 2 (per layer) and sec. 4.3 (the whole model), at GPT-3 175B, t = 8, b = 1."""
+    from paralab.analysis.tensor import activation_memory, activation_total
+    s, b, h, a, L, t, v = 2048, 1, 12288, 96, 96, 8, 50257
+    sbh = s * b * h
+    table2 = {("none", 1, False): sbh * (34 + 5 * a * s / h),
+              ("none", t, False): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+              ("none", t, True): sbh * (34 / t + 5 * a * s / (h * t)),
+              ("selective", 1, False): sbh * 34,
+              ("selective", t, False): sbh * (10 + 24 / t),
+              ("selective", t, True): sbh * 34 / t,
+              ("full", 1, False): 2 * sbh, ("full", t, False): 2 * sbh, ("full", t, True): 2 * sbh}
+    for (recompute, tp, sp), want in table2.items():
+        assert activation_memory(b, s, h, a, tp, sp, recompute).value == pytest.approx(want)
+        # the model: L layers, plus the embedding's dropout mask and the final LayerNorm, output layer and loss
+        total = activation_total(b, s, h, a, L, tp, sp, recompute, v)
+        assert total.value == pytest.approx(L * want + s * b * h / tp + 4 * s * b * h / tp * (1 + v / h))
+
+
+def test_tp_prints_a_row_per_recomputation(capsys):
+    code, out, _ = calc(capsys, "tp", *GPT3_175B, "--tp", "8", "--batch-size", "1", "--sequence-parallel")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["none"], ["selective"], ["full"])}
+    assert set(rows) == {"none", "selective", "full"}
+    from paralab.analysis.cost import fmt_bytes
+    from paralab.analysis.tensor import activation_total
+    for name, line in rows.items():
+        assert fmt_bytes(activation_total(1, 2048, 12288, 96, 96, 8, True, name, 50257).value) in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tp", "--embed", "30", "--heads", "4"], "--embed"),
+    (["tp", "--vocab", "0"], "--vocab"),
+    (["tp", "--heads", "4", "--tp", "3"], "--tp"),
+])
+def test_tp_bad_input_exits_2(capsys, args, message):
+    code, _, err = calc(capsys, *args)
+    assert code == 2 and message in err
+
+
 # ---------------------------------------------------------------- from a run directory
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):

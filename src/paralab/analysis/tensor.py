@@ -4,24 +4,24 @@ Symbols: b sequences per microbatch, s tokens per sequence, h model width,
 a attention heads, L blocks, V vocabulary, t the tp size, e bytes per
 element. Each :class:`~paralab.analysis.cost.Formula` carries its source.
 
-- Communication (Shoeybi et al. 2019, sec. 3): a block runs two sharded
-  regions (attention, MLP), each entered by ``f`` and left by ``g``: two
-  all-reduces of the ``b x s x h`` activation forward (``g``) and two
-  backward (``f``). The vocabulary-parallel embedding adds one forward
-  all-reduce, the head's ``f`` one backward. Under sequence parallelism
-  (Korthikanti et al. 2022, sec. 4.2.2) each all-reduce becomes an all-gather
-  plus a reduce-scatter of the same activation: the same bytes per ring.
-  The loss adds an all-gather of ``b x s`` log-sum-exps (``t`` of them) and
-  an all-reduce of ``b x s`` target logits. Message sizes are what paralab
-  records for each call (the full activation).
+- Communication (Shoeybi et al. 2019, sec. 3): per block two sharded regions
+  (attention, MLP), each entered by ``f`` and left by ``g``: two all-reduces
+  of the ``b x s x h`` activation forward and two backward; the vocabulary-
+  parallel embedding and the head add one each. Under sequence parallelism
+  (Korthikanti et al. 2022, sec. 4.2.2) each all-reduce is an all-gather plus
+  a reduce-scatter: the same bytes per ring. The loss adds two small ones.
 - Activation memory per block (Korthikanti et al. 2022, Table 2; 16-bit
-  activations, dropout masks, no recomputation): no tp ``s b h (34 + 5 a s / h)``;
-  tp ``s b h (10 + 24 / t + 5 a s / (h t))``; tp + sequence parallelism
-  ``s b h (34 / t + 5 a s / (h t))`` bytes. paralab's gpt has no dropout and
-  runs fp32, so its own figures differ; the formula shows what the split buys.
-- FLOPs per token (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, app. B):
-  ``6 N + 12 L h s`` for a training step (forward + backward), N the
-  parameters (embeddings included here: paralab's output layer is untied).
+  activations, dropout masks): none ``s b h (34 + 5 a s / h)``, tp
+  ``s b h (10 + 24 / t + 5 a s / (h t))``, tp + sp ``s b h (34 / t + 5 a s /
+  (h t))``; selective recomputation drops the ``5 a s / h`` attention terms
+  (sec. 5), full recomputation keeps the block's input, ``2 s b h``. The model
+  (sec. 4.3): L blocks, plus the embedding's dropout mask ``s b h / t`` and
+  the final LayerNorm, output layer and fp32 loss ``4 s b h / t (1 + V / h)``.
+  paralab's gpt runs fp32 without dropout: the formulas show what each buys.
+- FLOPs per token for training (Kaplan et al. 2020 sec. 2.1; Narayanan et al.
+  2021 sec. 5.1, eq. 3 without recomputation): ``6 N + 12 L h s``, N the
+  parameters that multiply a matrix: the blocks and the output projection
+  (untied here, a matmul), not the token and position tables (lookups).
   MFU = tokens per second x FLOPs per token / peak FLOP/s.
 """
 from __future__ import annotations
@@ -63,7 +63,16 @@ def tp_communication(b: int, s: int, h: int, layers: int, t: int, sequence_paral
                    parts={"messages": msgs, "calls": count, "wire_bytes": wire})
 
 
-def activation_memory(b: int, s: int, h: int, a: int, t: int, sequence_parallel: bool) -> Formula:
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_memory(b: int, s: int, h: int, a: int, t: int, sequence_parallel: bool,
+                      recompute: str = "none") -> Formula:
+    """Korthikanti et al. 2022, Table 2: bytes one block keeps for its backward, per rank."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (got {recompute!r})")
+    if recompute != "none":
+        return _recomputed(b, s, h, t, sequence_parallel, recompute)
     if t == 1:
         f, sub = "s b h (34 + 5 a s / h)", f"{s} x {b} x {h} x (34 + 5 x {a} x {s} / {h})"
         v = s * b * h * (34 + 5 * a * s / h)
@@ -79,10 +88,55 @@ def activation_memory(b: int, s: int, h: int, a: int, t: int, sequence_parallel:
                    note="16-bit activations with dropout masks, as published; paralab's gpt is fp32 without dropout")
 
 
-def flops_per_token(parameters: int, layers: int, h: int, s: int) -> Formula:
+def _recomputed(b: int, s: int, h: int, t: int, sequence_parallel: bool, recompute: str) -> Formula:
+    if recompute == "full":
+        f, sub, v = "2 s b h", f"2 x {s} x {b} x {h}", 2 * s * b * h
+        why = "full recomputation: only the block's 16-bit input is kept (sec. 5, Table 2)"
+    elif t == 1:
+        f, sub, v = "34 s b h", f"34 x {s} x {b} x {h}", 34 * s * b * h
+    elif sequence_parallel:
+        f, sub, v = "34 s b h / t", f"34 x {s} x {b} x {h} / {t}", 34 * s * b * h / t
+    else:
+        f, sub, v = "s b h (10 + 24 / t)", f"{s} x {b} x {h} x (10 + 24 / {t})", s * b * h * (10 + 24 / t)
+    if recompute == "selective":
+        why = "selective recomputation: the attention scores, softmax and its dropout recomputed (sec. 5)"
+    label = "no tensor parallelism" if t == 1 else f"tp {t}" + (" + sequence parallelism" if sequence_parallel else "")
+    return Formula(f"activation memory per block per rank, {label}, {recompute} recomputation "
+                   "(Korthikanti et al. 2022, Table 2)", f, sub, v, "B", note=why)
+
+
+def activation_total(b: int, s: int, h: int, a: int, layers: int, t: int, sequence_parallel: bool,
+                     recompute: str = "none", vocab: int = 256) -> Formula:
+    """The whole model's activations on one rank (Korthikanti et al. 2022, sec. 4.3, no pipeline: p = 1):
+    L blocks, the input embedding's dropout mask, the final LayerNorm, the output layer and the loss."""
+    block = activation_memory(b, s, h, a, t, sequence_parallel, recompute).value
+    ends = s * b * h / t + 4 * s * b * h / t * (1 + vocab / h)
+    return Formula(f"activation memory of the model per rank, {recompute} recomputation "
+                   "(Korthikanti et al. 2022, sec. 4.3)", "L x per block + s b h / t + 4 s b h / t (1 + V / h)",
+                   f"{layers} x {g(block)} + {s} x {b} x {h} / {t} + 4 x {s} x {b} x {h} / {t} x (1 + {vocab} / {h})",
+                   layers * block + ends, "B", parts={"per_block": block, "blocks": layers * block, "ends": ends},
+                   note="ends: embedding dropout mask, final LayerNorm and output layer inputs, fp32 logits for "
+                        "the loss, divided by t as published (with sequence parallelism)")
+
+
+def flops_per_token(parameters: int, layers: int, h: int, s: int, what: str = "") -> Formula:
+    """``6 N + 12 L h s`` (Kaplan et al. 2020; Narayanan et al. 2021): N the parameters that multiply a
+    matrix; ``what`` says what N counts."""
     v = 6 * parameters + 12 * layers * h * s
-    return Formula("training FLOPs per token (PaLM app. B)", "6 N + 12 L h s",
-                   f"6 x {parameters:,} + 12 x {layers} x {h} x {s}", v, "FLOP")
+    return Formula("training FLOPs per token (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3)",
+                   "6 N + 12 L h s", f"6 x {parameters:,} + 12 x {layers} x {h} x {s}", v, "FLOP",
+                   note=what, parts={"N": parameters})
+
+
+def gpt_flops_per_token(layers: int, h: int, s: int, vocab: int) -> Formula:
+    """The gpt's ``6 N + 12 L h s``: N its parameters less the token and position embedding tables
+    (lookups, no FLOPs); the untied output projection stays (a ``h x V`` matmul per token)."""
+    from ..models.gpt import parameter_counts
+    c = parameter_counts(layers, h, s, vocab)
+    n = c["total"] - c["tokens"] - c["positions"]
+    return flops_per_token(n, layers, h, s,
+                           f"N = {n:,}: the blocks and the untied output projection, without the embedding "
+                           f"tables ({c['total']:,} parameters - {vocab} x {h} tokens - {s} x {h} positions)")
 
 
 def mfu(tokens_per_second: float, per_token: float, peak_flops: float) -> Formula:

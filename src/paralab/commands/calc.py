@@ -90,11 +90,16 @@ def add_arguments(p) -> None:
 
     q = sub.add_parser("tp", help="tensor parallelism on the gpt: communication, activation memory, FLOPs, MFU",
                        description="Per microbatch: every tensor-parallel collective (calls and bytes), activation "
-                                   "memory per block with and without sequence parallelism (Korthikanti et al. "
-                                   "2022), training FLOPs per token (6N + 12 L h s). With RUN: the shape from the "
+                                   "memory per block with and without sequence parallelism and over the model "
+                                   "with none, selective or full recomputation (Korthikanti et al. 2022, Table 2, "
+                                   "sec. 4.3), training FLOPs per token (6N + 12 L h s, N without the embedding "
+                                   "tables: Kaplan et al. 2020, Narayanan et al. 2021). The parameters are counted "
+                                   "from the shape, so a published shape runs in no time. With RUN: the shape from the "
                                    "run, the collectives it recorded per step beside the prediction, and its MFU.")
     q.add_argument("run", nargs="?", help="a run directory of --model gpt with --tp (optional)")
     add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
+    q.add_argument("--vocab", type=int, default=256,
+                   help="vocabulary V (default %(default)s: paralab's byte tokens; 50257 for GPT-2/GPT-3)")
     q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
     q.add_argument("--tp", type=int, default=2)
     q.add_argument("--sequence-parallel", action="store_true")
@@ -321,8 +326,9 @@ def _calc_schedule_bubble(args, p: int, ms: list[int]) -> int:
 # ======================================================================== comm (partition)
 def calc_tp(args) -> int:
     from ..analysis.cost import fmt_bytes as fmt
-    from ..analysis.tensor import activation_memory, flops_per_token, tp_communication
-    from ..models import build_model, count_parameters
+    from ..analysis.tensor import (RECOMPUTE, activation_memory, activation_total, gpt_flops_per_token,
+                                   tp_communication)
+    from ..models.gpt import VOCAB, parameter_counts
     run = None
     if args.run:
         from ..analysis.runs import load_run
@@ -332,19 +338,31 @@ def calc_tp(args) -> int:
         shape = run.config["mesh"]["shape"]
         for k in ("layers", "embed", "heads", "context", "sequence_parallel"):
             setattr(args, k, run.config[k])
-        args.tp = shape["tp"]
+        args.tp, args.vocab = shape["tp"], VOCAB
         _, args.batch_size = _tp_microbatches(run)
-    for name in ("layers", "embed", "heads", "context", "batch_size", "tp"):
+    for name in ("layers", "embed", "heads", "context", "vocab", "batch_size", "tp"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.embed % args.heads or args.heads % args.tp:
         raise UsageError("--embed must be divisible by --heads, and --heads by --tp")
-    b, s, h, a, L, t = args.batch_size, args.context, args.embed, args.heads, args.layers, args.tp
-    comm = tp_communication(b, s, h, L, t, args.sequence_parallel)
-    n = count_parameters(build_model("gpt", layers=L, heads=a, embed=h, context=s))
+    b, s, h, a, L, t, V = args.batch_size, args.context, args.embed, args.heads, args.layers, args.tp, args.vocab
+    sp = args.sequence_parallel
+    c = parameter_counts(L, h, s, V)
+    print(f"gpt: L={L} h={h} a={a} s={s} V={V}: {c['total']:,} parameters (token table {c['tokens']:,}, "
+          f"position table {c['positions']:,}, blocks {c['blocks']:,}, head {c['head']:,}); "
+          f"b={b} sequences per microbatch, tp {t}" + (" + sequence parallelism" if sp else "") + "\n")
+    comm = tp_communication(b, s, h, L, t, sp)
     _print(comm, activation_memory(b, s, h, a, 1, False), activation_memory(b, s, h, a, t, False),
-           activation_memory(b, s, h, a, t, True), flops_per_token(n, L, h, s))
-    print("\nper microbatch:  " + ", ".join(f"{k} {calls} x ({fmt(size)})" for k, (calls, size) in
-                                          comm.parts["messages"].items()))
+           activation_memory(b, s, h, a, t, True), gpt_flops_per_token(L, h, s, V))
+    print("per microbatch:  " + ", ".join(f"{k} {calls} x ({fmt(size)})" for k, (calls, size) in
+                                        comm.parts["messages"].items()))
+    from ..report.page import text_table
+    totals = [activation_total(b, s, h, a, L, t, sp, r, V) for r in RECOMPUTE]
+    print(f"\nactivation memory per rank over the {L} blocks, by recomputation (Korthikanti et al. 2022, Table 2 "
+          f"and sec. 4.3; tp {t}" + (" + sp" if sp else "") + ", no pipeline):")
+    print(text_table(["recompute", "per block", f"x {L} blocks", "+ embedding, head, loss", "total"],
+                     [[r, fmt(f.parts["per_block"]), fmt(f.parts["blocks"]), fmt(f.parts["ends"]), fmt(f.value)]
+                      for r, f in zip(RECOMPUTE, totals)]))
+    print(f"  {totals[-1].formula}; 16-bit activations with dropout masks, as published")
     if run is not None:
         tp_run_table(run, args.peak_tflops)
     return 0
@@ -366,7 +384,7 @@ def tp_run_table(run, peak_tflops: float | None = None) -> None:
     """A gpt run with tensor parallelism: each tp collective it recorded per measured step (rank 0 of each
     stage) beside the cost model's count and bytes, and its MFU."""
     from ..analysis.cost import fmt_bytes as fmt
-    from ..analysis.tensor import flops_per_token, mfu, tp_communication
+    from ..analysis.tensor import gpt_flops_per_token, mfu, tp_communication
     from ..analysis.timeline import measured_steps
     c, shape = run.config, run.config["mesh"]["shape"]
     (micro, b), s = _tp_microbatches(run), c["context"]
@@ -386,12 +404,12 @@ def tp_run_table(run, peak_tflops: float | None = None) -> None:
         measured = f"{len(got) / len(steps):g} x, {fmt(sum(sp['bytes'] for sp in got) / len(steps))}"
         print(f"  {k:<28}{predicted:>22}{measured:>22}")
     if run.summary.get("samples_per_s"):
-        from ..models import build_model, count_parameters
-        n = count_parameters(build_model("gpt", layers=c["layers"], heads=c["heads"], embed=c["embed"], context=s))
-        per_token = flops_per_token(n, c["layers"], c["embed"], s).value
+        from ..models.gpt import VOCAB
+        flops = gpt_flops_per_token(c["layers"], c["embed"], s, VOCAB)
+        per_token = flops.value
         peak, source = (peak_tflops * 1e12, f"--peak-tflops {peak_tflops:g}") if peak_tflops \
             else _measured_peak(run.workers)
-        print(f"\npeak: {source}")
+        print(f"\nFLOPs per token {per_token:,.0f} ({flops.formula}; {flops.note})\npeak: {source}")
         _print(mfu(run.summary["samples_per_s"] * s, per_token, peak))
 
 

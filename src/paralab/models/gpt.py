@@ -121,6 +121,19 @@ def init_weights(model: nn.Sequential, layers: int) -> None:
         nn.init.normal_(p, 0.0, std)
 
 
+def parameter_counts(layers: int, embed: int, context: int, vocab: int = VOCAB) -> dict[str, int]:
+    """The gpt's parameters by part, counted from its shape without building it (the tests hold this to
+    ``count_parameters(gpt(...))``): the token and position tables, the blocks (four ``D x D``
+    attention projections and the ``D x 4D``, ``4D x D`` MLP, with biases, and two LayerNorms:
+    ``12 D^2 + 13 D`` each), and the head (a LayerNorm and the untied ``D x V`` output projection).
+    The heads split the width without adding parameters."""
+    blocks = layers * (12 * embed * embed + 13 * embed)
+    counts = {"tokens": vocab * embed, "positions": context * embed, "blocks": blocks,
+              "head": 2 * embed + embed * vocab}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB) -> nn.Sequential:
     if embed % heads:
         raise ValueError(f"--embed {embed} must be divisible by --heads {heads}")
