@@ -116,6 +116,63 @@ def test_bubble_and_in_flight_functions():
     assert cost.ideal_step_time(4, 4, 0.01, 0.02).value == pytest.approx(7 * 0.03)
 
 
+# ---------------------------------------------------------------- bubble with stage times (Qi et al. 2024, sec. 2)
+def test_timed_bubble_at_equal_times_is_the_schedules_formula_and_the_simulators():
+    from paralab.strategies.pipeline.schedules import SCHEDULES
+    for name in SCHEDULES:
+        v = 2 if name == "interleaved-1f1b" else 1
+        t = cost.schedule_times(name, 4, 8, v, forward_s=1.0, input_s=1.0, weight_s=1.0)
+        fraction = cost.schedule_bubble(name, 4, 8, v).parts["fraction"]
+        assert t.parts["fraction"] == pytest.approx(fraction), name
+        assert t.parts["simulated_fraction"] == pytest.approx(fraction), name
+
+
+def test_zb_h1_bubble_with_a_lighter_weight_gradient():
+    """T_F = T_I = 1, T_W = 0.5: ZB-H1 idles (p-1)(T_F + T_I - T_W) per step, as the simulator finds."""
+    p, m = 4, 8
+    t = cost.schedule_times("zb-h1", p, m, 1, forward_s=1.0, input_s=1.0, weight_s=0.5)
+    idle = (p - 1) * (1 + 1 - 0.5)
+    step = m * (1 + 1 + 0.5) + idle
+    assert t.value == pytest.approx(step) and t.parts["fraction"] == pytest.approx(idle / step)
+    assert t.parts["simulated_step"] == pytest.approx(step)
+    assert t.parts["simulated_fraction"] == pytest.approx(idle / step)
+
+
+def test_calc_bubble_schedule_uses_the_times(capsys):
+    code, old, _ = calc(capsys, "bubble", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8")
+    assert code == 0 and "11.11 %" in old
+    code, out, _ = calc(capsys, "bubble", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8",
+                        "--forward-ms", "1", "--backward-ms", "2")
+    assert code == 0 and all(line in out.splitlines() for line in old.splitlines())  # today's output, and more
+    assert "T_I = T_W = 1 ms" in out  # the whole backward split evenly, said
+    code, out, _ = calc(capsys, "bubble", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8",
+                        "--forward-ms", "1", "--backward-ms", "1", "--weight-ms", "0.5")
+    assert code == 0
+    assert "(4-1)(1 ms + 1 ms - 0.5 ms)" in out and "18.37 %" in out
+    assert "24.5 ms" in out and "simulated" in out
+
+
+def test_calc_bubble_says_which_times_a_schedule_cannot_split(capsys):
+    code, out, _ = calc(capsys, "bubble", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                        "--forward-ms", "1", "--backward-ms", "1", "--weight-ms", "0.5")
+    assert code == 0 and "1f1b runs each backward whole" in out and "T_B = T_I + T_W = 1.5 ms" in out
+    code, out, _ = calc(capsys, "bubble", "--stages", "4", "--microbatches", "8",
+                        "--forward-ms", "1", "--backward-ms", "1", "--weight-ms", "0.5")
+    assert code == 0 and "runs each backward whole" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--forward-ms", "-1"], "--forward-ms"),
+    (["--forward-ms", "1", "--backward-ms", "0"], "--backward-ms"),
+    (["--backward-ms", "2"], "--forward-ms"),
+    (["--forward-ms", "1", "--weight-ms", "1"], "--backward-ms"),
+    (["--forward-ms", "1", "--backward-ms", "1", "--weight-ms", "-1"], "--weight-ms"),
+])
+def test_calc_bubble_refuses_bad_times(capsys, args, message):
+    code, _, err = calc(capsys, "bubble", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", *args)
+    assert code == 2 and message in err
+
+
 # ---------------------------------------------------------------- boundary traffic (CS1390 Q2.3)
 def test_comm_counts_the_real_boundary(capsys):
     from paralab.models import build_model

@@ -198,6 +198,41 @@ def schedule_memory(schedule: str, stages: int, microbatches: int, virtual: int 
     return _alive(spec_of(schedule), stages, microbatches, virtual, SCHEDULE_SOURCES[schedule])
 
 
+def schedule_times(schedule: str, stages: int, microbatches: int, virtual: int = 1, *, forward_s: float,
+                   input_s: float, weight_s: float) -> Formula:
+    """A schedule's ideal step time at given stage times (``T_F``; the backward as ``T_I + T_W``, one rank's
+    over all its stages), free communication: the paper's closed form (the registry's :class:`IdleLaw`:
+    step = m(T_F+T_I+T_W) + idle), and the same schedule run by the simulator at these times beside it.
+    A schedule that runs its backward whole gets ``T_B = T_I + T_W``."""
+    from ..strategies.pipeline.schedules import build_schedule
+    from ..strategies.pipeline.simulate import simulate, simulated_bubble
+    spec, p, m, v = spec_of(schedule), stages, microbatches, virtual
+    f, i, w = forward_s, input_s, weight_s
+    law = spec.idle
+    idle = law.value(p, v, f, i, w)
+    work = m * (f + i + w)
+    step = work + idle
+    timeline = simulate(build_schedule(schedule, p, m, v), f / v, (i + w) / v, input_time=i / v, weight_time=w / v)
+    sim_step = max(t.t1 for row in timeline for t in row)
+    sim_bubble = max(simulated_bubble(timeline))
+
+    def ms(x: float) -> str:
+        return f"{g(x * 1e3)} ms"
+    F, I, W, B = ms(f), ms(i), ms(w), ms(i + w)
+    backward = "(T_F+T_I+T_W)" if spec.split_backward else "(T_F+T_B)"
+    times = f"{F} + {I} + {W}" if spec.split_backward else f"{F} + {B}"
+    return Formula(
+        f"{schedule}: ideal step time at these stage times (free communication)",
+        f"T = m{backward} + idle; {law.formula}",
+        f"T = {m} x ({times}) + {law.substituted(p, v, F, I, W, B)} = {ms(work)} + {ms(idle)}", step, "s",
+        note=_cited(SCHEDULE_SOURCES[schedule],
+                    f"bubble = idle / T = {100 * idle / step:.2f} %; {law.note}; simulated (this schedule's "
+                    f"order run on these times): step {ms(sim_step)}, bubble {100 * sim_bubble:.2f} % "
+                    "(the rank idling most)"),
+        parts={"idle": idle, "fraction": idle / step, "simulated_step": sim_step,
+               "simulated_fraction": sim_bubble})
+
+
 def in_flight_formula(schedule: str, stages: int, microbatches: int) -> Formula:
     """``schedule_memory`` with one stage per rank, without its citation."""
     return _alive(spec_of(schedule), stages, microbatches, 1, "")

@@ -80,8 +80,16 @@ def add_arguments(p) -> None:
                                    "and the microbatches each stage keeps alive under GPipe and 1F1B.")
     q.add_argument("--stages", "--workers", dest="stages", type=int, required=True, help="pipeline stages p")
     q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
-    q.add_argument("--forward-ms", type=float, help="one stage's forward of one microbatch (ms): adds the step time")
-    q.add_argument("--backward-ms", type=float, help="one stage's backward of one microbatch (ms, default 2 x forward)")
+    q.add_argument("--forward-ms", type=float,
+                   help="T_F: one stage's forward of one microbatch (ms; with --schedule, one rank's over all its "
+                        "stages): adds the ideal step time, and with --schedule the bubble at these times")
+    q.add_argument("--backward-ms", type=float,
+                   help="T_B: one stage's backward of one microbatch (ms, default 2 x forward; a zero-bubble "
+                        "schedule splits it evenly into T_I and T_W); with --weight-ms, T_I alone")
+    q.add_argument("--weight-ms", type=float,
+                   help="T_W: the weight-gradient part of the backward (ms); --backward-ms is then T_I, the "
+                        "input-gradient part (zero bubble, Qi et al. 2024); a schedule that runs the backward "
+                        "whole takes T_B = T_I + T_W")
     q.add_argument("--schedule", help="one schedule's bubble and peak activation memory, with its source: "
                                       "gpipe | 1f1b | zb-h1 | zb-h2 | interleaved-1f1b (default: GPipe and 1F1B)")
     q.add_argument("--virtual-stages", type=int, default=None,
@@ -279,18 +287,19 @@ def calc_bubble(args) -> int:
         raise UsageError(f"--microbatches takes integers such as 4 or 1,2,4,8 (got {args.microbatches!r})") from None
     if not ms or any(m < 1 for m in ms):
         raise UsageError("--microbatches must be positive")
-    if args.forward_ms is not None:
-        _positive("forward-ms", args.forward_ms)
+    times = _stage_times(args)
     p = args.stages
     if args.schedule is not None or args.virtual_stages is not None:
-        return _calc_schedule_bubble(args, p, ms)
+        return _calc_schedule_bubble(args, p, ms, times)
+    if times is not None and args.weight_ms is not None:
+        print(f"GPipe and 1F1B: each runs each backward whole, T_B = T_I + T_W = "
+              f"{args.backward_ms:g} + {args.weight_ms:g} = {times[1] + times[2]:g} ms\n")
     rows = []
     for m in ms:
         print(f"--- p = {p} stages, m = {m} microbatches")
         fs = [bubble_fraction(p, m), in_flight_formula("gpipe", p, m), in_flight_formula("1f1b", p, m)]
-        if args.forward_ms is not None:
-            tb = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
-            fs.append(ideal_step_time(p, m, args.forward_ms / 1e3, tb / 1e3))
+        if times is not None:
+            fs.append(ideal_step_time(p, m, times[0] / 1e3, (times[1] + times[2]) / 1e3))
         _print(*fs)
         rows.append([m, f"{fs[0].value:.1f}", fs[1].value, fs[2].value])
     if len(ms) > 1:
@@ -299,9 +308,31 @@ def calc_bubble(args) -> int:
     return 0
 
 
-def _calc_schedule_bubble(args, p: int, ms: list[int]) -> int:
-    """``--schedule NAME``: that schedule's bubble and peak activation memory formulas, substituted."""
-    from ..analysis.cost import SCHEDULE_SOURCES, schedule_bubble, schedule_memory
+def _stage_times(args) -> tuple[float, float, float] | None:
+    """(T_F, T_I, T_W) in ms from --forward-ms, --backward-ms, --weight-ms (None without --forward-ms): without
+    --weight-ms the backward (default 2 T_F) splits evenly into T_I and T_W."""
+    given = [f"--{n.replace('_', '-')}" for n in ("backward_ms", "weight_ms") if getattr(args, n) is not None]
+    if args.forward_ms is None:
+        if given:
+            raise UsageError(f"{' and '.join(given)} needs --forward-ms (T_F, ms): the times go together")
+        return None
+    for name in ("forward_ms", "backward_ms", "weight_ms"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive time in ms (got {value:g})")
+    if args.weight_ms is not None:
+        if args.backward_ms is None:
+            raise UsageError("--weight-ms (T_W) needs --backward-ms, which is then T_I, the input-gradient part")
+        return args.forward_ms, args.backward_ms, args.weight_ms
+    tb = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
+    return args.forward_ms, tb / 2, tb / 2
+
+
+def _calc_schedule_bubble(args, p: int, ms: list[int], times) -> int:
+    """``--schedule NAME``: that schedule's bubble and peak activation memory formulas, substituted; with
+    stage times, its ideal step time and bubble at those times, closed form and simulated."""
+    from ..analysis.cost import SCHEDULE_SOURCES, schedule_bubble, schedule_memory, schedule_times
+    from ..strategies.pipeline.schedules import REGISTRY
     from ..strategies.pipeline.schedules import VIRTUAL, layout_problem
     name = args.schedule or "interleaved-1f1b"
     if name not in SCHEDULE_SOURCES:
@@ -316,6 +347,14 @@ def _calc_schedule_bubble(args, p: int, ms: list[int]) -> int:
         print(f"--- {name}: p = {p} ranks, m = {m} microbatches" + (f", v = {v} stages per rank" if v > 1 else ""))
         fs = [schedule_bubble(name, p, m, v), schedule_memory(name, p, m, v)]
         _print(*fs)
+        if times is not None:
+            tf, ti, tw = times
+            if REGISTRY[name].split_backward and args.weight_ms is None:
+                print(f"{name} splits each backward: T_B = {ti + tw:g} ms as T_I = T_W = {ti:g} ms "
+                      "(give --weight-ms for another split)")
+            elif not REGISTRY[name].split_backward and args.weight_ms is not None:
+                print(f"{name} runs each backward whole: T_B = T_I + T_W = {ti + tw:g} ms")
+            _print(schedule_times(name, p, m, v, forward_s=tf / 1e3, input_s=ti / 1e3, weight_s=tw / 1e3))
         rows.append([m, f"{fs[0].value:.1f}", f"{fs[1].value:g}"])
     if len(ms) > 1:
         from ..report.page import text_table

@@ -20,7 +20,8 @@ them in its ``Formula`` (value, unit, citation) and names no schedule.
 Notation: ``p`` pipeline ranks, ``m`` microbatches, ``v`` stages per rank;
 ``T_F``, ``T_B``: a stage's forward and backward of one microbatch, the
 backward split as ``T_I + T_W`` (zero bubble). The zero-bubble formulas take
-``T_F = T_I = T_W`` (a whole backward twice a forward, split evenly).
+``T_F = T_I = T_W`` (a whole backward twice a forward, split evenly); each
+entry's :class:`IdleLaw` gives its paper's idle time at any given times.
 """
 from __future__ import annotations
 
@@ -49,6 +50,16 @@ class Law:
 
 
 @dataclass(frozen=True)
+class IdleLaw:
+    """Idle time of a rank per step at given stage times, as the schedule's paper gives it: a value of
+    ``(p, v, T_F, T_I, T_W)`` and its text (``T_B = T_I + T_W`` for a schedule that runs it whole)."""
+    formula: str                                                  # in symbols
+    value: Callable[[int, int, float, float, float], float]       # (p, v, T_F, T_I, T_W) -> idle time
+    substituted: Callable[..., str]                               # (p, v, F, I, W, B: times as written) -> text
+    note: str = ""                                                # when it holds
+
+
+@dataclass(frozen=True)
 class ScheduleSpec:
     """One schedule: how to build it, where it comes from, and what it costs (bubble, memory)."""
     name: str
@@ -59,6 +70,8 @@ class ScheduleSpec:
     bubble_law: Law
     alive_law: Law
     virtual: bool = False  # v stages per rank (--virtual-stages), microbatches fed in groups of p
+    idle: IdleLaw | None = None  # idle time per step at unequal stage times (a step's work is m(T_F+T_I+T_W))
+    split_backward: bool = False  # runs each backward as I (input gradient) then W (weight gradient)
 
     def peak(self, p: int, m: int, v: int) -> float:
         """The busiest rank's peak, in microbatches of one whole (non-interleaved) stage."""
@@ -88,6 +101,11 @@ def _zero_bubble_law(title: str, formula: str, why: str) -> Law:
                                + ("" if m >= p else " (here m < p: the schedule idles more)"))
 
 
+_FILL_AND_DRAIN_IDLE = IdleLaw("idle = (p-1)(T_F+T_B)", lambda p, v, f, i, w: (p - 1) * (f + i + w),
+                               lambda p, v, F, I, W, B: f"({p}-1)({F} + {B})",
+                               "the fill and the drain, whatever the ratio of T_F to T_B")
+
+
 def _interleaved_alive(p: int, m: int, v: int) -> list[int]:
     """Rank ``r``'s warm-up forwards plus the one it runs before its first backward, capped at all of them."""
     return [min((p - 1 - r) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
@@ -101,7 +119,7 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
         "gpipe", gpipe, "GPipe, Huang et al., NeurIPS 2019, sec. 2.3",
         bubble=_fill_and_drain,
         alive=lambda p, m, v: [m] * p,
-        bubble_law=_FILL_AND_DRAIN,
+        bubble_law=_FILL_AND_DRAIN, idle=_FILL_AND_DRAIN_IDLE,
         alive_law=Law("GPipe: microbatches alive per stage (peak)", "alive(k) = m",
                       lambda p, m, v: f"alive(k) = {m} for k = 0..{p - 1}", unit="microbatches")),
     ScheduleSpec(
@@ -109,7 +127,7 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
         "1f1b", one_f_one_b, "PipeDream-flush / 1F1B, Narayanan et al., ICML 2021 and SC 2021 sec. 2.2.1",
         bubble=_fill_and_drain,
         alive=lambda p, m, v: [min(p - k, m) for k in range(p)],
-        bubble_law=_FILL_AND_DRAIN,
+        bubble_law=_FILL_AND_DRAIN, idle=_FILL_AND_DRAIN_IDLE,
         alive_law=Law("1F1B: microbatches alive per stage (peak)", "alive(k) = min(p-k, m)",
                       lambda p, m, v: ", ".join(f"min({p}-{k}, {m}) = {min(p - k, m)}" for k in range(p)),
                       unit="microbatches (stage 0)")),
@@ -122,6 +140,10 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
             "pipeline bubble (ZB-H1)",
             "bubble = (p-1)(T_F+T_I-T_W) / (m(T_F+T_I+T_W) + (p-1)(T_F+T_I-T_W))",
             "backward split into I (input gradient) and W (weights), W filling the drain"),
+        idle=IdleLaw("idle = (p-1)(T_F+T_I-T_W)", lambda p, v, f, i, w: (p - 1) * (f + i - w),
+                     lambda p, v, F, I, W, B: f"({p}-1)({F} + {I} - {W})",
+                     "each W fills a slot of the drain; for T_W <= T_F + T_I and m >= p"),
+        split_backward=True,
         alive_law=Law("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
                       lambda p, m, v: f"alive(k) = min({p}, {m}) = {min(p, m)} for k = 0..{p - 1}",
                       lambda p, m, v: "1F1B's peak (stage 0) on every stage: W holds a microbatch until it runs",
@@ -138,6 +160,10 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
             "bubble = the fill alone, (p-1)T_F / (m(T_F+T_I+T_W) + (p-1)T_F) at (or near) equal times",
             "only the fill: no stage waits once started, with up to 2p-1 microbatches alive; steps "
             "back to back without a synchronisation overlap by it (the paper's zero bubble)"),
+        idle=IdleLaw("idle = (p-1)T_F, one step on its own", lambda p, v, f, i, w: (p - 1) * f,
+                     lambda p, v, F, I, W, B: f"({p}-1) x {F}",
+                     "only the fill; for m >= 2p-1 and T_I, T_W not far from T_F"),
+        split_backward=True,
         alive_law=Law("ZB-H2: microbatches alive per stage (peak)", "alive(k) = min(2p-1, m)",
                       lambda p, m, v: f"alive(k) = min(2x{p}-1, {m}) = {min(2 * p - 1, m)} for k = 0..{p - 1}",
                       lambda p, m, v: "the memory bought to leave no stage waiting: about twice 1F1B's peak",
@@ -152,6 +178,9 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                        "bubble time = (p-1)/v x (T_F+T_B); fraction = (p-1) / (v·m + p-1)",
                        lambda p, m, v: f"bubble = ({p}-1) / ({v}x{m}+{p}-1) = {p - 1}/{v * m + p - 1}",
                        lambda p, m, v: f"v = {v} stages per rank; needs m a multiple of p"),
+        idle=IdleLaw("idle = (p-1)/v x (T_F+T_B)", lambda p, v, f, i, w: (p - 1) / v * (f + i + w),
+                     lambda p, v, F, I, W, B: f"({p}-1)/{v} x ({F} + {B})",
+                     "T_F, T_B: a rank's forward and backward of one microbatch over its v stages"),
         alive_law=Law("interleaved 1F1B: stage-microbatches alive per rank (peak)",
                       "alive(r) = min(2(p-1-r) + (v-1)p + 1, v·m), each 1/v of a rank's activations",
                       lambda p, m, v: ", ".join(f"min(2({p}-1-{r}) + ({v}-1)x{p} + 1, {v}x{m}) = {a}"
