@@ -31,6 +31,49 @@ def test_zero_paper_example(capsys):
     assert round(totals["zero-3"], 1) == 1.9
 
 
+ZERO_EXAMPLE = ["--parameters", "7.5e9", "--workers", "64", "--optimizer", "adam", "--precision", "mixed", "--json"]
+PSI, N = 7.5e9, 64
+
+
+def _totals(out: str, key: str = "total") -> dict:
+    return {e["strategy"]: e["bytes"][key] for e in json.loads(out)}
+
+
+def test_memory_fp32_gradient_copy_is_deepspeeds_accounting(capsys):
+    """DeepSpeed's estimators keep an fp32 gradient shard beside the optimizer state: 4 Psi + 16 Psi / N at
+    ZeRO-1 (estimate_zero2_model_states_mem_needs, which serves stages 1 and 2; its ZeRO-2 also keeps the 16-bit
+    gradients whole), 18 Psi / N at ZeRO-3 (estimate_zero3_model_states_mem_needs, less the largest layer)."""
+    code, out, _ = calc(capsys, "memory", *ZERO_EXAMPLE, "--fp32-grads")
+    assert code == 0
+    got = _totals(out)
+    assert got["ddp"] == pytest.approx(16 * PSI + 4 * PSI)
+    assert got["zero-1"] == pytest.approx(4 * PSI + 16 * PSI / N)
+    assert got["zero-2"] == pytest.approx(2 * PSI + 2 * PSI / N + 12 * PSI / N + 4 * PSI / N)  # the paper's + 4 Psi / N
+    assert got["zero-3"] == pytest.approx(18 * PSI / N)                                     # the paper's + 2 Psi / N
+    code, text, _ = calc(capsys, "memory", *ZERO_EXAMPLE[:-1], "--fp32-grads")
+    assert "fp32 gradient copy" in text
+
+
+def test_memory_offloads_the_optimizer_state_to_the_host(capsys):
+    code, out, _ = calc(capsys, "memory", *ZERO_EXAMPLE, "--offload", "optimizer")
+    assert code == 0
+    device, host = _totals(out, "device"), _totals(out, "host")
+    assert device["zero-2"] == pytest.approx(2 * PSI + 2 * PSI / N) and host["zero-2"] == pytest.approx(12 * PSI / N)
+    assert device["ddp"] == pytest.approx(4 * PSI) and host["ddp"] == pytest.approx(12 * PSI)
+    assert _totals(out)["zero-2"] == pytest.approx(device["zero-2"] + host["zero-2"])
+    code, text, _ = calc(capsys, "memory", *ZERO_EXAMPLE[:-1], "--offload", "optimizer")
+    assert "device" in text and "host" in text and f"{12 * PSI / N / 1e9:.4g} GB" in text
+
+
+def test_memory_model_parallel_divides_psi_before_the_data_parallel_sharding(capsys):
+    code, out, _ = calc(capsys, "memory", *ZERO_EXAMPLE, "--mp", "16")
+    assert code == 0
+    got = _totals(out)
+    assert got["ddp"] == pytest.approx(16 * PSI / 16) and got["zero-3"] == pytest.approx(16 * PSI / 16 / N)
+    code, text, _ = calc(capsys, "memory", *ZERO_EXAMPLE[:-1], "--mp", "16")
+    assert "M = 16" in text and "1,024 devices" in text
+
+
 def test_memory_prints_formula_substitution_and_result(capsys):
     code, out, _ = calc(capsys, "memory", "--model", "vgg11", "--workers", "4", "--stage", "0,3")
     assert code == 0
@@ -58,6 +101,10 @@ def test_memory_with_a_model_shows_the_largest_units_working_set_and_peak(capsys
     (["memory", "--parameters", "1e9", "--workers", "8", "--optimizer", "lamb"], "--optimizer"),
     (["memory", "--parameters", "1e9", "--workers", "8", "--precision", "fp8"], "--precision"),
     (["memory", "--model", "alexnet", "--workers", "8"], "unknown model"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--fp32-grads"], "--precision mixed"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--offload", "gpu"], "--offload"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--mp", "0"], "--mp"),
+    (["memory", "--parameters", "1e9", "--workers", "8", "--mp", "7"], "--mp"),
     (["allreduce", "--parameters", "1e9", "--workers", "8", "--bandwidth", "0"], "--bandwidth"),
     (["allreduce", "--bytes", "1e6", "--workers", "8", "--bandwidth", "10", "--per-tensor"], "--per-tensor"),
     (["bubble", "--stages", "4", "--microbatches", "0"], "--microbatches"),

@@ -12,6 +12,11 @@ g = 2, K = 4 more for the fp32 master weights). Per worker:
 - ZeRO-2 (P_os+g, + grads):    ``p x Psi + (g + K) x Psi / N``
 - ZeRO-3 (P_os+g+p, + params): ``(p + g + K) x Psi / N``
 
+Options: ``fp32_grads`` (mixed only) adds the fp32 gradient copy DeepSpeed's
+estimators count, sharded with the optimizer state (``4 x Psi / N``; at
+stage 3 it replaces the fp16 gradient shard: ``+2 x Psi / N``);
+``offload="optimizer"`` puts the optimizer state (and that copy) on the host:
+``device`` and ``host`` bytes; ``model_parallel`` M divides Psi first.
 ``unit_parameters`` (the largest unit's parameter count, Psi_unit) adds a
 separate *working* line, what a unit-by-unit implementation holds while
 that unit runs backward: stage 3 ``(p + g) x Psi_unit``, stage 2
@@ -82,6 +87,21 @@ class MemoryEstimate:
     total_formula: Formula
     working: Formula | None = None  # stages 1-3: the largest unit's transient tensors, if asked for
     extra: dict = field(default_factory=dict)
+    fp32_grads: Formula | None = None  # DeepSpeed's fp32 gradient copy, if asked for
+    offload: str | None = None         # "optimizer": the optimizer state (and fp32 gradients) on the host
+    model_parallel: int = 1            # M: Psi is the model's parameters / M
+
+    @property
+    def host(self) -> float:
+        """Bytes per worker on the host (offload), else 0."""
+        if self.offload != "optimizer":
+            return 0.0
+        return self.optimizer_state.value + (self.fp32_grads.value if self.fp32_grads is not None else 0.0)
+
+    @property
+    def device(self) -> float:
+        """Model states per worker on the device: the total less what is offloaded."""
+        return self.total - self.host
 
     @property
     def name(self) -> str:
@@ -96,6 +116,9 @@ class MemoryEstimate:
         """Bytes per component, for JSON records and tables."""
         out = {"params": self.params.value, "grads": self.grads.value,
                "optimizer": self.optimizer_state.value, "total": self.total}
+        if self.fp32_grads is not None:
+            out["fp32_grads"] = self.fp32_grads.value
+        out["device"], out["host"] = self.device, self.host
         if self.working is not None:
             out["working"] = self.working.value
         out["peak"] = self.peak
@@ -109,7 +132,9 @@ class MemoryEstimate:
     def to_dict(self) -> dict:
         parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer_state),
                  ("total", self.total_formula)] + ([("working", self.working)] if self.working else [])
+        parts += [("fp32_grads", self.fp32_grads)] if self.fp32_grads is not None else []
         return {"strategy": self.name, "stage": self.stage, "parameters": self.parameters,
+                "model_parallel": self.model_parallel, "offload": self.offload,
                 "workers": self.workers, "optimizer": self.optimizer, "precision": self.precision,
                 "bytes_per_parameter": {"p": self.per_parameter.params, "g": self.per_parameter.grads,
                                         "K": self.per_parameter.optimizer},
@@ -118,13 +143,20 @@ class MemoryEstimate:
                              for k, f in parts}}
 
     def text(self) -> str:
-        parts = [self.params, self.grads, self.optimizer_state, self.total_formula]
+        parts = [self.params, self.grads, self.optimizer_state]
+        parts += [self.fp32_grads] if self.fp32_grads is not None else []
+        parts.append(self.total_formula)
         if self.working is not None:
             parts.append(self.working)
         head = (f"{self.name}: {g(self.parameters)} parameters, {self.workers} workers, {self.optimizer}, "
                 f"{self.precision} (p={self.per_parameter.params}, g={self.per_parameter.grads}, "
                 f"K={self.per_parameter.optimizer}: {self.per_parameter.explain})")
-        return "\n".join([head] + [line for f in parts for line in f.lines()])
+        lines = [head] + [line for f in parts for line in f.lines()]
+        if self.offload == "optimizer":
+            lines.append(f"offload optimizer: device {fmt_bytes(self.device)} (parameters and gradients), host "
+                         f"{fmt_bytes(self.host)} (the optimizer state" + (" and fp32 gradients" if self.fp32_grads
+                                                                           else "") + ") per worker")
+        return "\n".join(lines)
 
 
 def _component(title: str, coeff: int, symbol: str, parameters: int, workers: int, sharded: bool) -> Formula:
@@ -139,7 +171,8 @@ def _component(title: str, coeff: int, symbol: str, parameters: int, workers: in
 
 def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: str = "sgd-momentum",
                       precision: str = "fp32", unit_parameters: int | None = None,
-                      step_in_backward: bool = False) -> MemoryEstimate:
+                      step_in_backward: bool = False, fp32_grads: bool = False, offload: str | None = None,
+                      model_parallel: int = 1) -> MemoryEstimate:
     """Model-state bytes per worker for DDP (``stage=0``) or ZeRO ``stage`` 1, 2, 3.
 
     ``parameters``: Psi, the model's parameter count; ``workers``: N, the
@@ -148,13 +181,24 @@ def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: 
     largest unit's parameter count; at stages 1-3 it adds the *working* line
     (see the module's docstring). ``step_in_backward`` (stages 2-3, needs
     ``unit_parameters``): gradients are one unit's shard at a time.
+    ``fp32_grads``, ``offload``, ``model_parallel``: see the module's docstring
+    (``parameters`` is the whole model's: Psi here is it over M).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3 (got {stage!r})")
     if parameters < 0 or workers < 1:
         raise ValueError("parameters must be >= 0 and workers >= 1")
+    if fp32_grads and precision != "mixed":
+        raise ValueError("fp32_grads is the fp32 copy of 16-bit gradients: precision must be mixed")
+    if offload not in (None, "optimizer"):
+        raise ValueError(f"offload must be None or 'optimizer' (got {offload!r})")
+    if model_parallel < 1:
+        raise ValueError("model_parallel must be >= 1")
     b = bytes_per_parameter(optimizer, precision)
-    psi, n = parameters, workers
+    psi, n = parameters / model_parallel, workers
+    psi = int(psi) if float(psi).is_integer() else psi
+    if unit_parameters is not None and model_parallel > 1:
+        unit_parameters = unit_parameters / model_parallel
     params = _component("parameters", b.params, "p", psi, n, sharded=stage >= 3)
     grads = _component("gradients", b.grads, "g", psi, n, sharded=stage >= 2)
     state = _component("optimizer state", b.optimizer, "K", psi, n, sharded=stage >= 1)
@@ -172,7 +216,18 @@ def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: 
                         note="each unit's shard is stepped in backward and dropped")
         formulas = {2: "p x Psi + g x Psi_unit / N + K x Psi / N", 3: "(p + K) x Psi / N + g x Psi_unit / N"}
         subs = {stage: " + ".join(f.substituted for f in (params, grads, state))}
-    value = params.value + grads.value + state.value
+    copy = None
+    if fp32_grads:  # DeepSpeed's estimators: an fp32 gradient shard beside the optimizer state
+        copy = _component("fp32 gradient copy", 4, "4", psi, n, sharded=stage >= 1)
+        copy.note = "kept beside the optimizer state (DeepSpeed's estimators count it)"
+        formulas = {k: f"{f} + 4 x Psi" + (" / N" if k >= 1 else "") for k, f in formulas.items()}
+        subs = {k: f"{t} + {copy.substituted}" for k, t in subs.items()}
+        if stage == 3:  # the fp16 gradient shard is reduce-scattered straight into the fp32 one
+            grads = Formula("gradients", "0 (reduced into the fp32 copy)", "0", 0.0, "B", parts={"sharded": True},
+                            note="at ZeRO-3 each 16-bit gradient shard is turned into the fp32 copy, not kept")
+            formulas[3] = "(p + K + 4) x Psi / N"
+            subs[3] = f"({b.params} + {b.optimizer} + 4) x {g(psi)} / {n}"
+    value = params.value + grads.value + state.value + (copy.value if copy is not None else 0.0)
     total = Formula(f"{STAGE_NAMES[stage]}: model states per worker", formulas[stage],
                     f"{subs[stage]} = {fmt_bytes(value)}", value, "B",
                     note="1 GB = 10^9 B; activations and temporary buffers not included")
@@ -189,7 +244,8 @@ def memory_per_worker(parameters: int, workers: int, stage: int = 0, optimizer: 
         working = Formula("working set: one unit's gradient copied flat", "g x Psi_unit",
                           f"{b.grads} x {g(unit_parameters)}", float(b.grads * unit_parameters), "B",
                           note="transient, beside the model states")
-    return MemoryEstimate(stage, psi, n, optimizer, precision, b, params, grads, state, total, working)
+    return MemoryEstimate(stage, psi, n, optimizer, precision, b, params, grads, state, total, working,
+                          fp32_grads=copy, offload=offload, model_parallel=model_parallel)
 
 
 def zero_table(parameters: int, workers: int, optimizer: str = "sgd-momentum",

@@ -58,6 +58,16 @@ def add_arguments(p) -> None:
     q.add_argument("--step-in-backward", action="store_true",
                    help="stages 2-3 step each unit's shard in backward (paralab fsdp's default): one "
                         "gradient shard held at a time")
+    q.add_argument("--fp32-grads", action="store_true",
+                   help="with --precision mixed: an fp32 copy of the gradients beside the optimizer state, as "
+                        "DeepSpeed's estimators count it (4 Psi/N at stages 1-2; at stage 3 it replaces the 16-bit "
+                        "gradient shard: +2 Psi/N)")
+    q.add_argument("--offload", metavar="optimizer",
+                   help="optimizer: the optimizer state (and any fp32 gradients) on the host (ZeRO-Offload): "
+                        "prints the device's bytes (parameters and gradients) and the host's")
+    q.add_argument("--mp", type=int, default=1,
+                   help="model-parallel degree M (tensor or pipeline): each device holds Psi/M parameters before "
+                        "the data-parallel sharding over --workers N (N x M devices; default %(default)s)")
     q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
     q.set_defaults(calc=calc_memory)
 
@@ -208,6 +218,14 @@ def calc_memory(args) -> int:
             raise UsageError("--stage: stages are 0 (DDP), 1, 2, 3")
     model = _model_size(args.model, args.width) if args.model else None
     psi, source, _ = _parameters(args, model)
+    if args.offload not in (None, "optimizer"):
+        raise UsageError(f"--offload takes optimizer (the optimizer state on the host; got {args.offload!r})")
+    if args.fp32_grads and args.precision != "mixed":
+        raise UsageError("--fp32-grads is an fp32 copy of 16-bit gradients: it needs --precision mixed "
+                         "(with fp32 the gradients are fp32 already)")
+    if args.mp < 1 or psi % args.mp:
+        raise UsageError(f"--mp must be a positive divisor of the {psi:,} parameters (each of the M model-parallel "
+                         f"devices holds Psi/M; got {args.mp})")
     unit = args.unit_parameters
     if unit is None and model is not None:
         unit = max(sum(p.numel() for p in u.parameters()) for u in model)
@@ -217,11 +235,16 @@ def calc_memory(args) -> int:
         raise UsageError("--step-in-backward needs the largest unit: pass --model or --unit-parameters")
     unit = None if unit is None else int(unit)
     estimates = [memory_per_worker(psi, args.workers, s, args.optimizer, args.precision, unit_parameters=unit,
-                                   step_in_backward=args.step_in_backward and s >= 2) for s in stages]
+                                   step_in_backward=args.step_in_backward and s >= 2, fp32_grads=args.fp32_grads,
+                                   offload=args.offload, model_parallel=args.mp) for s in stages]
     if args.json:
         print(json.dumps([e.to_dict() for e in estimates], indent=2))
         return 0
-    print(f"model states per worker: {source}, N = {args.workers} workers, {args.optimizer}, {args.precision}\n")
+    print(f"model states per worker: {source}, N = {args.workers} workers, {args.optimizer}, {args.precision}"
+          + (f"; model parallelism M = {args.mp}: Psi = {psi:,} / {args.mp} = {psi // args.mp:,} per device, "
+             f"{args.workers * args.mp:,} devices" if args.mp > 1 else "")
+          + ("; fp32 gradient copy (DeepSpeed's accounting)" if args.fp32_grads else "")
+          + ("; optimizer state offloaded to the host" if args.offload else "") + "\n")
     for e in estimates:
         print(e.text())
         print()
@@ -229,6 +252,14 @@ def calc_memory(args) -> int:
     header = ["strategy", "parameters", "gradients", "optimizer state", "total per worker"]
     rows = [[e.name, _gb(e.params.value), _gb(e.grads.value), _gb(e.optimizer_state.value), _gb(e.total)]
             for e in estimates]
+    if args.fp32_grads:
+        header.insert(4, "fp32 grads")
+        for row, e in zip(rows, estimates):
+            row.insert(4, _gb(e.fp32_grads.value))
+    if args.offload:
+        header += ["device", "host"]
+        for row, e in zip(rows, estimates):
+            row += [_gb(e.device), _gb(e.host)]
     if unit is not None:  # the working set of the largest unit, and the resident peak it gives
         header += ["working set", "peak"]
         for row, e in zip(rows, estimates):
