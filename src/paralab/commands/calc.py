@@ -1,9 +1,12 @@
 """The cost model, with the arithmetic shown: each formula, the numbers substituted, the result.
 
-  memory      model-state bytes per worker: DDP and ZeRO stages 1, 2, 3
+  memory      model-state bytes per worker: DDP and ZeRO stages 1, 2, 3 [--fp32-grads] [--offload optimizer]
+              [--mp M]
   allreduce   gradient synchronisation time: ring all-reduce and gather/scatter through a root
   bubble      pipeline bubble (p-1)/(m+p-1) and microbatches alive, GPipe and 1F1B; --schedule zb-h1 |
-              zb-h2 | interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source
+              zb-h2 | interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source;
+              --forward-ms/--backward-ms [--weight-ms]: its step time and bubble at those times
+  tp          tensor parallelism on the gpt: collectives, activation memory (by recomputation), FLOPs, MFU
   comm        model/pipeline traffic at the partition boundaries (the real partition)
   run         from a run directory: achieved bandwidth and utilisation (HPML Lab 4 Q3.2),
               predicted vs measured communication time, measured vs predicted bubble
