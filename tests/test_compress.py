@@ -1,4 +1,4 @@
-"""--compress (strategies/compression.py): the arithmetic, the bytes on the wire, --check against a
+"""--compress (strategies/compression/): the arithmetic, the bytes on the wire, --check against a
 reference that applies the same compression, torch-ddp's PyTorch hooks, and the refusals."""
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ from .. import options
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
-# steps before PowerSGD starts) is spelled where compression is: strategies/compression.py
+# steps before PowerSGD starts) is spelled where compression is: strategies/compression/methods.py
 from ..strategies.compression import POWERSGD_START
 from ..strategies.compression import VARIANT_FIELDS as COMPRESS_OWNED
 from ..strategies.compression import VARIANT_SPELLINGS as COMPRESS_SPELLINGS

@@ -121,7 +121,7 @@ class DDPReplicas(Replicas):
             for i, view in zip(bucket.params, bucket.views):
                 self.slot[i] = (bucket, view)
 
-        # what a bucket sends: itself, or a compressed form of it (--compress, compression.py)
+        # what a bucket sends: itself, or a compressed form of it (--compress, compression/buckets.py)
         self.compressor = compression.make_compressor(ctx.options, comm.world)
 
         # 3. one hook per parameter
