@@ -31,7 +31,7 @@ import math
 
 from ..errors import UsageError
 from ..models import GPTOptions, ModelOptions
-from ..options import add_flags
+from ..options import add_flags, flag
 
 HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
 
@@ -345,7 +345,7 @@ def calc_bubble(args) -> int:
 def _stage_times(args) -> tuple[float, float, float] | None:
     """(T_F, T_I, T_W) in ms from --forward-ms, --backward-ms, --weight-ms (None without --forward-ms): without
     --weight-ms the backward (default 2 T_F) splits evenly into T_I and T_W."""
-    given = [f"--{n.replace('_', '-')}" for n in ("backward_ms", "weight_ms") if getattr(args, n) is not None]
+    given = [flag(n) for n in ("backward_ms", "weight_ms") if getattr(args, n) is not None]
     if args.forward_ms is None:
         if given:
             raise UsageError(f"{' and '.join(given)} needs --forward-ms (T_F, ms): the times go together")
@@ -353,7 +353,7 @@ def _stage_times(args) -> tuple[float, float, float] | None:
     for name in ("forward_ms", "backward_ms", "weight_ms"):
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive time in ms (got {value:g})")
+            raise UsageError(f"{flag(name)} must be a positive time in ms (got {value:g})")
     if args.weight_ms is not None:
         if args.backward_ms is None:
             raise UsageError("--weight-ms (T_W) needs --backward-ms, which is then T_I, the input-gradient part")

@@ -117,7 +117,7 @@ def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str
     except ValueError as exc:
         raise UsageError(f"{what}: {exc}") from None
     given = RunConfig.given(tokens, what)
-    clash = ["--" + k.replace("_", "-") for k in given if k in owned]
+    clash = [options.flag(k) for k in given if k in owned]
     if clash:
         raise UsageError(f"{what} may not set {', '.join(clash)}: {owner} sets them for every run")
     return given

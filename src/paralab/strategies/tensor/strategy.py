@@ -138,12 +138,18 @@ class TensorParallel(Strategy):
         return MeshShape.for_world(world, pp=cfg.pp, tp=tp)
 
     @classmethod
+    def tp_size(cls, cfg, world: int) -> int:
+        """The tensor-parallel size of a run: pure ``tp`` takes the workers ``--pp`` leaves, a composed
+        layout its ``--tp``."""
+        return world // cfg.pp if cfg.strategy == cls.name else cfg.tp
+
+    @classmethod
     def validate(cls, cfg, world: int) -> None:
         """Checks for any run with tp > 1, pure or composed."""
         from ...models import MODALITY
         from .. import get_strategy
         from ..pipeline import Pipeline
-        shape = MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp if cfg.strategy != cls.name else world // cfg.pp)
+        shape = MeshShape.for_world(world, pp=cfg.pp, tp=cls.tp_size(cfg, world))
         if shape.pp > 1 and not issubclass(get_strategy(cfg.strategy), Pipeline):  # else validated already
             Pipeline.validate(cfg, world)
         if MODALITY[cfg.model] == "text":
@@ -160,8 +166,7 @@ class TensorParallel(Strategy):
     def check_limit(cls, cfg) -> str | None:
         from ...models import DEFAULT_NORM, MODALITY
         norm = cfg.norm or DEFAULT_NORM[cfg.model]
-        tp = cfg.world // max(cfg.pp, 1) if cfg.strategy == cls.name else cfg.tp  # pure tp: the workers --pp leaves
-        if tp > 1 and MODALITY[cfg.model] == "image" and norm == "batch" and cfg.precision == "fp32":
+        if cls.tp_size(cfg, cfg.world) > 1 and MODALITY[cfg.model] == "image" and norm == "batch" and cfg.precision == "fp32":
             return ("a row-parallel convolution sums its input channels in tp partial sums, so its outputs "
                     "round differently from one process's, and BatchNorm over small feature maps (a narrow "
                     "VGG's 2x2) amplifies that past fp32's check within a few steps, by how much depends on "
