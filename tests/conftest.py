@@ -1,10 +1,18 @@
-"""Shared test helpers: run the CLI in a subprocess and read its run directory."""
+"""Shared test helpers: run the CLI in a child process and read its run directory.
+
+The child is forked from a warm parent (``paralab.run.warm.start``: a forkserver that has imported
+torch and paralab once for the whole session), as ``paralab compare`` starts its runs; the command
+line, environment, working directory, output and exit code are the child's own, as a fresh
+``python -m paralab`` would have them. ``PARALAB_TEST_COLD=1`` runs each in a fresh interpreter.
+"""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +40,16 @@ class Result:
     stdout: str
     stderr: str
     out: Path
+    session: int | None = None  # the command's session (its pid): every process it started is in it
+
+    def left_running(self, within: float = 30.0) -> list[int]:
+        """Pids of processes of this command's session still alive after ``within`` seconds (none: [])."""
+        deadline = time.monotonic() + within
+        while True:
+            alive = session_processes(self.session)
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
 
     @property
     def summary(self) -> dict:
@@ -43,15 +61,53 @@ class Result:
 
 def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, timeout: float = 240,
                 fast: bool = True) -> Result:
-    cmd = [sys.executable, "-m", "paralab", *args]
+    argv = list(args)
     if args and args[0] == "train":
         if fast:  # before the test's own options, so a test can override any of them
-            cmd = cmd[:5] + FAST + cmd[5:]
+            argv = argv[:2] + FAST + argv[2:]
         if out is not None:
-            cmd += ["--out", str(out)]
+            argv += ["--out", str(out)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
-    return Result(p.returncode, p.stdout, p.stderr, out or Path("."))
+    if os.environ.get("PARALAB_TEST_COLD"):
+        p = subprocess.Popen([sys.executable, "-m", "paralab", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        return Result(p.returncode, stdout, stderr, out or Path("."), p.pid)
+    return _run_warm(argv, full_env, timeout, out or Path("."))
+
+
+def session_processes(session: int | None) -> list[int]:
+    """Pids of the live (not zombie) processes of a session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _ppid, _group, sid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if int(sid) == session and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _run_warm(argv: list[str], env: dict, timeout: float, out: Path) -> Result:
+    import tempfile
+    from paralab.cli import main
+    from paralab.run import runner, warm
+    with tempfile.TemporaryDirectory(prefix="paralab-test-") as scratch:
+        stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
+        proc = warm.start(main, (argv,), output=str(stdout), errors=str(stderr), env=env, cwd=os.getcwd())
+        proc.join(timeout)
+        if proc.exitcode is None:
+            runner.stop(proc)
+            raise subprocess.TimeoutExpired(["paralab", *argv], timeout)
+        return Result(proc.exitcode, stdout.read_text(), stderr.read_text(), out, proc.pid)
 
 
 @pytest.fixture

@@ -64,3 +64,11 @@ def test_mesh_bench(tmp_path):
     d = bench(tmp_path, "mesh", "--width", "0.125", "--batch-size", "16", "--steps", "2", "--microbatches", "2",
               "--layouts", "pipeline-pp2,ddp-dp2xpp2")
     assert d["best"]["ddp-dp2xpp2"]["workers"] == 4 and d["ratios"]["dp2xpp2_over_pp2"] > 0
+
+
+@pytest.mark.slow  # a few runs of each start-up path (no compare): about half a minute
+def test_startup_bench(tmp_path):
+    d = bench(tmp_path, "startup", "--repeats", "1", "--no-compare")
+    assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run"}
+    assert all(v > 0 for v in d["median_seconds"].values()) and d["over_import_torch"]["import torch"] == 1.0
+    assert "compare" not in d

@@ -54,8 +54,8 @@ def test_run_reports_progress_as_events_and_results_from_the_summary(tmp_path, m
     # the child's output is kept for people, not parsed
     log = (tmp_path / "run.log").read_text()
     assert "records written" in log and '"strategy": "single"' in log
-    assert [Path(path).parent for _, path in made] == [scratch]  # the events file was made here...
-    assert not list(scratch.glob("paralab-events-*"))  # ...and is gone
+    assert [Path(path).parent for _, path in made] == [scratch] * 2  # the events and output files were made here...
+    assert not list(scratch.glob("paralab-*"))  # ...and are gone
 
 
 def test_a_failing_rank_comes_back_as_an_error_event(tmp_path, monkeypatch):
@@ -90,15 +90,16 @@ def test_run_refuses_an_existing_run_and_manual_ranks(tmp_path):
         runner.run(tiny(world_size=2, rank=0), tmp_path / "other")
 
 
-def test_event_reader_waits_for_complete_lines(tmp_path):
+def test_line_reader_waits_for_complete_lines(tmp_path):
     path = tmp_path / "events.jsonl"
-    reader = runner.EventReader(path)
-    assert reader.poll() == []  # no file yet
+    reader = runner.LineReader(path)
+    assert reader.lines() == []  # no file yet
     path.write_text('{"event": "a"}\n{"event": "b", "x"')
-    assert reader.poll() == [{"event": "a"}]
+    assert reader.lines() == ['{"event": "a"}']
     with open(path, "a") as f:
         f.write(': 1}\nnot json\n')
-    assert reader.poll() == [{"event": "b", "x": 1}]
+    assert reader.lines() == ['{"event": "b", "x": 1}', "not json"]
+    assert [runner._event(line) for line in ['{"event": "b"}', "not json", "[1]"]] == [{"event": "b"}, None, None]
 
 
 def test_strategy_roles_come_from_the_classes(monkeypatch):

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line's own process: nothing has run here yet (warm.py may fork from it)
+        from .run.warm import mark_fresh
+        mark_fresh()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..models import ModelOptions
 from ..options import option
 from ..strategies.all_options import OPTION_CLASSES, StrategyOptions
+from .warm import START_METHODS
 
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("fp32", "bf16", "fp64")
@@ -100,6 +101,9 @@ class LaunchOptions:
                                        "shaped by tc; needs iproute2 and root or unprivileged user namespaces. "
                                        "LATENCY (e.g. ,200us) only where the kernel has netem", type=str,
                                  metavar="RATE[,LATENCY]")
+    start: str = option("auto", "how local ranks start: auto (forked from this process once it has imported "
+                                "what a rank needs, where that is safe; else from a forkserver that has), "
+                                "forkserver, or spawn (a fresh interpreter per rank)", choices=START_METHODS)
 
 
 #: the run's own option classes, in the order the command line lists them (the strategies' follow)
@@ -118,6 +122,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
     # filled in by the launcher, for the record (not options)
     launched_by: str = "local"
     network_emulated: dict | None = None  #: the links the launcher built for --network (network.Network.record)
+    started_by: str | None = None  #: how the local ranks started: fork, forkserver or spawn (warm.rank_context)
 
     # ---------------------------------------------------------------- derived
     @property

@@ -41,12 +41,11 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-import torch.multiprocessing as mp
-
 from ..progress import emit
 from .config import RunConfig
 from .failures import Ending, describe, explain, is_peer_loss, resume_hint
 from .rendezvous import choose_gloo_interface, free_port, pin, tcp_url, under_torchrun
+from .warm import rank_context
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
@@ -199,12 +198,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str, parent: int,
+def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str, parent: int | None,
            reports) -> None:
-    """One spawned rank. Before a non-zero exit it tells the launcher why (a dict on ``reports``):
+    """One local rank. Before a non-zero exit it tells the launcher why (a dict on ``reports``):
     an exception, as text with the time it happened, or an orderly exit. A rank that dies
-    without a word (a signal, ``os._exit`` in native code) is explained by its exit code."""
-    _die_with_parent(parent)
+    without a word (a signal, ``os._exit`` in native code) is explained by its exit code.
+    ``parent``: the launcher's pid, or None when a forkserver (which goes when the launcher goes)
+    is this process's parent."""
+    _die_with_parent(os.getppid() if parent is None else parent)
     from .worker import run_worker
     pin(rank, cfg, world)
     try:
@@ -242,11 +243,14 @@ def _drain(reports, received: dict[int, dict]) -> None:
 def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
     """Spawn cfg.workers ranks here and supervise them; the first failure stops them all."""
     world = cfg.workers
-    spawn = mp.get_context("spawn")
-    reports = spawn.SimpleQueue()
-    procs = [spawn.Process(target=_entry, name=f"paralab-rank{r}",
-                           args=(r, cfg, world, init_method, run_dir, os.getpid(), reports))
+    ctx, cfg.started_by = rank_context(cfg)  # fork from here once warm, where safe (warm.py)
+    reports = ctx.SimpleQueue()
+    parent = None if cfg.started_by == "forkserver" else os.getpid()
+    procs = [ctx.Process(target=_entry, name=f"paralab-rank{r}",
+                         args=(r, cfg, world, init_method, run_dir, parent, reports))
              for r in range(world)]
+    sys.stdout.flush()  # a forked rank would print what is still buffered here again
+    sys.stderr.flush()
     for p in procs:
         p.start()
     by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}

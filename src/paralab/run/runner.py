@@ -4,9 +4,11 @@ This is how ``paralab compare`` and ``paralab sweep`` (or a notebook, or a
 benchmark script) run paralab: they build a :class:`~paralab.run.config.RunConfig`
 and call :func:`run`. The run goes into its own process, so a run that
 crashes, hangs or runs out of memory is stopped and reported while the
-caller goes on. What comes back is data, never text to parse:
+caller goes on. That process is forked from a warm parent (``warm.start``:
+one preloaded forkserver serves every run of the caller), so a run starts
+without importing torch again. What comes back is data, never text to parse:
 
-- the config travels to the child as JSON (``RunConfig.to_dict`` /
+- the config travels to the child as a dict (``RunConfig.to_dict`` /
   ``from_dict``): no command line is built or parsed;
 - progress comes as events (``paralab.progress``): the child's rank 0
   appends JSON lines to an events file that :func:`run` reads while the run
@@ -14,7 +16,8 @@ caller goes on. What comes back is data, never text to parse:
 - results are the run directory's ``summary.json``.
 
 The child's own output (progress bars, the loss every ``log_every`` steps,
-tracebacks) goes to the ``log`` file, for people.
+tracebacks) goes to a file that :func:`run` reads as it grows, into the
+``log`` file, for people.
 
 Events passed to ``on_event`` (dicts with an ``event`` key): those of
 :mod:`paralab.progress` (``progress``, ``phase_end``, ``loss``, ``error``),
@@ -25,24 +28,24 @@ evaluation when the run checks against the reference, else ``records``), and
 happens.
 
 Run as ``python -m paralab.run.runner RUN_DIR`` with the config as JSON on
-standard input, this module is that child.
+standard input, this module is such a child in a fresh interpreter (how
+``--network`` without root runs its launch inside a user namespace).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable
 
+from . import warm
 from .config import RunConfig
 from ..errors import UsageError
 from ..progress import EVENTS_ENV, emit
@@ -81,7 +84,7 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     called with each line of the child's output (e.g. to echo it). Raises UsageError if
     ``run_dir`` already holds a run or the config asks for ranks started elsewhere.
     """
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()
     if (run_dir / "summary.json").exists():
         raise UsageError(f"{run_dir} already holds a run; pick another directory")
     if cfg.world_size is not None or cfg.rank is not None:
@@ -92,13 +95,10 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
     on_event = on_event or (lambda e: None)
-    fd, events_path = tempfile.mkstemp(prefix="paralab-events-", suffix=".jsonl")
-    os.close(fd)
+    events_path, output_path = _scratch("events", ".jsonl"), _scratch("output", ".log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", EVENTS_ENV: events_path}
-    cmd = [sys.executable, "-m", "paralab.run.runner", str(run_dir)]
     t0 = time.monotonic()
-    lines: queue.Queue = queue.Queue()
-    reader = EventReader(events_path)
+    events, output = LineReader(events_path), LineReader(output_path)
     errors: list[dict] = []
     timed_out = False
     log_file = open(log, "w") if log is not None else None
@@ -108,19 +108,17 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
             log_file.write(f"# paralab.run.runner: {cfg.strategy} on {cfg.workers} worker(s) -> {run_dir}\n")
             log_file.write("# config: " + json.dumps(cfg.to_dict(), default=str) + "\n")
             log_file.flush()
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True, bufsize=1)
-        threading.Thread(target=_pump, args=(proc, cfg, lines), daemon=True).start()
+        if cfg.start == "spawn":  # a fresh interpreter, as every run started before warm starts
+            proc = warm.start_fresh([sys.executable, "-m", "paralab.run.runner", str(run_dir)],
+                                    json.dumps(cfg.to_dict(), default=str).encode(), output=output_path, env=env,
+                                    cwd=os.getcwd())
+        else:  # a child of this process's warm forkserver: torch, paralab and what a rank imports are loaded
+            proc = warm.start(_train, (cfg.to_dict(), str(run_dir)), output=output_path, env=env, cwd=os.getcwd())
         on_event({"event": "phase", "phase": "starting"})
         last_signal = time.monotonic()
         while True:
-            try:
-                line = lines.get(timeout=TICK_S / 2)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                break
-            if line:
+            ended = bool(wait([proc.sentinel], timeout=TICK_S / 2))
+            for line in output.lines():
                 for part in line.split("\r"):  # a progress bar redrawn in place
                     part = part.rstrip()
                     if part:
@@ -128,11 +126,13 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
                             log_file.write(part + "\n")
                         if on_output:
                             on_output(part)
-            new = reader.poll()
+            new = [e for e in map(_event, events.lines()) if e is not None]
             for e in new:
                 _deliver(e, cfg, on_event, errors)
             if new:
                 last_signal = time.monotonic()
+            if ended:
+                break
             if timeout is not None and time.monotonic() - t0 > timeout:
                 timed_out = True
                 stop(proc)
@@ -140,9 +140,7 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
             if time.monotonic() - last_signal >= TICK_S:
                 on_event({"event": "tick", "seconds": time.monotonic() - t0})
                 last_signal = time.monotonic()
-        proc.wait()
-        for e in reader.poll():
-            _deliver(e, cfg, on_event, errors)
+        proc.join()
     except BaseException:
         if proc is not None:
             stop(proc)
@@ -152,12 +150,13 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
             if timed_out:
                 log_file.write(f"paralab.run.runner: stopped after {timeout:.0f} s\n")
             log_file.close()
-        try:
-            os.unlink(events_path)
-        except OSError:
-            pass
+        for path in (events_path, output_path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     seconds = time.monotonic() - t0
-    code = None if timed_out else proc.returncode
+    code = None if timed_out else proc.exitcode
     summary = read_summary(run_dir)
     sig = next((e["signal"] for e in errors if e.get("signal")), None)
     if code is not None and code < 0:
@@ -174,16 +173,18 @@ def run(cfg: RunConfig, run_dir, on_event: Callable[[dict], None] | None = None,
     return RunResult(status, code, seconds, run_dir, summary, error, log, sig)
 
 
-def _pump(proc, cfg: RunConfig, lines: queue.Queue) -> None:
-    """Send the config to the child, then hand its output lines to the main loop (None at the end)."""
+def _scratch(what: str, suffix: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"paralab-{what}-", suffix=suffix)
+    os.close(fd)
+    return path
+
+
+def _event(line: str) -> dict | None:
     try:
-        proc.stdin.write(json.dumps(cfg.to_dict(), default=str))
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
-    for line in proc.stdout:
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
+        e = json.loads(line)
+    except ValueError:
+        return None
+    return e if isinstance(e, dict) else None
 
 
 def _deliver(e: dict, cfg: RunConfig, on_event, errors: list) -> None:
@@ -196,15 +197,15 @@ def _deliver(e: dict, cfg: RunConfig, on_event, errors: list) -> None:
             on_event({"event": "phase", "phase": after})
 
 
-class EventReader:
-    """Reads the complete JSON lines appended to an events file since the last poll."""
+class LineReader:
+    """The complete lines appended to a file since the last call (a line still being written waits)."""
 
     def __init__(self, path):
         self.path = Path(path)
         self.offset = 0
         self.partial = b""
 
-    def poll(self) -> list[dict]:
+    def lines(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -212,17 +213,8 @@ class EventReader:
         except OSError:
             return []
         self.offset += len(data)
-        data = self.partial + data
-        *complete, self.partial = data.split(b"\n")
-        out = []
-        for raw in complete:
-            try:
-                e = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(e, dict):
-                out.append(e)
-        return out
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        return [raw.decode(errors="replace") for raw in complete]
 
 
 def read_summary(run_dir) -> dict | None:
@@ -232,35 +224,50 @@ def read_summary(run_dir) -> dict | None:
         return None
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a child started here and every process it started (its own session)."""
-    if proc.poll() is not None:
+def stop(proc) -> None:
+    """Stop a child started here and every process it started (its own session): SIGTERM, then SIGKILL."""
+    if proc.exitcode is not None:
         return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # not yet the leader of its session: nothing of its own started yet
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        proc.join(10 if sig == signal.SIGTERM else None)
+        if proc.exitcode is not None:
+            return
 
 
 # ---------------------------------------------------------------------------- the child
-def _child(argv: list[str]) -> int:
+def _train(config: dict, run_dir: str) -> int:
+    """The child: validate the config (exit 2 with the message if it is refused), then launch the run."""
     from .launch import launch
-    if len(argv) != 1:
-        print("usage: python -m paralab.run.runner RUN_DIR < config.json", file=sys.stderr)
-        return 2
     try:
-        cfg = RunConfig.from_dict(json.loads(sys.stdin.read()))
+        cfg = RunConfig.from_dict(config)
         cfg.validate()
     except (UsageError, ValueError, TypeError) as exc:
         print(f"paralab: error: {exc}", file=sys.stderr, flush=True)
         emit("error", message=str(exc))
         return 2
-    return launch(cfg, argv[0])
+    return launch(cfg, run_dir)
+
+
+def _child(argv: list[str]) -> int:
+    """``python -m paralab.run.runner RUN_DIR < config.json``: how ``--network`` without root runs
+    a launch again inside a user namespace (``launch._run_in_user_namespace``)."""
+    warm.mark_fresh()  # a fresh interpreter's main: nothing has run here
+    if len(argv) != 1:
+        print("usage: python -m paralab.run.runner RUN_DIR < config.json", file=sys.stderr)
+        return 2
+    try:
+        config = json.loads(sys.stdin.read())
+    except ValueError as exc:
+        print(f"paralab: error: the config on standard input is not JSON: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return _train(config, argv[0])
 
 
 if __name__ == "__main__":
