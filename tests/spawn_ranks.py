@@ -1,4 +1,7 @@
-"""Spawn in-test ranks that end the way paralab's own ranks end.
+"""Start in-test ranks that end the way paralab's own ranks end.
+
+They start from the session's preloaded forkserver (``paralab.run.warm``: torch and paralab
+imported once), as paralab's own runs do, rather than from a fresh interpreter each.
 
 A rank that returns normally tears gloo down in the interpreter's shutdown;
 now and then that aborts a process whose work had succeeded ("terminate
@@ -24,5 +27,8 @@ def _run_then_leave(rank: int, fn, *args) -> None:
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn(fn, args, nprocs)``, each rank ending with ``os._exit(0)`` on success."""
-    mp.spawn(_run_then_leave, args=(fn, *args), nprocs=nprocs, join=True)
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` from the warm forkserver, each rank ending with
+    ``os._exit(0)`` on success."""
+    from paralab.run.warm import forkserver
+    forkserver()  # the forkserver's preload, set before it first starts
+    mp.start_processes(_run_then_leave, args=(fn, *args), nprocs=nprocs, join=True, start_method="forkserver")
