@@ -13,9 +13,9 @@ REPORT/runs/, its full output under REPORT/logs/. Then:
   REPORT/trace.json    every run in one Chrome/Perfetto trace: one process
                        per run, one track per rank (ui.perfetto.dev)
 
-Defaults are sized for a 2-core laptop, under 2 minutes in all (each run
-is its own processes, and starting them, torch's imports above all, is about
-two thirds of a run's time):
+Defaults are sized for a 2-core laptop, under a minute in all (each run
+is its own processes, forked from one warm parent that has imported torch
+and paralab once, so a run's time is mostly its training):
   - the single-process baseline at 1 worker, every other registered strategy
     at 2, except where a strategy refuses a worker count (torch-dp without a
     GPU). Without --workers, the 1-worker runs of the others are left out: a
