@@ -105,3 +105,39 @@ def _print_environment(name: str) -> int:
     print(os.getcwd())
     print(f"own session: {os.getsid(0) == os.getpid()}")
     return 3
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_ends_the_forked_ranks_too(tmp_path, how):
+    """A terminal's Ctrl-C reaches the launcher's whole process group (SIGINT); ``compare`` or ``kill``
+    sends the launcher alone SIGTERM. Either way every forked rank ends and the launcher exits non-zero."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import FAST, session_processes
+    cmd = [sys.executable, "-m", "paralab", "train", "ddp", "--workers", "2", *FAST, "--num-batches", "100000",
+           "--log-every", "1", "--out", str(tmp_path / "run")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in p.stdout:  # the ranks are training
+            if line.startswith("step"):
+                break
+        assert len(session_processes(p.pid)) >= 3  # the launcher and its two forked ranks
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        assert p.returncode != 0
+        deadline = time.monotonic() + 30
+        while session_processes(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert session_processes(p.pid) == []
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
