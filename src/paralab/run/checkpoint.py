@@ -10,6 +10,7 @@ plain state_dict (each strategy's ``consolidate``).
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -43,13 +44,17 @@ def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_KEYS} | {"world": cfg.world}
 
 
-def save(run_dir: Path, rank: int, step: int, cfg, state: dict, tag: str | None = None) -> Path:
+def save(run_dir: Path, rank: int, step: int, cfg, state: dict, tag: str | None = None,
+         losses: list | None = None) -> Path:
+    """Write rank ``rank``'s state at ``step`` atomically. ``losses``: this rank's [step, loss] pairs so
+    far (JSON text in the file), so that a resumed run still has the whole run's losses."""
     path = checkpoint_path(run_dir, rank, tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"step": step, "identity": identity(cfg), "state": state}, f)
+            torch.save({"step": step, "identity": identity(cfg), "state": state,
+                        "losses": json.dumps(losses or [])}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -64,6 +69,11 @@ def load(run_dir: Path, rank: int, tag: str | None = None, mmap: bool = False) -
     """One rank's checkpoint; ``weights_only``: the file's bytes cannot run code. ``mmap``: tensors
     are read only when touched (to read the step or identity of a large file cheaply)."""
     return torch.load(checkpoint_path(run_dir, rank, tag), map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def losses(saved: dict) -> list:
+    """The [step, loss] pairs a checkpoint (:func:`load`) holds for its rank (none in older files)."""
+    return json.loads(saved.get("losses") or "[]")
 
 
 def steps(run_dir: Path, ranks, tag: str | None = None) -> dict[int, int | None]:

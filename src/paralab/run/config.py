@@ -101,6 +101,9 @@ class LaunchOptions:
                                        "shaped by tc; needs iproute2 and root or unprivileged user namespaces. "
                                        "LATENCY (e.g. ,200us) only where the kernel has netem", type=str,
                                  metavar="RATE[,LATENCY]")
+    max_restarts: int = option(0, "local workers: after a rank dies, stop the rest and start every rank again "
+                                  "from the last checkpoint (--checkpoint-every), at most this many times",
+                               minimum=0)
     start: str = option("auto", "how local ranks start: auto (forked from this process once it has imported "
                                 "what a rank needs, where that is safe; else from a forkserver that has), "
                                 "forkserver, or spawn (a fresh interpreter per rank)", choices=START_METHODS)
@@ -123,6 +126,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
     launched_by: str = "local"
     network_emulated: dict | None = None  #: the links the launcher built for --network (network.Network.record)
     started_by: str | None = None  #: how the local ranks started: fork, forkserver or spawn (warm.rank_context)
+    restarts: list | None = None  #: --max-restarts: each restart so far (restart.py), for summary.json
 
     # ---------------------------------------------------------------- derived
     @property
@@ -254,6 +258,14 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if why:
                 raise UsageError(f"--check of {self.strategy} on {self.model} in {self.precision} would report a "
                                  f"FAIL that is no bug, so it is refused: {why}")
+        if self.max_restarts:
+            if self.world_size is not None or self.launched_by == "torchrun":
+                raise UsageError("--max-restarts restarts local workers; under torchrun give torchrun its own "
+                                 "--max-restarts (a restarted rank resumes from the run's last checkpoint by "
+                                 "itself), and by hand run the commands again with --resume")
+            if not self.checkpoint_every:
+                raise UsageError("--max-restarts starts the ranks again from the last checkpoint: add "
+                                 "--checkpoint-every K (a checkpoint every K steps; at most K steps are lost)")
         if self.resume:
             from .checkpoint import check_resumable
             check_resumable(Path(self.resume), self)

@@ -45,6 +45,7 @@ from ..progress import emit
 from .config import RunConfig
 from .failures import Ending, describe, explain, is_peer_loss, resume_hint
 from .rendezvous import choose_gloo_interface, free_port, pin, tcp_url, under_torchrun
+from . import restart
 from .warm import rank_context
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
@@ -206,13 +207,13 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
     ``parent``: the launcher's pid, or None when a forkserver (which goes when the launcher goes)
     is this process's parent."""
     _die_with_parent(os.getppid() if parent is None else parent)
-    from .worker import run_worker
+    from . import worker
     pin(rank, cfg, world)
     try:
         if cfg.network_emulated:  # --network: into this rank's own namespace before any socket exists
             from .network import join
             join(cfg.network_emulated, rank)
-        run_worker(cfg, rank, world, rank, init_method, run_dir)
+        worker.run_worker(cfg, rank, world, rank, init_method, run_dir)
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)
         code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
@@ -224,7 +225,7 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         reports.put({"rank": rank, "kind": "exit", "time": time.time(), "code": code, "summary": "interrupted"})
     except BaseException as exc:  # noqa: BLE001
         # bounded: a pipe holds 64 KiB (and the launcher reads it as the ranks end)
-        reports.put({"rank": rank, "kind": "exception", "time": time.time(),
+        reports.put({"rank": rank, "kind": "exception", "time": time.time(), "step": worker.at_step,
                      "traceback": traceback.format_exc()[-20000:], "summary": describe(exc)})
         code = 1
     # Everything is written and the process group is gone; skip the interpreter's teardown
@@ -241,7 +242,27 @@ def _drain(reports, received: dict[int, dict]) -> None:
 
 
 def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
-    """Spawn cfg.workers ranks here and supervise them; the first failure stops them all."""
+    """Start cfg.workers ranks here and supervise them; the first failure stops them all. With
+    ``--max-restarts N``, a group that crashed starts again, whole, from the run's last complete
+    checkpoint, up to N times (``restart.py``)."""
+    history: list[dict] = []
+    while True:
+        final = len(history) >= cfg.max_restarts
+        code, cause, reached = _run_group(cfg, init_method, run_dir, final=final)
+        if cause is None or final:
+            if history and cause is not None:
+                print("\n".join(restart.exhausted(history)), file=sys.stderr, flush=True)
+            return code
+        history.append(restart.record(cfg, run_dir, cause, reached, attempt=len(history) + 1))
+        print(restart.announce(history[-1], cfg.max_restarts), file=sys.stderr, flush=True)
+        emit("restart", **history[-1])
+        cfg = restart.next_config(cfg, run_dir, history)
+
+
+def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = True):
+    """One start of every rank, supervised to its end: (exit code, the rank that failed first as
+    an :class:`Ending` or None, the furthest step a rank reported being in). ``final``: no restart
+    follows, so a failure is explained with the command that resumes."""
     world = cfg.workers
     ctx, cfg.started_by = rank_context(cfg)  # fork from here once warm, where safe (warm.py)
     reports = ctx.SimpleQueue()
@@ -290,11 +311,15 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
             endings[r] = Ending(r, procs[r].exitcode, seen, stopped=True)
         endings[r].report = received.get(r)
     explained = explain([endings[r] for r in range(world)])
+    reached = max((e.report.get("step") for e in endings.values() if e.report and e.report.get("step") is not None),
+                  default=None)
     if explained is None:
-        return max((e.code for e in endings.values() if e.code is not None), default=0)
+        return max((e.code for e in endings.values() if e.code is not None), default=0), None, reached
 
     cause, lines = explained
     print("\n".join(lines), file=sys.stderr, flush=True)
+    if not final:
+        return 1, cause, reached
     hint = resume_hint(cfg, run_dir)
     if hint:
         print("\n".join(hint[1]), file=sys.stderr, flush=True)
@@ -306,7 +331,7 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
          consequences=[{"rank": e.rank, "message": e.what()} for e in endings.values()
                        if e is not cause and e.kind != "ok"],
          resume=hint[0] if hint else None)
-    return 1
+    return 1, cause, reached
 
 
 def _stop(procs) -> None:

@@ -205,18 +205,20 @@ def predicted_memory(model: dict) -> dict:
 
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
-              dataset, evaluation, check, error, global_batch, is_main) -> None:
+              dataset, evaluation, check, error, global_batch, is_main, earlier=()) -> None:
+    """Gather every rank's records to rank 0, which writes the run directory. ``earlier``: this rank's
+    [step, loss] pairs from before a resume (summary.json ``losses_before_resume``)."""
     extra = strategy.extra_summary()
     peaks = recorder.allocator_peaks()  # CUDA only; absent on CPU
     if peaks:
         extra = {**extra, ALLOCATOR: peaks}
-    gathered = comm.gather_objects((step_rows, recorder.dump(), extra))
+    gathered = comm.gather_objects((step_rows, recorder.dump(), extra, list(earlier)))
     if not is_main:
         return
-    steps = sorted((r for rows, _, _ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))
-    spans = sorted((s for _, ss, _ in gathered for s in ss), key=lambda s: (s["t0"], s["rank"]))
+    steps = sorted((r for rows, *_ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))
+    spans = sorted((s for _, ss, *_ in gathered for s in ss), key=lambda s: (s["t0"], s["rank"]))
     extras = {}
-    per_rank = [dict(e) for _, _, e in gathered]
+    per_rank = [dict(e) for _, _, e, _ in gathered]
     derive_details(cfg, spans, per_rank)
     if any(per_rank):
         extras["strategy_details"] = {str(r): e for r, e in enumerate(per_rank)}
@@ -232,6 +234,11 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
                         evaluation=evaluation, check=check, error=error, replicas=strategy.replicas()[0],
                         extra=extras)
     summary["dataset"] = dataset.name
+    before = sorted([rank, step, loss] for rank, (*_, pairs) in enumerate(gathered) for step, loss in pairs)
+    if before:  # a resumed run: the losses of the steps its checkpoint had trained
+        summary["losses_before_resume"] = before
+    if cfg.restarts:
+        summary["restarts"] = cfg.restarts
     write_json(run_dir / "summary.json", summary)
     if evaluation is not None:
         (run_dir / "eval.txt").write_text(format_report(evaluation))

@@ -36,6 +36,10 @@ from ..strategies import plan
 from ..strategies.base import Context
 
 
+#: the step this rank is in (the launcher's report says it if the rank fails)
+at_step: int | None = None
+
+
 def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
@@ -70,20 +74,24 @@ def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int):
                              warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch)
 
 
-def fault_injection(rank: int, step: int) -> None:
-    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND] makes that rank fail at the start of that step.
+def fault_injection(rank: int, step: int, attempt: int = 1) -> None:
+    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND[:ATTEMPT]] makes that rank fail at the start of that step.
 
     KIND: ``raise`` (the default: a RuntimeError, reported with its traceback), ``kill`` (SIGKILL to
     itself: no traceback, as ``kill -9`` or the kernel's out-of-memory killer) or ``oom`` (an
     out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
     Python error, as a shell or container runtime reports a process the out-of-memory killer took).
+    ATTEMPT: only in that start of the group (``--max-restarts``: 1 is the first); every start if
+    left out. Several faults: comma-separated.
     """
     spec = os.environ.get("PARALAB_FAULT")
-    if spec:
-        fault_rank, fault_step, *kind = spec.split(":")
-        kind = kind[0] if kind else "raise"
+    for fault in spec.split(",") if spec else ():
+        fault_rank, fault_step, *rest = fault.split(":")
+        kind = rest[0] if rest else "raise"
         if kind not in ("raise", "kill", "oom"):
             raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill or oom")
+        if len(rest) > 1 and int(rest[1]) != attempt:
+            continue
         if rank == int(fault_rank) and step == int(fault_step):
             if kind == "kill":
                 import signal
@@ -141,7 +149,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     recorder, comm, strategy, source, run_dir = s.recorder, s.comm, s.strategy, s.source, s.run_dir
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
-    start_step = resume_or_save_init(cfg, rank, s, say)
+    start_step, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
+    earlier = list(losses)
 
     reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
     if cfg.check:
@@ -153,10 +162,13 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     progress = Progress(s.total_steps, "train", enabled=main and cfg.progress, start=start_step)
     error = None
     first_bad = None  # first step whose loss was not finite, on this rank
+    global at_step
+    # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
+    attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for step in range(start_step, s.total_steps):
-        recorder.step = step
+        recorder.step = at_step = step
         t0 = recorder.now()
-        fault_injection(rank, step)
+        fault_injection(rank, step, attempt=attempt)
         set_lr(s.optimizers, s.lr_for(step))
         with recorder.span("data", "load"):
             x, y = source.batch(step)
@@ -165,6 +177,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         t1 = recorder.now()
         recorder.step = -1
         step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
+        losses.append([step, result.loss])
         if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
             first_bad = step
         last = step + 1 == s.total_steps
@@ -179,10 +192,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             reference.advance_to(step + 1)  # outside the step's timing (recorder.step is -1)
             history.append((step + 1, weight_deviation(strategy, reference, cfg.precision).max_abs))
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
-            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict())
+            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict(), losses=losses)
     else:
         progress.close()
-        checkpoint.save(run_dir, rank, s.total_steps, cfg, strategy.state_dict())
+        checkpoint.save(run_dir, rank, s.total_steps, cfg, strategy.state_dict(), losses=losses)
 
     # ------------------------------------------------------------------ evaluate, check, write
     recorder.step = -1
@@ -197,7 +210,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             from ..check.verdict import run_check
             check = run_check(cfg, strategy, reference, s.total_steps, comm, say, history)
 
-    records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, parameters=s.parameters,
+    records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
                       evaluation=result_eval, check=check, error=error, global_batch=s.global_batch, is_main=main)
     if main:
@@ -255,24 +268,42 @@ def composed(cfg: RunConfig, shape) -> str:
     return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour"
 
 
-def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> int:
-    """The step to start from: a checkpoint's with --resume (its state loaded), else 0 (the starting
-    weights saved with --save-init). Says what the data order does where batches are uneven."""
-    start_step = 0
-    if cfg.resume:
-        saved = checkpoint.load(Path(cfg.resume), rank)
+def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, list]:
+    """The step to start from and this rank's [step, loss] pairs before it: a checkpoint's with --resume
+    (its state loaded; under torchrun, a restarted group's own last checkpoint), else 0 and none (the
+    starting weights saved with --save-init). Says what the data order does where batches are uneven."""
+    start_step, losses = 0, []
+    resume = cfg.resume or restarted_from(cfg, rank, s)
+    if resume:
+        saved = checkpoint.load(Path(resume), rank)
         s.strategy.load_state_dict(saved["state"])
-        start_step = saved["step"]
+        start_step, losses = saved["step"], checkpoint.losses(saved)
         if start_step >= s.total_steps:  # every rank reads the same step: the same decision everywhere
             raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
-        say(f"resumed from {cfg.resume} at step {start_step}")
+        say(f"resumed from {resume} at step {start_step}")
     elif cfg.save_init:  # the starting weights, for `paralab export RUN --init` (a collective for some)
         checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), tag="init")
     note = s.source.data_note(start_step, s.total_steps)  # uneven data: samples repeated, or left out
     if note:
         say(f"paralab: note: {note}")
-    return start_step
+    return start_step, losses
+
+
+def restarted_from(cfg: RunConfig, rank: int, s: Setup) -> Path | None:
+    """Under torchrun, a group torchrun started again (``TORCHELASTIC_RESTART_COUNT`` > 0) continues from
+    its own run directory's last checkpoint, where every rank holds one of the same step (decided
+    together: one rank's file alone must not make it resume while another starts over)."""
+    if cfg.launched_by != "torchrun" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return None
+    mine = checkpoint.resumable_step(s.run_dir, cfg, ranks=[rank])
+    steps = s.comm.all_gather_objects(mine)
+    if None in steps or len(set(steps)) != 1:
+        return None
+    if rank == 0:
+        print(f"paralab: restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}): "
+              f"continuing from {s.run_dir}'s checkpoint of step {steps[0]}", flush=True)
+    return s.run_dir
 
 
 def log_or_stop(cfg: RunConfig, comm: Comm, progress: Progress, say, rank: int, step: int, total_steps: int,

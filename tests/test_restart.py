@@ -1,0 +1,114 @@
+"""--max-restarts: a group that crashed starts again from the run's last checkpoint, and the finished run
+equals one that was never interrupted, bit for bit (fp64, lr 0.1 with momentum)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FAST
+
+EXACT = ["--precision", "fp64", "--lr", "0.1", "--num-batches", "6", "--checkpoint-every", "2"]
+
+
+def losses(out) -> list:
+    """Every rank's loss at every step: steps.jsonl, and the steps before the last resume."""
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return sorted([[r["rank"], r["step"], r["loss"]] for r in rows] + summary.get("losses_before_resume", []))
+
+
+def state(out, world: int) -> list[dict]:
+    """Every rank's final checkpointed state (weights, BatchNorm buffers, optimizer state)."""
+    return [torch.load(out / "checkpoint" / f"rank{r}.pt", weights_only=True)["state"] for r in range(world)]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+LAYOUTS = {
+    "ddp": (["ddp", "--workers", "2"], 2),
+    "fsdp3": (["fsdp", "--workers", "2", "--zero-stage", "3"], 2),
+    "pipeline": (["pipeline", "--workers", "2", "--microbatches", "2", "--partition", "params"], 2),  # a fixed cut
+    "3d": (["ddp", "--workers", "8", "--pp", "2", "--tp", "2", "--microbatches", "2", "--partition", "params",
+            "--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "2",
+            "--context", "16"], 8),
+}
+
+
+@pytest.mark.parametrize("layout,faults", [
+    ("ddp", "1:3:kill:1,0:5:raise:2"),   # SIGKILL in the first start, an exception in the second
+    ("fsdp3", "0:2:oom:1"),             # an out-of-memory-style exit (137) in a sharded run
+    ("pipeline", "1:4:kill:1"),
+    pytest.param("3d", "5:3:kill:1", marks=pytest.mark.slow),  # dp 2 x pp 2 x tp 2: 8 ranks on 2 cores
+], ids=["ddp-kill-then-raise", "fsdp3-oom", "pipeline-kill", "3d-kill"])
+def test_a_restarted_run_equals_one_never_interrupted(paralab, layout, faults):
+    args, world = LAYOUTS[layout]
+    plain = paralab("train", *args, *EXACT)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    r = paralab("train", *args, *EXACT, "--max-restarts", "2", env={"PARALAB_FAULT": faults})
+    assert r.returncode == 0, r.stderr[-3000:]
+    restarts = r.summary["restarts"]
+    assert len(restarts) == len(faults.split(","))
+    for restart, fault in zip(restarts, faults.split(",")):
+        rank, step, *_ = map(lambda x: int(x) if x.isdigit() else x, fault.split(":"))
+        assert restart["rank"] == rank and restart["reached_step"] == step
+        assert restart["resumed_from_step"] == step // 2 * 2 and restart["steps_lost"] == step % 2
+        assert f"paralab: restart {restart['attempt']}/2: rank {rank} " in r.stderr
+    assert losses(r.out) == losses(plain.out) and len(losses(plain.out)) == 6 * world
+    assert same(state(r.out, world), state(plain.out, world))
+    assert not r.left_running()
+
+
+def test_a_rank_that_keeps_dying_uses_the_restarts_up(paralab):
+    r = paralab("train", "ddp", "--workers", "2", *EXACT, "--max-restarts", "1", env={"PARALAB_FAULT": "1:3:kill"})
+    assert r.returncode == 1
+    assert "paralab: restart 1/1: rank 1 killed by signal SIGKILL" in r.stderr
+    assert "paralab: the run failed 2 times and --max-restarts 1 is used up; the earlier failures:" in r.stderr
+    assert "paralab:   attempt 1: rank 1 killed by signal SIGKILL" in r.stderr
+    assert "--resume" in r.stderr  # the last failure still says how to resume by hand
+    assert not (r.out / "summary.json").exists() and not r.left_running()
+
+
+def test_an_orderly_failure_is_not_restarted(paralab):
+    """A loss that diverged is a verdict on the settings, not a crash: reported once, never run again."""
+    r = paralab("train", "ddp", "--workers", "2", "--num-batches", "6", "--checkpoint-every", "1",
+                "--max-restarts", "3", "--lr", "1e12", "--log-every", "1")
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "loss became non-finite" in r.stderr and "paralab: restart" not in r.stderr
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--max-restarts", "1"], "add --checkpoint-every K"),
+    (["--max-restarts", "1", "--checkpoint-every", "1", "--world-size", "2", "--rank", "0"],
+     "under torchrun give torchrun its own --max-restarts"),
+])
+def test_restarts_need_checkpoints_and_local_workers(paralab, args, why):
+    r = paralab("train", "ddp", *args)
+    assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
+    assert not r.out.exists()
+
+
+@pytest.mark.slow  # torchrun starts cold interpreters: about 20 s
+def test_torchrun_restarts_and_the_group_finds_its_checkpoint(tmp_path, paralab):
+    plain = paralab("train", "ddp", "--workers", "2", *EXACT)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", "-m", "paralab", "train", "ddp", *FAST, *EXACT, "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1", "PARALAB_FAULT": "1:3:raise:1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "restarted by torchrun (restart 1): continuing from" in p.stdout and "checkpoint of step 2" in p.stdout
+    assert losses(out) == losses(plain.out)
+    assert same(state(out, 2), state(plain.out, 2))
