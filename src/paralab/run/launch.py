@@ -44,6 +44,7 @@ from multiprocessing.connection import wait
 from ..progress import emit
 from .config import RunConfig
 from .failures import Ending, describe, explain, is_peer_loss, resume_hint
+from .hangs import explain_hang
 from .rendezvous import choose_gloo_interface, free_port, pin, tcp_url, under_torchrun
 from .warm import rank_context
 
@@ -176,6 +177,8 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         lost = is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
         print(f"paralab: rank {rank} failed" + (" after losing a peer: the rank that failed first is another one "
                                                "(see its output)" if lost else ""), file=sys.stderr, flush=True)
+        if world > 1:  # what every rank's op log in this run directory says (all of them on a shared disk)
+            print("\n".join(explain_hang(run_dir)), file=sys.stderr, flush=True)
         hint = None
         if cfg.launched_by != "torchrun" or rank == 0:  # under torchrun: once, not once per rank
             hint = resume_hint(cfg, run_dir, ranks=[rank] if world > 1 else None)
@@ -294,6 +297,7 @@ def _run_local(cfg: RunConfig, init_method: str, run_dir: str) -> int:
         return max((e.code for e in endings.values() if e.code is not None), default=0)
 
     cause, lines = explained
+    lines += explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"})
     print("\n".join(lines), file=sys.stderr, flush=True)
     hint = resume_hint(cfg, run_dir)
     if hint:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, records
+from . import checkpoint, hangs, records
+from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
 from ..data import BatchSource, load_dataset, to_device
@@ -105,15 +106,26 @@ def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_method: str | None,
                run_dir: str) -> None:
-    """Entry point of every rank (local spawn, manual --rank, or torchrun)."""
+    """Entry point of every rank (local spawn, manual --rank, or torchrun).
+
+    With several ranks, each keeps its op log in ``RUN/oplog/`` (``oplog.py``) while it runs, for
+    ``hangs.py`` to read if the run hangs; a run that ends in order removes it.
+    """
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    if world > 1:
+        oplog.open_log(hangs.log_path(run_dir, rank), rank, world)
     device = pick_device(cfg, local_rank)
     backend = init_group(cfg, rank, world, device, init_method)
     try:
         train(cfg, rank, world, device, backend, run_dir)
+    except SystemExit:  # an orderly exit every rank takes together
+        hangs.remove_log(run_dir, created)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    hangs.remove_log(run_dir, created)
 
 
 @dataclass
