@@ -7,9 +7,9 @@ one-host cluster in a temporary folder, submits `train ddp --check` as a 2-task 
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -139,3 +139,132 @@ def test_torchrun_under_srun_is_torchrun_s(tmp_path):
                         "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["launched_by"] == "torchrun"
+
+
+# ------------------------------------------------------------------ a real cluster of one host
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo")
+PACKAGES = ["munge", "slurmctld", "slurmd", "slurm-client"]
+
+SLURM_CONF = """ClusterName=paralab
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge.sock
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+AccountingStorageType=accounting_storage/none
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def install_slurm() -> str | None:
+    """Debian's Slurm and munge, installed if missing; the reason they cannot be, or None."""
+    if all(shutil.which(d) or Path("/usr/sbin", d).exists() for d in DAEMONS):
+        return None
+    if shutil.which("apt-get") is None:
+        return "needs Debian's slurmd/slurmctld/munge and apt-get is not here"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], ["apt-get", "update"],
+                    ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+        p = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        if p.returncode == 0 and command[1] == "install":
+            return None
+    return f"apt-get could not install {' '.join(PACKAGES)}: {(p.stderr or p.stdout).strip()[-300:]}"
+
+
+def wait_idle(env: dict, within: float = 60) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        p = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env, timeout=30)
+        if p.stdout.strip() == "idle":
+            return True
+        time.sleep(1)
+    return False
+
+
+@pytest.mark.slow
+def test_a_real_slurm_cluster_of_one_host_runs_srun_and_srun_torchrun_jobs(tmp_path):
+    """munged, slurmctld and slurmd started here (root), on ports of their own, state in tmp_path; a
+    2-task sbatch + srun job and a srun + torchrun job each run `train ddp --check`; daemons stopped."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("needs root on Linux: installs Debian's slurmd/slurmctld/munge and starts the daemons")
+    reason = install_slurm()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True)
+    key = d / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(d=d, ctld_port=free_port(), d_port=free_port(), cpus=os.cpu_count()))
+    env = {**paralab_env(), "SLURM_CONF": str(conf)}
+    daemons = []
+    try:
+        daemons.append(subprocess.Popen(["munged", "-F", "--force", f"--socket={d}/munge.sock",
+                                         f"--key-file={key}", f"--pid-file={d}/munged.pid",
+                                         f"--log-file={d}/munged.log", f"--seed-file={d}/munge.seed"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        for _ in range(50):
+            if (d / "munge.sock").exists():
+                break
+            time.sleep(0.1)
+        daemons.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        time.sleep(1)
+        daemons.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        if not wait_idle(env):
+            logs = "\n".join(f"{name}: " + (d / name).read_text()[-600:] for name in ("slurmctld.log", "slurmd.log")
+                             if (d / name).exists())
+            pytest.skip(f"the one-host Slurm cluster did not come up (sinfo never said idle):\n{logs}")
+
+        common = ["--num-batches", "2", "--check", "--lr", "1e-3", *FAST]
+        python = shlex.quote(sys.executable)
+        jobs = {
+            "srun": f"srun {python} -m paralab train ddp {shlex.join(common)} --out {d}/run-srun",
+            "torchrun": (f"srun {python} -m torch.distributed.run --nnodes 1 --nproc-per-node 2 "
+                         f"--rdzv-backend c10d --rdzv-endpoint localhost:{free_port()} "
+                         f"-m paralab train ddp {shlex.join(common)} --out {d}/run-torchrun"),
+        }
+        for name, command in jobs.items():
+            script = d / f"{name}.sbatch"
+            script.write_text(f"#!/bin/bash\nset -e\n{command}\n")
+            tasks = ["-n", "2"] if name == "srun" else ["-n", "1", "-c", str(min(2, os.cpu_count() or 1))]
+            p = subprocess.run(["sbatch", "--wait", *tasks, "-o", str(d / f"{name}.out"), str(script)],
+                               capture_output=True, text=True, env=env, timeout=600, cwd=d)
+            output = (d / f"{name}.out").read_text() if (d / f"{name}.out").exists() else ""
+            assert p.returncode == 0, f"{name}: {p.stdout}{p.stderr}\n{output[-3000:]}"
+            run = d / f"run-{name}"
+            summary = json.loads((run / "summary.json").read_text())
+            assert summary["workers"] == 2 and summary["check"]["result"] == "PASS", name
+            launched = json.loads((run / "config.json").read_text())["launched_by"]
+            assert launched == ("slurm" if name == "srun" else "torchrun")
+            assert not (run / "oplog").exists()
+    finally:
+        for p in reversed(daemons):
+            p.terminate()
+        for p in reversed(daemons):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

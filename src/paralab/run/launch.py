@@ -70,7 +70,10 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
     if cfg.launched_by == "slurm":  # the command line saw under_slurm()
         place = slurm_place(master_port=cfg.master_port)  # an unreadable environment: exit 2, nothing started
         cfg.master_addr, cfg.master_port = place.master_addr, place.master_port
-        pin(place.local_rank, cfg, place.local_world)
+        if place.bound():  # the task's cores are its own: pin within them
+            pin(0, cfg, 1)
+        else:
+            pin(place.local_rank, cfg, place.local_world)
         if place.nodes > 1:
             choose_gloo_interface(cfg, place.rank)
         _leave(_run_here(cfg, place.rank, place.world, place.local_rank,

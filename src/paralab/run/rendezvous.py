@@ -60,6 +60,11 @@ class SlurmPlace:
     nodes: int
     master_addr: str
     master_port: int
+    cpus_per_task: int = 0  # --cpus-per-task (0: not given)
+
+    def bound(self) -> bool:
+        """Slurm bound this task to its own cores (its affinity holds no more than --cpus-per-task)."""
+        return bool(self.cpus_per_task) and len(os.sched_getaffinity(0)) <= self.cpus_per_task
 
 
 def slurm_place(env=os.environ, master_port: int | None = None) -> SlurmPlace:
@@ -104,7 +109,7 @@ def slurm_place(env=os.environ, master_port: int | None = None) -> SlurmPlace:
     local_world = per_node[node] if node < len(per_node) else 1
     return SlurmPlace(rank, world, int(env.get("SLURM_LOCALID", "0") or 0), local_world,
                       int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts)), addr,
-                      master_port)
+                      master_port, int(cpus) if (cpus := env.get("SLURM_CPUS_PER_TASK", "")).isdigit() else 0)
 
 
 def expand_nodelist(text: str) -> list[str]:
