@@ -123,11 +123,11 @@ def test_group_keys_round_trip():
 RUN = ["train", "allreduce", "--workers", "2", "--num-batches", "3", "--timeout", "5"]
 
 
-def hang(tmp_path, kind: str):
+def hang(tmp_path, kind: str, run=RUN, rank: int = 1):
     marker = uuid.uuid4().hex
     t0 = time.monotonic()
-    r = run_paralab(*RUN, out=tmp_path / "run", timeout=120,
-                    env={"PARALAB_HANG": f"1:1:{kind}", "PARALAB_TEST_MARK": marker})
+    r = run_paralab(*run, out=tmp_path / "run", timeout=120,
+                    env={"PARALAB_HANG": f"{rank}:1:{kind}", "PARALAB_TEST_MARK": marker})
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr[-3000:]
     assert gone(marker, within=5), "a rank outlived the launcher"
@@ -143,6 +143,17 @@ def test_a_rank_stalled_in_compute_is_named_within_the_timeout(tmp_path):
     assert "rank 0 was waiting in all_reduce #" in said and "rank 1 never reached it: its last op was " in said
     assert "and it has been computing since" in said, said
     assert took < 60, f"{took:.0f} s"  # startup + the 5 s timeout + the launcher's grace, not the 3600 s stall
+
+
+@pytest.mark.slow
+def test_a_rank_stalled_in_a_mesh_group_is_named_within_the_timeout(tmp_path):
+    """dp 2 x pp 2: rank 2 stalls before its stage's data-parallel all-reduce. Rank 3 times out in it (the
+    mesh's groups wait --timeout, not new_group's default 30 minutes), stage 0's ranks in their receives."""
+    said, took = hang(tmp_path, "stall", RUN[:3] + ["4", "--pp", "2", "--microbatches", "2"] + RUN[4:], rank=2)
+    assert "rank 3 was waiting in all_reduce #" in said and " on group dp 1 " in said, said
+    assert "rank 2 never reached it: its last op was send #" in said, said
+    assert "rank 0 was waiting in recv #" in said and "rank 2 never sent it" in said, said
+    assert took < 90, f"{took:.0f} s"
 
 
 def shapes(first: str) -> tuple[tuple, tuple]:

@@ -253,7 +253,7 @@ class Comm:
 
 # ---------------------------------------------------------------- testing only: a rank that hangs
 class _HangFault:
-    """PARALAB_HANG=RANK:STEP:KIND: global rank RANK, at its first all_reduce of step STEP, does KIND:
+    """PARALAB_HANG=RANK:STEP:KIND: global rank RANK, at its first blocking all_reduce of step STEP, does KIND:
     ``skip`` (returns without calling it), ``shape`` (calls it with one more element) or ``stall``
     (sleeps there, before entering it, as a rank stuck in its own computation). Fires once."""
 

@@ -236,7 +236,9 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
                         synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context)
     shape, strategy_cls, composition = plan(cfg, world)
-    mesh = Mesh(shape, rank, comm, new_group=dist.new_group if world > 1 else None)
+    # every group of the mesh waits --timeout at most, as the world does (new_group's own default is 30 min)
+    new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=cfg.timeout)) if world > 1 else None
+    mesh = Mesh(shape, rank, comm, new_group=new_group)
     model_fn = build_model_factory(cfg, len(data.classes))
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
