@@ -189,3 +189,29 @@ def test_a_run_that_ends_in_order_leaves_no_op_log(tmp_path):
     r = run_paralab("train", "allreduce", "--workers", "2", "--num-batches", "1", out=tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (r.out / "summary.json").exists() and not (r.out / "oplog").exists()
+
+
+@pytest.mark.slow
+def test_a_manual_rank_that_times_out_names_the_stalled_one(tmp_path):
+    """--world-size/--rank with one --out: rank 0 times out and reads rank 1's log from the run directory.
+    Nobody supervises manual ranks, so the stalled rank 1 is stopped here once rank 0 has spoken."""
+    import subprocess
+    from test_launch import rank_cmd
+    from paralab.run.rendezvous import free_port
+    port, marker = free_port(), uuid.uuid4().hex
+    env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1", "PARALAB_HANG": "1:1:stall",
+           "PARALAB_TEST_MARK": marker}
+    cmds = [[c if c != "ddp" else "allreduce" for c in rank_cmd(r, port, tmp_path / "run", "--timeout", "5")]
+            for r in range(2)]
+    procs = [subprocess.Popen(cmds[r], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 1, err0[-3000:]
+    said = err0.split("where the ranks disagree", 1)[-1]
+    assert "rank 0 was waiting in all_reduce #" in said, err0[-3000:]
+    assert "rank 1 never reached it: its last op was " in said and "computing since" in said, err0[-3000:]
+    assert gone(marker, within=5)

@@ -192,8 +192,9 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         lost = is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
         print(f"paralab: rank {rank} failed" + (" after losing a peer: the rank that failed first is another one "
                                                "(see its output)" if lost else ""), file=sys.stderr, flush=True)
-        if world > 1:  # what every rank's op log in this run directory says (all of them on a shared disk)
-            print("\n".join(explain_hang(run_dir)), file=sys.stderr, flush=True)
+        hang = explain_hang(run_dir) if world > 1 else []  # every rank's op log this run directory holds
+        if hang:
+            print("\n".join(hang), file=sys.stderr, flush=True)
         hint = None
         if cfg.launched_by not in ("torchrun", "slurm") or rank == 0:  # torchrun, srun: once, not once per rank
             hint = resume_hint(cfg, run_dir, ranks=[rank] if world > 1 else None)
