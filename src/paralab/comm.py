@@ -85,6 +85,7 @@ class Comm:
         self.name = name  # how the op log names the group (``dp 1``)
         self.log = oplog.active()
         self.key = oplog.members_key(self.ranks)  # the group's identity in the log: its global ranks
+        self._fault = _hang_fault()  # testing only (PARALAB_HANG); read here, not at import (warm starts)
         self.native_reduce_scatter: bool | None = None  # decided on first use
         self._futureless: set[str] = set()  # kinds of asynchronous work this group's backend gives no future
 
@@ -106,8 +107,8 @@ class Comm:
         return self.log.enter(kind, self.name, key, size, tensor, peer, state)
 
     def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
-        if _FAULT is not None and kind == "all_reduce":
-            args = _FAULT.apply(self, args)
+        if self._fault is not None and kind == "all_reduce":
+            args = self._fault.apply(self, args)
             if args is None:
                 return None
         slot = self._enter(kind, size, args, kwargs)
@@ -276,4 +277,14 @@ class _HangFault:
         return (torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device),) + tuple(args[1:])
 
 
-_FAULT = _HangFault(os.environ["PARALAB_HANG"]) if os.environ.get("PARALAB_HANG") else None
+_FAULTS: dict[str, _HangFault] = {}
+
+
+def _hang_fault() -> _HangFault | None:
+    """This process's PARALAB_HANG fault (one per spec, shared by every Comm), or None."""
+    spec = os.environ.get("PARALAB_HANG")
+    if not spec:
+        return None
+    if spec not in _FAULTS:
+        _FAULTS[spec] = _HangFault(spec)
+    return _FAULTS[spec]
