@@ -25,10 +25,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from .run.launch import launch, under_torchrun
+    from .run.launch import launch, under_slurm, under_torchrun
     cfg = config_from_args(args)
     if under_torchrun():
         cfg.launched_by = "torchrun"
+    elif cfg.world_size is None and under_slurm():  # a task of `srun -n N`: one rank (--world-size/--rank win)
+        cfg.launched_by = "slurm"
     cfg.validate()
     run_dir = Path(cfg.out or cfg.default_out())
     if (run_dir / "summary.json").exists() and not (cfg.resume and Path(cfg.resume) == run_dir):

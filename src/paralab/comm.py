@@ -10,14 +10,22 @@ hidden behind computation.
 
 Calls made outside a training step (set-up, checks, gathering records) go
 through the same functions; they land at step -1 and stay out of averages.
+
+Every call is also written to this rank's op log (``oplog.py``: entered, in
+flight, waiting, done or failed), which ``run/hangs.py`` reads to name the
+rank a run is waiting for when ``--timeout`` fires.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from . import oplog
+from .oplog import DONE, FAILED, IN_FLIGHT, WAITING
 from .recorder import Recorder
 
 SUM = dist.ReduceOp.SUM
@@ -43,11 +51,20 @@ class Pending:
     step: int
     done_at: object = None
     on_wait: object = None  # records the interval at wait() where the work has no future (gloo send/recv)
+    slot: int = -1          # its record in the op log
 
     def wait(self, category: str = "comm", **args) -> None:
         """Block until done; ``category="idle"`` marks a wait for a peer with nothing else to do."""
-        with self.comm.recorder.span(category, f"wait:{self.name}", op=self.op, **args):
-            self.work.wait()
+        log = self.comm.log
+        if self.done_at is None:
+            log.set_state(self.slot, WAITING)
+        try:
+            with self.comm.recorder.span(category, f"wait:{self.name}", op=self.op, **args):
+                self.work.wait()
+        except BaseException:
+            log.set_state(self.slot, FAILED)
+            raise
+        log.set_state(self.slot, DONE)
         if self.on_wait is not None and self.done_at is None:
             self.on_wait(None)
 
@@ -61,9 +78,14 @@ class Comm:
     identity for the world group), which is what torch.distributed is given.
     """
 
-    def __init__(self, recorder: Recorder, rank: int, world: int, group=None, ranks: list[int] | None = None):
+    def __init__(self, recorder: Recorder, rank: int, world: int, group=None, ranks: list[int] | None = None,
+                 name: str = "world"):
         self.recorder, self.rank, self.world, self.group = recorder, rank, world, group
         self.ranks = list(ranks) if ranks is not None else list(range(world))
+        self.name = name  # how the op log names the group (``dp 1``)
+        self.log = oplog.active()
+        self.key = oplog.members_key(self.ranks)  # the group's identity in the log: its global ranks
+        self._fault = _hang_fault()  # testing only (PARALAB_HANG); read here, not at import (warm starts)
         self.native_reduce_scatter: bool | None = None  # decided on first use
         self._futureless: set[str] = set()  # kinds of asynchronous work this group's backend gives no future
 
@@ -71,21 +93,58 @@ class Comm:
         return self.ranks[rank]
 
     # ------------------------------------------------------------ helpers
+    def _enter(self, kind: str, size: int, args, kwargs, state: int = oplog.ENTERED) -> int:
+        """Write the operation to the op log; send/recv are keyed by their channel ``src>dst``."""
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if kind == "send":
+            peer = kwargs["dst"]
+            key = f"{self.ranks[self.rank]}>{peer}"
+        elif kind == "recv":
+            peer = kwargs["src"]
+            key = f"{peer}>{self.ranks[self.rank]}"
+        else:
+            peer, key = -1, self.key
+        return self.log.enter(kind, self.name, key, size, tensor, peer, state)
+
     def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
-        with self.recorder.span("comm", name, size, op=kind):
-            return fn(*args, **kwargs)
+        if self._fault is not None and kind == "all_reduce":
+            args = self._fault.apply(self, args)
+            if args is None:
+                return None
+        slot = self._enter(kind, size, args, kwargs)
+        try:
+            with self.recorder.span("comm", name, size, op=kind):
+                result = fn(*args, **kwargs)
+        except BaseException:
+            self.log.set_state(slot, FAILED)
+            raise
+        self.log.set_state(slot, DONE)
+        return result
+
+    def _logged(self, kind: str, fn, *args, **kwargs):
+        """An object collective (no tensor of ours, no span): logged only."""
+        slot = self.log.enter(kind, self.name, self.key, 0)
+        try:
+            fn(*args, **kwargs)
+        except BaseException:
+            self.log.set_state(slot, FAILED)
+            raise
+        self.log.set_state(slot, DONE)
 
     def _launch(self, name: str, kind: str, size: int, fn, *args, **kwargs) -> Pending:
         rec = self.recorder
+        slot = self._enter(kind, size, args, kwargs, IN_FLIGHT)
         t0 = rec.mark()  # on CUDA an event on the stream, read after the step (recorder.py)
         work = fn(*args, async_op=True, **kwargs)
-        pending = Pending(self, work, name, kind, size, t0, rec.step)
+        pending = Pending(self, work, name, kind, size, t0, rec.step, slot=slot)
+        log = self.log
 
         def finished(_fut):
             # runs on the backend's thread (on CUDA with the operation's stream current, so the mark is
             # its completion on the device): the span carries the step it was launched in, whatever
             # step the training thread has reached by now
             pending.done_at = rec.mark()
+            log.set_state(slot, DONE)
             rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind, **{"async": True})
             return None
 
@@ -175,19 +234,57 @@ class Comm:
         if self.world == 1:
             return [obj]
         out = [None] * self.world if self.rank == dst else None
-        dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
+        self._logged("gather_object", dist.gather_object, obj, out, dst=self._global(dst), group=self.group)
         return out
 
     def all_gather_objects(self, obj) -> list:
         if self.world == 1:
             return [obj]
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        self._logged("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj, src: int = 0):
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        self._logged("broadcast_object", dist.broadcast_object_list, box, src=self._global(src), group=self.group)
         return box[0]
+
+
+# ---------------------------------------------------------------- testing only: a rank that hangs
+class _HangFault:
+    """PARALAB_HANG=RANK:STEP:KIND: global rank RANK, at its first blocking all_reduce of step STEP, does KIND:
+    ``skip`` (returns without calling it), ``shape`` (calls it with one more element) or ``stall``
+    (sleeps there, before entering it, as a rank stuck in its own computation). Fires once."""
+
+    def __init__(self, spec: str):
+        rank, step, self.kind = spec.split(":")
+        if self.kind not in ("skip", "shape", "stall"):
+            raise ValueError(f"PARALAB_HANG={spec}: the kind must be skip, shape or stall")
+        self.rank, self.step, self.fired = int(rank), int(step), False
+
+    def apply(self, comm: Comm, args):
+        if self.fired or comm.ranks[comm.rank] != self.rank or comm.recorder.step != self.step:
+            return args
+        self.fired = True
+        if self.kind == "skip":
+            return None
+        if self.kind == "stall":
+            time.sleep(3600)
+            return args
+        t = args[0]
+        return (torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device),) + tuple(args[1:])
+
+
+_FAULTS: dict[str, _HangFault] = {}
+
+
+def _hang_fault() -> _HangFault | None:
+    """This process's PARALAB_HANG fault (one per spec, shared by every Comm), or None."""
+    spec = os.environ.get("PARALAB_HANG")
+    if not spec:
+        return None
+    if spec not in _FAULTS:
+        _FAULTS[spec] = _HangFault(spec)
+    return _FAULTS[spec]

@@ -115,7 +115,7 @@ class Mesh:
         self.coords = shape.coords(rank)
         self.comms: dict[str, Comm] = {}
         for dim in DIMS:
-            for ranks in shape.groups(dim):
+            for index, ranks in enumerate(shape.groups(dim)):
                 if len(ranks) == world_comm.world:
                     group = world_comm.group  # the whole world: no new group needed
                 elif new_group is not None:
@@ -123,7 +123,8 @@ class Mesh:
                 else:
                     group = None
                 if rank in ranks:
-                    self.comms[dim] = Comm(world_comm.recorder, ranks.index(rank), len(ranks), group, ranks)
+                    self.comms[dim] = Comm(world_comm.recorder, ranks.index(rank), len(ranks), group, ranks,
+                                           name=f"{dim} {index}")
 
     def comm(self, dim: str) -> Comm:
         return self.comms[dim]

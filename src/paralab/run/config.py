@@ -135,6 +135,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             return self.world_size
         if "WORLD_SIZE" in os.environ and self.launched_by == "torchrun":
             return int(os.environ["WORLD_SIZE"])
+        if self.launched_by == "slurm" and os.environ.get("SLURM_NTASKS", "").isdigit():
+            return int(os.environ["SLURM_NTASKS"])
         return self.workers
 
     def strategy_options(self) -> StrategyOptions:
@@ -212,11 +214,14 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.world_size is not None and self.workers != 1:
             raise UsageError("--workers starts local processes; with --world-size/--rank "
                              "run one command per rank instead")
+        if self.launched_by == "slurm" and self.workers != 1:
+            raise UsageError("under `srun -n N` each task is one rank: drop --workers (or start one task, "
+                             "srun -n 1, and let --workers start the local ranks)")
         from ..strategies import compression  # --compress: which strategies take it, what cannot resume
         compression.validate(self, named_cls)
         if self.network is not None:
             from .network import check_can_emulate, parse
-            if self.world_size is not None or self.launched_by == "torchrun":
+            if self.world_size is not None or self.launched_by in ("torchrun", "slurm"):
                 raise UsageError("--network emulates links between local workers (--workers N); with "
                                  "--world-size/--rank or torchrun the ranks use the real network: drop --network")
             if self.workers > 1:

@@ -184,9 +184,10 @@ def resume_hint(cfg: RunConfig, run_dir, ranks: list[int] | None = None) -> tupl
         return None, [f"paralab: training had finished: {folder / 'checkpoint'} holds the last step, {step}; "
                       f"the failure came after it. Its weights: paralab export {shlex.quote(str(folder))}"]
     command = shlex.join(["paralab", "train", *cfg.to_argv(out=str(run_dir), resume=str(folder), save_init=False)])
-    if cfg.launched_by == "torchrun":
+    if cfg.launched_by in ("torchrun", "slurm"):
+        tool = "srun" if cfg.launched_by == "slurm" else "torchrun"
         return command, [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume, "
-                         f"give the same torchrun command these paralab arguments:",
+                         f"give the same {tool} command these paralab arguments:",
                          "  " + command.removeprefix("paralab ")]
     lines = [f"paralab: the checkpoint of step {step} is complete ({folder / 'checkpoint'}); to resume:",
              f"  {command}"]

@@ -12,6 +12,10 @@ Three ways to get a process group, one code path after it (``worker.run_worker``
 - **torchrun** (``torchrun --nproc-per-node K -m paralab train ...``): RANK,
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT come from the
   environment (``env://``).
+- **Slurm** (``srun -n N paralab train ...``): each task is one rank; rank,
+  world, local rank and rank 0's host come from Slurm's environment, the
+  port from MASTER_PORT or the job id (``rendezvous.slurm_place``). torchrun
+  under srun is torchrun's.
 
 Failures. A rank that fails makes every rank stop: locally, the launcher
 sees the first rank end, gives the others ``GRACE_S`` to end on their own,
@@ -44,8 +48,9 @@ from multiprocessing.connection import wait
 from ..progress import emit
 from .config import RunConfig
 from .failures import Ending, describe, explain, is_peer_loss, resume_hint
-from .rendezvous import choose_gloo_interface, free_port, pin, tcp_url, under_torchrun
 from . import restart
+from .hangs import explain_hang
+from .rendezvous import choose_gloo_interface, free_port, pin, slurm_place, tcp_url, under_slurm, under_torchrun
 from .warm import rank_context
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
@@ -63,6 +68,17 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
             cfg.master_addr = os.environ.get("MASTER_ADDR", cfg.master_addr)
             choose_gloo_interface(cfg, rank)
         _leave(_run_here(cfg, rank, world, local, None, run_dir))
+    if cfg.launched_by == "slurm":  # the command line saw under_slurm()
+        place = slurm_place(master_port=cfg.master_port)  # an unreadable environment: exit 2, nothing started
+        cfg.master_addr, cfg.master_port = place.master_addr, place.master_port
+        if place.bound():  # the task's cores are its own: pin within them
+            pin(0, cfg, 1)
+        else:
+            pin(place.local_rank, cfg, place.local_world)
+        if place.nodes > 1:
+            choose_gloo_interface(cfg, place.rank)
+        _leave(_run_here(cfg, place.rank, place.world, place.local_rank,
+                         tcp_url(place.master_addr, place.master_port), run_dir))
     if cfg.world_size is not None:
         cfg.launched_by = "manual"
         pin(0, cfg, 1)
@@ -177,8 +193,11 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         lost = is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first
         print(f"paralab: rank {rank} failed" + (" after losing a peer: the rank that failed first is another one "
                                                "(see its output)" if lost else ""), file=sys.stderr, flush=True)
+        hang = explain_hang(run_dir) if world > 1 else []  # every rank's op log this run directory holds
+        if hang:
+            print("\n".join(hang), file=sys.stderr, flush=True)
         hint = None
-        if cfg.launched_by != "torchrun" or rank == 0:  # under torchrun: once, not once per rank
+        if cfg.launched_by not in ("torchrun", "slurm") or rank == 0:  # torchrun, srun: once, not once per rank
             hint = resume_hint(cfg, run_dir, ranks=[rank] if world > 1 else None)
             if hint:
                 print("\n".join(hint[1]), file=sys.stderr, flush=True)
@@ -317,6 +336,7 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         return max((e.code for e in endings.values() if e.code is not None), default=0), None, reached
 
     cause, lines = explained
+    lines += explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"})
     print("\n".join(lines), file=sys.stderr, flush=True)
     if not final:
         return 1, cause, reached

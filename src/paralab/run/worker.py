@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, records
+from . import checkpoint, hangs, records
+from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
 from ..data import BatchSource, load_dataset, to_device
@@ -113,15 +114,26 @@ def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_method: str | None,
                run_dir: str) -> None:
-    """Entry point of every rank (local spawn, manual --rank, or torchrun)."""
+    """Entry point of every rank (local spawn, manual --rank, or torchrun).
+
+    With several ranks, each keeps its op log in ``RUN/oplog/`` (``oplog.py``) while it runs, for
+    ``hangs.py`` to read if the run hangs; a run that ends in order removes it.
+    """
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    if world > 1:
+        oplog.open_log(hangs.log_path(run_dir, rank), rank, world)
     device = pick_device(cfg, local_rank)
     backend = init_group(cfg, rank, world, device, init_method)
     try:
         train(cfg, rank, world, device, backend, run_dir)
+    except SystemExit:  # an orderly exit every rank takes together
+        hangs.remove_log(run_dir, created)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    hangs.remove_log(run_dir, created)
 
 
 @dataclass
@@ -237,7 +249,9 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
                         synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context)
     shape, strategy_cls, composition = plan(cfg, world)
-    mesh = Mesh(shape, rank, comm, new_group=dist.new_group if world > 1 else None)
+    # every group of the mesh waits --timeout at most, as the world does (new_group's own default is 30 min)
+    new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=cfg.timeout)) if world > 1 else None
+    mesh = Mesh(shape, rank, comm, new_group=new_group)
     model_fn = build_model_factory(cfg, len(data.classes))
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
