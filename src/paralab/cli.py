@@ -25,7 +25,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from .run.launch import launch, under_slurm, under_torchrun
+    from .run.launch import launch
+    from .run.rendezvous import under_slurm, under_torchrun
     cfg = config_from_args(args)
     if under_torchrun():
         cfg.launched_by = "torchrun"

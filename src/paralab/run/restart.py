@@ -1,7 +1,7 @@
 """``--max-restarts N``: a group that crashed starts again, whole, from the run's last checkpoint.
 
 When a rank dies (an exception, a signal such as the out-of-memory killer's, an unexplained exit
-code), the launcher stops the others as always (``launch._run_group``), then, while restarts are
+code), the launcher stops the others as always (``local._run_group``), then, while restarts are
 left, starts every rank again with ``--resume`` pointing at the run's own directory: the newest
 checkpoint every rank completed (``--checkpoint-every K``), or the start of the run if none was
 written yet. The data order, augmentation and learning rate are functions of the step, and a
