@@ -225,8 +225,10 @@ def test_sweep_scaling_weak_and_compute_vs_comm(tmp_path):
     speed = tables["weak_speedup"]["rows"]
     assert [r[0] for r in speed] == [1, 2] and speed[0][2] == "1.00"
     t1, t2 = float(speed[0][1]), float(speed[1][1])
-    # the table shows rounded times (3 decimals) and a speed-up computed before rounding
-    assert float(speed[1][2]) == pytest.approx(t1 / t2, rel=0.05, abs=0.01)
+    # the table shows times rounded to 3 decimals and a speed-up computed before rounding (to 2): the
+    # speed-up lies within what the rounded times allow (at a few ms a step, the rounding alone is ~10 %)
+    lo, hi = (t1 - 5e-4) / (t2 + 5e-4), (t1 + 5e-4) / (t2 - 5e-4)
+    assert lo - 0.005 <= float(speed[1][2]) <= hi + 0.005, (t1, t2, speed)
     cc = dict(zip(tables["weak_compute_comm"]["headers"], tables["weak_compute_comm"]["rows"][0]))
     assert float(cc["comm s (measured)"]) > 0 and float(cc["compute s (measured)"]) > 0
     assert float(cc["compute s (T1/N)"]) == pytest.approx(t1 / 2, abs=0.002)
