@@ -105,11 +105,24 @@ def fault_injection(rank: int, step: int, attempt: int = 1) -> None:
 def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     kwargs = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout))
-    if init_method is None:  # torchrun: env://
-        dist.init_process_group(**kwargs)
+    if init_method is None:  # torchrun: its store, under a prefix of this start of the group
+        dist.init_process_group(store=torchrun_store(rank, world, cfg.timeout), rank=rank, world_size=world,
+                                **kwargs)
     else:
         dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
     return backend
+
+
+def torchrun_store(rank: int, world: int, timeout: float):
+    """torchrun's rendezvous store (MASTER_ADDR:MASTER_PORT: its agent's, or rank 0's), with this start's
+    keys under ``/paralab/attempt_<TORCHELASTIC_RESTART_COUNT>``. ``env://`` would use the bare store,
+    where torch 2.13 keeps the keys of a start torchrun has ended: a restarted rank then read a dead
+    peer's address from them and failed to connect in about half the restarts (a 2-rank gloo script
+    reproduces it; pytorch/pytorch#167288 reports the same with NCCL)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"/paralab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_method: str | None,
