@@ -38,7 +38,8 @@ IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
-               "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
+               "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage",
+               "batch_size", "per_worker_batch")
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)
@@ -217,9 +218,12 @@ def carried_notes(old, new, model) -> list[str]:
     notes = ["weights and buffers, and the optimizer state of every parameter (momentum, Adam's moments and "
              "step), carried whole and resharded"]
     if has_batchnorm(model):
-        notes.append("BatchNorm running statistics: the checkpoint holds one set (paralab keeps every replica's "
-                     "equal to dp rank 0's, broadcast after each step), carried as they are; from here they "
-                     "follow this layout's rule, so a run with BatchNorm no longer equals one layout's run")
+        notes.append("BatchNorm: the running statistics are carried as the checkpoint holds them (one set: "
+                     "paralab broadcasts dp rank 0's to every replica after each step, so none is per replica); "
+                     "but BatchNorm normalises each replica's shard (a pipeline: each microbatch) by its own "
+                     f"batch statistics, so from here it follows this layout ({new.strategy} on {new.world}), "
+                     "and the run equals no single layout's run unless both split the batch alike "
+                     "(--norm none, or layer norm, makes it layout-free)")
     if old.compress == "powersgd":
         notes.append("NOT carried: PowerSGD's error-feedback and warm-start matrices (--compress powersgd) are "
                      "not in the checkpoint; this run starts without them")
@@ -248,15 +252,18 @@ def check_resumable(run_dir: Path, cfg) -> None:
             saved, step = whole["identity"], whole["step"]
         except Exception as exc:  # noqa: BLE001
             raise UsageError(f"--resume {run_dir}: {path} is not a readable paralab checkpoint ({exc})")
-        mine = identity(cfg)
-        diffs = [f"{k}: checkpoint has {saved.get(k, IDENTITY_DEFAULTS.get(k))!r}, this run {mine[k]!r}"
-                 for k in mine if saved.get(k, IDENTITY_DEFAULTS.get(k)) != mine[k]]
+        differ = differences(saved, cfg)
+        other = [k for k in differ if k not in LAYOUT_KEYS]  # the layout alone would be resharded
+        diffs = [f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in differ.items()
+                 if k in (other or differ)]
         if not diffs and cfg.num_batches is not None and cfg.num_batches <= step:
             raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                              f"ask for more than that with --num-batches (got {cfg.num_batches})")
         if diffs:
             raise UsageError(f"--resume {run_dir}: the checkpoint is from a different run "
-                             f"({'; '.join(diffs)}); use the same options")
+                             f"({'; '.join(diffs)}); use the same options"
+                             + (" (the layout may differ: strategy, workers, pp, tp... are resharded)"
+                                if other and len(other) < len(differ) else ""))
     if cfg.rank is None and cfg.world > 1:  # every rank's file is here: they must hold the same step
         found = steps(run_dir, cfg.world)
         if len(set(found.values())) > 1:
@@ -280,8 +287,8 @@ def check_reshardable(run_dir: Path, cfg) -> None:
                          f"resume from another layout; resume it as {describe(saved)}")
     if old.global_batch() != cfg.global_batch():
         raise UsageError(f"--resume {run_dir}: the checkpoint's global batch is {old.global_batch()}, this run's "
-                         f"{cfg.global_batch()} (--per-worker-batch over another number of replicas); "
-                         "give --batch-size " f"{old.global_batch()}")
+                         f"{cfg.global_batch()}: every step must read the same samples; give --batch-size "
+                         f"{old.global_batch()} (without --per-worker-batch)")
     if cfg.num_batches is not None and cfg.num_batches <= step:
         raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                          f"ask for more than that with --num-batches (got {cfg.num_batches})")
