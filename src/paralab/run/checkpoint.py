@@ -38,8 +38,7 @@ IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
-               "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage",
-               "batch_size", "per_worker_batch")
+               "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)
@@ -287,8 +286,9 @@ def check_reshardable(run_dir: Path, cfg) -> None:
                          f"resume from another layout; resume it as {describe(saved)}")
     if old.global_batch() != cfg.global_batch():
         raise UsageError(f"--resume {run_dir}: the checkpoint's global batch is {old.global_batch()}, this run's "
-                         f"{cfg.global_batch()}: every step must read the same samples; give --batch-size "
-                         f"{old.global_batch()} (without --per-worker-batch)")
+                         f"{cfg.global_batch()} (--per-worker-batch {cfg.per_worker_batch} over another number of "
+                         "data-parallel replicas): every step must read the same samples; resume with as many "
+                         "replicas, or from a run trained with --batch-size")
     if cfg.num_batches is not None and cfg.num_batches <= step:
         raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                          f"ask for more than that with --num-batches (got {cfg.num_batches})")
