@@ -199,6 +199,10 @@ MATRIX = {
     "gpt-interleaved-to-torch-tp": (["pipeline", "--workers", "2", "--schedule", "interleaved-1f1b",
                                      "--virtual-stages", "2", "--microbatches", "2"], ["torch-tp", "--workers", "2"],
                                     GPT),
+    "model-w2-to-torch-ddp-w2": (["model", "--workers", "2"], ["torch-ddp", "--workers", "2"], VGG),
+    "torch-pipeline-w2-to-allreduce-accumulate": (["torch-pipeline", "--workers", "2", "--microbatches", "2",
+                                                   "--partition", "params"],
+                                                  ["allreduce", "--workers", "2", "--accumulate", "2"], VGG),
     "gpt-fsdp1-tp2-w4-to-tp-pp": (["fsdp", "--workers", "4", "--zero-stage", "1", "--tp", "2"],
                                   ["tp", "--workers", "4", "--pp", "2", "--microbatches", "2"], GPT),
 }
@@ -209,3 +213,17 @@ MATRIX = {
 def test_layout_a_then_b_equals_one_process(paralab, tmp_path, single, first, second, common):
     _, b = resume_across(paralab, tmp_path, first, second, common)
     assert_equals_single(b, single(common))
+
+
+def test_a_restart_goes_back_to_the_other_layouts_checkpoint(paralab, tmp_path, single):
+    """--max-restarts on a resharded run: a rank that dies before this run's first checkpoint sends the
+    group back to the checkpoint it resumed from, resharded again; the end is still one process's."""
+    a = paralab("train", "fsdp", "--workers", "2", *VGG, "--num-batches", "5", out=tmp_path / "a")
+    b = paralab("train", "ddp", "--workers", "2", *VGG, "--num-batches", "10", "--resume", str(a.out),
+                "--checkpoint-every", "4", "--max-restarts", "1", out=tmp_path / "b",
+                env={"PARALAB_FAULT": "1:6:raise:1"})
+    assert a.returncode == b.returncode == 0, b.stdout + b.stderr
+    restarts = b.summary["restarts"]
+    assert len(restarts) == 1 and restarts[0]["resumed_from_step"] == 5 and restarts[0]["from"] == str(a.out)
+    mine, theirs = consolidate(b.out)[0], consolidate(single(VGG))[0]
+    assert max((mine[k] - theirs[k]).abs().max().item() for k in theirs) < WEIGHTS
