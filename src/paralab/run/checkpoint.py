@@ -139,7 +139,10 @@ def saved_config(cfg, saved: dict):
 
 def describe(ident: dict) -> str:
     """A layout in words: ``fsdp (ZeRO-3) on 4 ranks``, ``ddp on 4 ranks, pp 2 x tp 2``."""
-    what = ident["strategy"] + (f" (ZeRO-{ident['zero_stage']})" if ident["strategy"] == "fsdp" else "")
+    import dataclasses
+    from ..strategies import get_strategy
+    options = {f.name for o in get_strategy(ident["strategy"]).options for f in dataclasses.fields(o)}
+    what = ident["strategy"] + (f" (ZeRO-{ident['zero_stage']})" if "zero_stage" in options else "")
     dims = [f"{k} {ident[k]}" for k in ("pp", "tp") if ident.get(k, 1) > 1]
     return f"{what} on {ident['world']} rank(s)" + (f", {' x '.join(dims)}" if dims else "")
 

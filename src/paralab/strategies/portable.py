@@ -35,11 +35,6 @@ def trainable(units: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
     return [(f"{i}.{n}", p) for i, unit in units.items() for n, p in unit.named_parameters() if p.requires_grad]
 
 
-def per_element(value, numel: int) -> bool:
-    """An optimizer state entry laid out like its parameter (momentum, Adam's moments), not a scalar (step)."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
-
-
 def optimizer_by_name(saved: dict, names: list[str]) -> dict[str, dict]:
     """A ``torch.optim`` state_dict whose parameters were ``names`` in order -> {name: state}."""
     ids = [i for group in saved["param_groups"] for i in group["params"]]
