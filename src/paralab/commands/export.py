@@ -50,36 +50,15 @@ def add_arguments(p) -> None:
 
 def read_states(run_dir: Path, tag: str | None) -> tuple[list[dict], int, dict]:
     """Every rank's checkpoint (weights_only), checked to be one run at one step: (files, step, identity)."""
-    from ..run.checkpoint import checkpoint_path, load
+    from ..run.checkpoint import checkpoint_path, read_all
     first = checkpoint_path(run_dir, 0, tag)
+    if tag and not first.exists():
+        raise UsageError(f"{run_dir} has no starting-weights checkpoint ({first} is missing); "
+                         "a run keeps them only when trained with --save-init")
     if not first.exists():
-        if tag:
-            raise UsageError(f"{run_dir} has no starting-weights checkpoint ({first} is missing); "
-                             "a run keeps them only when trained with --save-init")
         raise UsageError(f"{run_dir} has no checkpoint ({first} is missing), so there is nothing to export; "
                          "a run saves one when it finishes, and every N steps with --checkpoint-every N")
-    files = []
-    world = None
-    rank = 0
-    while world is None or rank < world:
-        path = checkpoint_path(run_dir, rank, tag)
-        if not path.exists():
-            raise UsageError(f"{path} is missing: the run had {world} ranks and every rank's file is needed "
-                             "(ranks started with --rank keep theirs on their own host: copy them here)")
-        try:
-            saved = load(run_dir, rank, tag)
-            ident, step = saved["identity"], int(saved["step"])
-            if not isinstance(saved["state"], dict):
-                raise TypeError("its state is not a dict")
-        except Exception as exc:  # noqa: BLE001 - anything unreadable is the input's fault
-            raise UsageError(f"{path} is not a readable paralab checkpoint ({exc})")
-        if world is None:
-            world = int(ident["world"])
-        elif ident != files[0]["identity"] or step != files[0]["step"]:
-            raise UsageError(f"{path} is not from the same run and step as rank 0's "
-                             f"(step {step} vs {files[0]['step']}); the run stopped while saving")
-        files.append(saved)
-        rank += 1
+    files = read_all(run_dir, tag)
     return files, files[0]["step"], files[0]["identity"]
 
 

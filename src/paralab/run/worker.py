@@ -301,7 +301,18 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
     starting weights saved with --save-init). Says what the data order does where batches are uneven."""
     start_step, losses = 0, []
     resume = cfg.resume or restarted_from(cfg, rank, s)
-    if resume:
+    if resume and checkpoint.another_layout(Path(resume), cfg, rank):  # resharded: every old rank's file
+        portable, start_step, losses, saved = checkpoint.read_portable(Path(resume), cfg, s.model_fn())
+        s.strategy.load_portable(portable)
+        say(f"paralab: the checkpoint is {checkpoint.describe(saved)}; this run is "
+            f"{checkpoint.describe(checkpoint.identity(cfg))}: resharded")
+        for note in portable.notes:
+            say(f"paralab: resharding: {note}")
+        if start_step >= s.total_steps:
+            raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
+                               f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
+        say(f"resumed from {resume} at step {start_step}")
+    elif resume:
         saved = checkpoint.load(Path(resume), rank)
         s.strategy.load_state_dict(saved["state"])
         start_step, losses = saved["step"], checkpoint.losses(saved)

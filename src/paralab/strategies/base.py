@@ -12,6 +12,9 @@ A strategy is built from a model factory, an optimizer factory and the rank's
 - ``consolidate(states, model)`` (a classmethod, offline): every rank's saved
   ``state_dict()`` put back together into the whole model's tensors, in one
   process without a process group (``paralab export``).
+- ``portable(states, model)`` (offline) / ``load_portable(portable)``: the same,
+  with every parameter's optimizer state, in no layout (``portable.py``), and
+  this rank's part of it: resuming under another strategy or layout.
 
 A strategy declares how a global batch is split, so the loop hands each rank
 exactly its samples and the reference run (check/reference.py) replays the same
@@ -207,6 +210,25 @@ class Strategy:
         what :meth:`full_state_dict` gives. ``model`` is the run's model, freshly built: its keys
         and shapes say how the saved pieces fit (its values are not used)."""
         raise NotImplementedError(f"strategy {cls.name!r} cannot put its rank checkpoints together")
+
+    @classmethod
+    def portable(cls, states: list[dict], model: nn.Module):
+        """Offline, as :meth:`consolidate`: every rank's saved state -> a
+        :class:`~.portable.Portable` (the whole tensors and each parameter's whole optimizer state,
+        plain names), to resume under another layout. ``model``: the module the ranks held, freshly
+        built (under tensor parallelism, their sharded twin)."""
+        raise NotImplementedError(f"strategy {cls.name!r} cannot resume into another layout")
+
+    def load_portable(self, portable) -> None:
+        """This rank's part of a :class:`~.portable.Portable` (its slices, shards, stage), loaded as
+        :meth:`load_state_dict` would load this layout's own checkpoint."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot resume from another layout")
+
+    @classmethod
+    def reshards(cls) -> bool:
+        """Whether this strategy can resume from, and be resumed as, another layout."""
+        return cls.portable.__func__ is not Strategy.portable.__func__ and \
+            cls.load_portable is not Strategy.load_portable
 
     def extra_summary(self) -> dict:
         """Strategy-specific figures for summary.json (e.g. hidden communication)."""

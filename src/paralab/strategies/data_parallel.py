@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..options import option
 from .base import StepResult, Strategy
+from .portable import Portable
 from .replicas import Replicas
 
 
@@ -29,6 +30,15 @@ class AccumulateOptions:
     """data parallelism: gradient accumulation"""
     accumulate: int = option(1, "data-parallel strategies: microsteps per step, gradients synchronised "
                                 "once, by the last (no_sync)", minimum=1, identity=True)
+
+
+def flavour_of(state: dict) -> type[Replicas]:
+    """The flavour class that reads a saved flavour state: ZeRO-1's holds shards, every other flavour
+    the whole optimizer state (read alike)."""
+    if "zero1" in state:
+        from .fsdp.zero1 import ZeroOneReplicas
+        return ZeroOneReplicas
+    return Replicas
 
 
 class DataParallel(Strategy):
@@ -91,6 +101,18 @@ class DataParallel(Strategy):
     def consolidate(cls, states, model):
         """Every rank saved the whole model, synchronised first: rank 0's is the model."""
         return dict(states[0]["model"])
+
+    @classmethod
+    def portable(cls, states, model):
+        """Every rank holds the whole model (synchronised) and, but under ZeRO-1, the whole optimizer
+        state; ``states`` are the dp replicas in order."""
+        return Portable(dict(states[0]["model"]), flavour_of(states[0]).optimizer_portable(states,
+                                                                                          dict(enumerate(model))))
+
+    def load_portable(self, portable):
+        units = dict(enumerate(self.model))
+        self.load_state_dict({"model": {k: portable.tensors[k] for k in self.model.state_dict()},
+                              **self.dp.state_from_portable(portable, units)})
 
     def extra_summary(self) -> dict:
         return self.dp.summary()

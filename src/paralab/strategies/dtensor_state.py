@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .portable import Portable, optimizer_by_name, optimizer_for
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (``t`` itself when it is not a DTensor)."""
@@ -40,3 +42,36 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, params:
                 s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                           stride=p.stride(), run_check=False)
     optimizer.load_state_dict(opt)
+
+
+def chunk_of(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s local part of ``t`` split as ``Shard(dim)`` splits it (``torch.chunk``: the last
+    ranks' parts shorter, or empty)."""
+    parts = t.chunk(world, dim)
+    return parts[rank].clone() if rank < len(parts) else t.narrow(dim, 0, 0).clone()
+
+
+def portable_from_local(states: list[dict], names: list[str], dim_of) -> Portable:
+    """Offline: every rank's :func:`local_state` (rank order) -> a Portable; ``names``: the optimizer's
+    parameters in order; ``dim_of(key)``: the dimension a tensor is split along, None if replicated."""
+    def whole(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        dim = dim_of(key)
+        return torch.cat(parts, dim) if dim is not None and parts[0].dim() > 0 else parts[0]
+    tensors = {k: whole(k, [s["model"][k] for s in states]) for k in states[0]["model"]}
+    by_rank = [optimizer_by_name(s["optimizer"], names) for s in states]
+    optimizer = {n: {key: whole(n, [r[n][key] for r in by_rank]) if torch.is_tensor(v) else v
+                     for key, v in st.items()} for n, st in by_rank[0].items()}
+    return Portable(tensors, optimizer)
+
+
+def local_from_portable(portable: Portable, model: nn.Module, optimizer: torch.optim.Optimizer, dim_of,
+                        rank: int, world: int) -> dict:
+    """This rank's :func:`local_state` made from a Portable (the inverse of :func:`portable_from_local`)."""
+    def part(key: str, t: torch.Tensor) -> torch.Tensor:
+        dim = dim_of(key)
+        return chunk_of(t, dim, rank, world) if dim is not None and t.dim() > 0 else t
+    names = [n for n, _ in model.named_parameters()]
+    mine = {n: {key: part(n, v) if torch.is_tensor(v) else v for key, v in st.items()}
+            for n, st in portable.optimizer.items()}
+    return {"model": {k: part(k, portable.tensors[k]) for k in model.state_dict()},
+            "optimizer": optimizer_for(optimizer, names, mine)}

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from .base import broadcast_buffers
+from .portable import optimizer_by_name, optimizer_for, trainable
 
 
 class Replicas:
@@ -107,6 +108,17 @@ class Replicas:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def optimizer_portable(cls, states: list[dict], units: dict) -> dict[str, dict]:
+        """Offline: the flavour states (:meth:`state_dict`) of one module's dp replicas, in dp order,
+        -> each trainable parameter's whole optimizer state by plain name. ``units``: plain index ->
+        unit, as the module held them. Every flavour but ZeRO-1 keeps the whole state on every replica."""
+        return optimizer_by_name(states[0]["optimizer"], [n for n, _ in trainable(units)])
+
+    def state_from_portable(self, portable, units: dict) -> dict:
+        """This replica's :meth:`state_dict` made from a ``Portable`` (``units``: as the module holds them)."""
+        return {"optimizer": optimizer_for(self.optimizer, [n for n, _ in trainable(units)], portable.optimizer)}
 
     def summary(self) -> dict:
         """Flavour-specific figures for summary.json."""

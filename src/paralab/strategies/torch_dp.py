@@ -37,6 +37,7 @@ from ..comm import nbytes
 from ..errors import UsageError
 from ..options import option
 from .base import StepResult, Strategy
+from .portable import Portable, optimizer_by_name, optimizer_for
 
 
 @dataclass
@@ -165,6 +166,16 @@ class TorchDP(Strategy):
     @classmethod
     def consolidate(cls, states, model):
         return dict(states[0]["model"])
+
+    @classmethod
+    def portable(cls, states, model):
+        return Portable(dict(states[0]["model"]), optimizer_by_name(states[0]["optimizer"],
+                                                                    [n for n, _ in model.named_parameters()]))
+
+    def load_portable(self, portable):
+        names = [n for n, _ in self.model.named_parameters()]
+        self.load_state_dict({"model": {k: portable.tensors[k] for k in self.model.state_dict()},
+                              "optimizer": optimizer_for(self.optimizer, names, portable.optimizer)})
 
     def extra_summary(self) -> dict:
         return {"data_parallel": {"flavour": "torch.nn.DataParallel", "gpus": len(self.phases.devices),

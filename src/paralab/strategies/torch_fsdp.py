@@ -49,7 +49,7 @@ from ..comm import nbytes
 from ..kinds import MEMORY, MemoryModel
 from .base import StepResult, Strategy, broadcast_buffers
 from .data_parallel import AccumulateOptions
-from .dtensor_state import load_local_state, local, local_state
+from .dtensor_state import load_local_state, local, local_from_portable, local_state, portable_from_local
 from .memory_ledger import Ledger, optimizer_kind
 
 
@@ -191,6 +191,18 @@ class TorchFSDP(Strategy):
         params = dict(model.named_parameters())
         return {k: torch.cat([s["model"][k] for s in states], dim=0) if k in params else v
                 for k, v in states[0]["model"].items()}
+
+    @classmethod
+    def portable(cls, states, model):
+        """Parameters and their optimizer state: ``Shard(0)`` chunks concatenated; buffers rank 0's."""
+        params = dict(model.named_parameters())
+        return portable_from_local(states, list(params), lambda k: 0 if k in params else None)
+
+    def load_portable(self, portable):
+        params = dict(self.model.named_parameters())
+        self.load_state_dict({"world": self.ctx.world, **local_from_portable(
+            portable, self.model, self.optimizer, lambda k: 0 if k in params else None, self.ctx.rank,
+            self.ctx.world)})
 
     def extra_summary(self):
         measured = self.ledger.report() | {"observed": "forward unit boundaries, after backward, step: "

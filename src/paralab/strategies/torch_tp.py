@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..errors import UsageError
 from ..mesh import MeshShape
 from .base import StepResult, Strategy
-from .dtensor_state import load_local_state, local, local_state
+from .dtensor_state import load_local_state, local, local_from_portable, local_state, portable_from_local
 from .tensor.strategy import TensorOptions
 
 
@@ -174,6 +174,18 @@ class TorchTP(Strategy):
         ordered = sorted(states, key=lambda s: s["tp"]["rank"])
         return {k: torch.cat([s["model"][k] for s in ordered], meta["layout"][k]) if k in meta["layout"] else v
                 for k, v in ordered[0]["model"].items()}
+
+    @classmethod
+    def portable(cls, states, model):
+        """Split tensors and their optimizer state concatenated along their dimension in tp rank order."""
+        layout = states[0]["tp"]["layout"]
+        ordered = sorted(states, key=lambda s: s["tp"]["rank"])
+        return portable_from_local(ordered, [n for n, _ in model.named_parameters()], layout.get)
+
+    def load_portable(self, portable):
+        self.load_state_dict({"tp": {"rank": self.tp.rank, "size": self.tp.world, "layout": self.layout},
+                              **local_from_portable(portable, self.model, self.optimizer, self.layout.get,
+                                                    self.tp.rank, self.tp.world)})
 
     def extra_summary(self):
         return {"tensor_parallel": {"size": self.tp.world, "rank": self.tp.rank,

@@ -43,6 +43,7 @@ from ...training.losses import cross_entropy
 from ...options import option
 from ..base import StepResult, Strategy, broadcast_buffers
 from ..memory_ledger import Ledger, optimizer_kind, optimizer_state_bytes
+from ..portable import Portable, flat_optimizer_portable, flat_optimizer_shard, shard_of, slots
 from .flat import FlatUnit, step_shards
 from .zero1 import ZeroOneReplicas
 
@@ -298,6 +299,35 @@ class FSDP(Strategy):
                     offset += p.numel()
         tensors.update(states[0]["buffers"])
         return tensors
+
+    @classmethod
+    @torch.no_grad()
+    def portable(cls, states, model):
+        """As :meth:`consolidate`, and each unit's optimizer state (the optimizer's parameter ``n`` is
+        the ``n``-th flat unit's shard) put together and cut back the same way."""
+        tensors = cls.consolidate(states, model)
+        units = [(i, unit) for i, unit in enumerate(model) if any(p.requires_grad for p in unit.parameters())]
+        optimizer: dict[str, dict] = {}
+        for n, (i, unit) in enumerate(units):
+            optimizer |= flat_optimizer_portable([s["optimizer"]["state"].get(n, {}) for s in states], i,
+                                                 slots(unit))
+        return Portable(tensors, optimizer)
+
+    def load_portable(self, portable):
+        """This rank's shard of every flat unit's parameters and optimizer state; the buffers whole."""
+        shards, state = [], {}
+        for n, fu in enumerate(self.flat_units):
+            layout = [(name, shape) for _, _, name, shape, _, _ in fu.slots]
+            shards.append(shard_of([portable.tensors[f"{fu.index}.{name}"] for name, _ in layout], fu.padded,
+                                   self.ctx.rank, self.ctx.world))
+            held = flat_optimizer_shard(portable.optimizer, fu.index, layout, fu.padded, self.ctx.rank,
+                                        self.ctx.world)
+            if held is not None:
+                state[n] = held
+        self.load_state_dict({
+            "zero_stage": self.stage, "world": self.ctx.world, "rank": self.ctx.rank, "shards": shards,
+            "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]},
+            "buffers": {k: portable.tensors[k] for k in self.model.state_dict()}})
 
     # ------------------------------------------------------------ records
     def memory_model(self) -> MemoryModel:

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ...comm import Comm, nbytes
 from ..memory_ledger import Ledger, optimizer_state_bytes
+from ..portable import flat_optimizer_portable, flat_optimizer_shard, shard_of, slots
 from ..replicas import Replicas
 from .flat import FlatUnit, step_shards
 
@@ -113,6 +114,34 @@ class ZeroOneReplicas(Replicas):
             fu.gather(async_op=False)  # the full parameters current on every replica
         self.optimizer.load_state_dict(state["optimizer"])
         self.ledger.set("optimizer", optimizer_state_bytes(self.optimizer), "load")
+
+    @classmethod
+    def optimizer_portable(cls, states: list[dict], units: dict) -> dict[str, dict]:
+        """Offline: each dp replica's optimizer holds its shard of every flat unit (one per unit with
+        trainable parameters, in order): the shards of each state put together and cut back."""
+        flat_units = [(i, u) for i, u in units.items() if any(p.requires_grad for p in u.parameters())]
+        if len(states) != states[0]["zero1"]["world"]:
+            raise ValueError(f"zero1: {len(states)} replica state(s) for {states[0]['zero1']['world']} replicas")
+        out: dict[str, dict] = {}
+        for n, (i, unit) in enumerate(flat_units):
+            out |= flat_optimizer_portable([s["optimizer"]["state"].get(n, {}) for s in states], i, slots(unit))
+        return out
+
+    def state_from_portable(self, portable, units: dict) -> dict:
+        """This replica's shards of the parameters and of their optimizer state (``units``: plain index ->
+        unit, the module's children in order)."""
+        index = list(units)
+        shards, state = [], {}
+        for n, fu in enumerate(self.units):
+            layout = [(name, shape) for _, _, name, shape, _, _ in fu.slots]
+            names = [f"{index[fu.index]}.{name}" for name, _ in layout]
+            shards.append(shard_of([portable.tensors[k] for k in names], fu.padded, self.comm.rank, self.comm.world))
+            held = flat_optimizer_shard(portable.optimizer, index[fu.index], layout, fu.padded,
+                                        self.comm.rank, self.comm.world)
+            if held is not None:
+                state[n] = held
+        return {"zero1": {"world": self.comm.world, "shards": shards},
+                "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}}
 
     def summary(self) -> dict:
         return {"zero_stage": 1, "reduce_scatter": self.reduce_scatter_kind, "units_sharded": len(self.units),

@@ -63,7 +63,7 @@ class Executor:
         received: dict[tuple, torch.Tensor] = {}   # messages in, by (channel, consuming stage, mb)
         held: dict[tuple, torch.Tensor] = {}       # produced here: to send, or for a stage of this rank
         losses: dict[int, torch.Tensor] = {}       # weighted microbatch losses (last stage)
-        loss_sum = torch.zeros((), device=self.device) if last_stage is not None else None
+        loss_sum = torch.zeros((), device=self.device, dtype=self.dtype) if last_stage is not None else None
         sends = []
 
         upcoming: dict[int, deque] = {}
@@ -109,7 +109,7 @@ class Executor:
                     if st.last:
                         with self.autocast():
                             losses[i] = st.ctx.loss(out, ys) * weight  # tensor parallelism's loss where it applies
-                        loss_sum += losses[i].detach().float()
+                        loss_sum += losses[i].detach().to(self.dtype)  # fp64 runs report it unrounded
                 if not st.last:
                     produced("act", s + 1, i, out)
             elif a.kind.is_send:

@@ -46,6 +46,8 @@ from ...options import option
 from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
                           split_costs, unit_label)
 from ..base import StepResult, Strategy, split_microbatches
+from ..data_parallel import flavour_of
+from ..portable import Portable, trainable
 from ..replicas import Replicas
 from .executor import Executor
 from .schedules import SCHEDULES, TORCH_ONLY, VIRTUAL, build_schedule, layout_problem, placement_for
@@ -298,6 +300,36 @@ class Pipeline(Strategy):
             for k, v in state["stage"].items():
                 tensors.setdefault(k, v)
         return tensors
+
+    @classmethod
+    def portable(cls, states, model):
+        """Offline: the tensors as :meth:`consolidate`; the optimizer state stage by stage, from the
+        flavour states of the stage's dp replicas in dp order (the ranks whose files hold the same
+        keys, in rank order: the mesh puts dp inside pp). A rank's stages are those whose units'
+        keys its file holds; with several, its flavours are those of its stages with parameters, in
+        stage order."""
+        tensors = cls.consolidate(states, model)
+        ranges = [tuple(r) for r in states[0]["ranges"]]
+        replicas: dict[tuple, list[dict]] = {}
+        for state in states:
+            replicas.setdefault(tuple(sorted(state["stage"])), []).append(state)
+        optimizer: dict[str, dict] = {}
+        for keys, group in replicas.items():
+            units_of = {s: {i: model[i] for i in range(a, b)} for s, (a, b) in enumerate(ranges)}
+            held = [s for s, units in units_of.items() if any(n in keys for n, _ in trainable(units))]
+            for k, s in enumerate(held):
+                flavour_states = [g if "flavours" not in g else g["flavours"][k] for g in group]
+                optimizer |= flavour_of(flavour_states[0]).optimizer_portable(flavour_states, units_of[s])
+        return Portable(tensors, optimizer)
+
+    def load_portable(self, portable):
+        """Each of this rank's stages' tensors and its flavour's part of their optimizer state."""
+        state = {"ranges": [list(r) for r in self.ranges],
+                 "stage": {k: portable.tensors[k] for st in self.stages.values() for k in st.state_dict()}}
+        flavours = [self.flavours[s].state_from_portable(portable, dict(zip(self.stages[s].indices,
+                                                                            self.stages[s].units)))
+                    for s in sorted(self.flavours)]
+        self.load_state_dict(state | (flavours[0] if len(self.stages) == 1 else {"flavours": flavours}))
 
     # ------------------------------------------------------------ records
     def extra_summary(self) -> dict:

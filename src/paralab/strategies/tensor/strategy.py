@@ -28,8 +28,10 @@ the shard), so the reference run replays the inner strategy's split.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,7 @@ from ...mesh import MeshShape
 from ...options import option
 from ..base import Strategy
 from ..data_parallel import DataParallel
+from ..portable import Portable, tp_chunk
 from . import gpt as tp_gpt
 from . import vgg as tp_vgg
 from .group import TPGroup
@@ -213,6 +216,38 @@ class TensorParallel(Strategy):
                  for r in range(meta["size"])]
         return {k: torch.cat([p[k] for p in parts], meta["layout"][k]) if k in meta["layout"] else v
                 for k, v in parts[0].items()}
+
+    @classmethod
+    def portable(cls, states, model):
+        """Offline: each tp rank's inner states made portable as the inner strategy does, on that
+        rank's sharded twin of the model (built here, no process group); then every split tensor and
+        its per-element optimizer state concatenated along the split dimension in tp rank order."""
+        meta = states[0]["tp"]
+        module, name = meta["inner"].split(":")
+        inner_cls = getattr(importlib.import_module(module), name)
+        parts = []
+        for r in range(meta["size"]):
+            tp = TensorParallelism(SimpleNamespace(rank=r, world=meta["size"]), False, copy.deepcopy(model))
+            sharded = nn.Sequential(*tp.shard(dict(enumerate(copy.deepcopy(model)))).values())
+            parts.append(inner_cls.portable([s["inner"] for s in states if s["tp"]["rank"] == r], sharded))
+        layout = meta["layout"]
+        tensors = {k: torch.cat([p.tensors[k] for p in parts], layout[k]) if k in layout else v
+                   for k, v in parts[0].tensors.items()}
+        optimizer = {}
+        for k, first in parts[0].optimizer.items():
+            optimizer[k] = {key: torch.cat([p.optimizer[k][key] for p in parts], layout[k])
+                            if k in layout and torch.is_tensor(v) and v.dim() > 0 else v
+                            for key, v in first.items()}
+        return Portable(tensors, optimizer, parts[0].notes)
+
+    def load_portable(self, portable):
+        """This tp rank's slice of every split tensor and of its per-element optimizer state."""
+        layout, rank, size = self.tp.layout, self.tp.group.rank, self.tp.group.size
+        tensors = {k: tp_chunk(v, layout[k], rank, size) if k in layout else v for k, v in portable.tensors.items()}
+        optimizer = {k: {key: tp_chunk(v, layout[k], rank, size)
+                         if k in layout and torch.is_tensor(v) and v.dim() > 0 else v for key, v in st.items()}
+                     for k, st in portable.optimizer.items()}
+        self.inner.load_portable(Portable(tensors, optimizer, portable.notes))
 
     def extra_summary(self):
         return {**self.inner.extra_summary(),
