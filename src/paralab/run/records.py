@@ -39,8 +39,11 @@ def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict) ->
     seconds = t1 - t0
     accounted = sum(split[c] for c in CATEGORIES)
     split = {**split, "other": max(0.0, seconds - accounted)}
-    return {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
-            "loss": result.loss, "samples": result.samples, "split": split}
+    row = {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
+           "loss": result.loss, "samples": result.samples, "split": split}
+    if getattr(result, "moe", None):
+        row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
+    return row
 
 
 def environment(world: int, backend: str, device: torch.device) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..options import option
-from .base import StepResult, Strategy
+from .base import StepResult, Strategy, moe_record
 from .replicas import Replicas
 
 
@@ -66,7 +66,7 @@ class DataParallel(Strategy):
         self.dp.finish()
         self.dp.step()
         self.dp.sync_buffers()
-        return StepResult(loss, len(y))
+        return StepResult(loss, len(y), moe=moe_record(self.model))
 
     def predict(self, x):
         self.dp.sync_buffers(after_step=False)
