@@ -86,13 +86,15 @@ class MeshShape:
         return self.dp // self.ep if dim == "edp" else getattr(self, dim)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each dimension (and along ep, edp: its dp index split)."""
+        """This rank's index along each dimension (and under --ep along ep and edp: its dp index split)."""
         coords = {}
         for dim in reversed(DIMS):  # innermost varies fastest
             coords[dim] = rank % self.size(dim)
             rank //= self.size(dim)
         out = {dim: coords[dim] for dim in DIMS}
-        return out | {"ep": out["dp"] % self.ep, "edp": out["dp"] // self.ep}
+        if self.ep > 1:
+            out |= {"ep": out["dp"] % self.ep, "edp": out["dp"] // self.ep}
+        return out
 
     def rank(self, **coords: int) -> int:
         if "ep" in coords or "edp" in coords:

@@ -92,7 +92,7 @@ def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: tor
     n, e = probs.shape
     top = probs.topk(min(k + 1, e), dim=-1)
     gate, expert = top.values[:, :k], top.indices[:, :k]
-    margin = float((top.values[:, k - 1] - top.values[:, k]).min()) if k < e and n else float("inf")
+    margin = float((top.values[:, k - 1] - top.values[:, k]).min().detach()) if k < e and n else float("inf")
     chosen = torch.bincount(expert.reshape(-1), minlength=e)
     aux = e * ((chosen.to(probs.dtype) / max(n * k, 1)) * probs.mean(0)).sum() if n else probs.sum() * 0
     if capacity_factor is None:
