@@ -144,7 +144,7 @@ class MoE(nn.Module):
             self.aux_loss = routing.aux
             s = routing.stats
             self.history.append({"counts": s["counts_t"].tolist(), "dropped": s["dropped"],
-                                 "aux": float(routing.aux), "min_margin": s["min_margin"]}
+                                 "aux": routing.aux.item(), "min_margin": s["min_margin"]}
                                 | ({"received": s["received"]} if "received" in s else {}))
         return out.view(shape)
 
