@@ -213,3 +213,26 @@ def test_bad_moe_input_exits_2_before_start(paralab, tmp_path, args, message):
     r = paralab("train", *args, "--num-batches", "1", out=out, fast=False)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_ep_resumes_and_exports_the_data_parallel_weights(paralab, tmp_path):
+    """An ep 2 run stopped at step 2 and resumed passes --check at step 4 (each rank's experts and both
+    optimizers restored); `paralab export` puts its expert slices back together into the weights that
+    the same run without --ep reaches (fp64)."""
+    from paralab.cli import main
+    common = ["allreduce", "--workers", "2", "--top-k", "2", *GPT[:-1], "--precision", "fp64", "--lr", "0.1",
+              "--momentum", "0.9"]
+    first = paralab("train", *common, "--ep", "2", "--num-batches", "2", fast=False)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = paralab("train", *common, "--ep", "2", "--num-batches", "4", "--resume", str(first.out), "--check",
+                      fast=False)
+    _passed(resumed)
+    plain = paralab("train", *common, "--num-batches", "4", fast=False)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    weights = {}
+    for name, run in (("ep", resumed.out), ("dp", plain.out)):
+        target = tmp_path / f"{name}.pt"
+        assert main(["export", str(run), "-o", str(target)]) == 0
+        weights[name] = torch.load(target, weights_only=True)
+    assert weights["ep"].keys() == weights["dp"].keys()
+    assert max((weights["ep"][k] - weights["dp"][k]).abs().max().item() for k in weights["dp"]) < 1e-12

@@ -282,6 +282,23 @@ class ExpertParallel(Strategy):
         self.dense.load_state_dict(state["dense"])
         self.sparse.load_state_dict(state["experts"])
 
+    @classmethod
+    def consolidate(cls, states, model):
+        """Offline: the non-expert tensors from any rank (they are replicated), each expert from a rank
+        whose ep index holds it (``paralab export``)."""
+        size = states[0]["ep"]["size"]
+        local = moe_layers(model)[0].num_experts // size
+        by_slice = {s["ep"]["rank"]: s["model"] for s in states}
+        whole = {}
+        for key in model.state_dict():
+            if ".experts." not in key:
+                whole[key] = states[0]["model"][key]
+                continue
+            prefix, rest = key.split(".experts.", 1)
+            e, name = rest.split(".", 1)
+            whole[key] = by_slice[int(e) // local][f"{prefix}.experts.{int(e) % local}.{name}"]
+        return whole
+
     def extra_summary(self) -> dict:
         return {"expert_parallel": {"ep": self.ep, "rank": self.ep_comm.rank, "experts": list(
             range(self.first, self.first + self.local)), "dispatcher": self.ctx.options.dispatcher,
