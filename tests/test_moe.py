@@ -153,7 +153,7 @@ def test_ep2_fp64_top2_capacity_records(paralab):
     assert ops["all_to_all"]["calls"] > 0 and ops["all_to_all"]["bytes"] > 0
 
 
-def test_ep2_dispatch_bytes_are_routed_rows(paralab):
+def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
     """The token all-to-all of a layer sends exactly its kept choices' rows (the counts say how many)."""
     r = paralab("train", "ddp", "--workers", "2", "--ep", "2", "--top-k", "1", *GPT, *COURSE, fast=False)
     _passed(r)
@@ -165,6 +165,22 @@ def test_ep2_dispatch_bytes_are_routed_rows(paralab):
     for rank, sent in per_rank.items():
         kept = [sum(layer["counts"]) for layer in rows[(1, rank)]["moe"]]
         assert sent == [k * 32 * 4 for k in kept], (rank, sent, kept)  # rows x embed x fp32
+    # calc moe puts the bytes its measured load predicts beside those recorded: the same on every rank
+    from paralab.cli import main
+    assert main(["calc", "moe", str(r.out)]) == 0
+    table = capsys.readouterr().out.split("predicted (even load)")[1].splitlines()[2:]
+    assert len(table) == 2 and all(line.split("]")[1].split()[0:2] == line.split("]")[1].split()[2:4]
+                                   for line in table), table
+
+
+def test_calc_moe_even_load():
+    """Parameters active vs total, and the token all-to-all bytes per rank and step under an even load."""
+    from paralab.analysis import moe as m
+    v = m.step_volume(tokens=2048, top_k=2, experts=8, embed=128, layers=4, ep=4, element=4)
+    assert v["choices"] == 4096 and v["per_transfer"] == 4096 * 128 * 4 and v["per_step"] == 16 * 4096 * 128 * 4
+    assert v["per_step_remote"] == v["per_step"] * 3 / 4
+    capped = m.step_volume(tokens=100, top_k=1, experts=4, embed=8, layers=1, ep=2, element=4, capacity_factor=0.5)
+    assert capped["choices"] == 4 * math.ceil(0.5 * 100 / 4)
 
 
 @pytest.mark.parametrize("args", [

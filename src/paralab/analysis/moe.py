@@ -16,6 +16,8 @@ the network; backward sends the same again both ways.
 """
 from __future__ import annotations
 
+import math
+
 from ..models.gpt import VOCAB, moe_parameter_counts, parameter_counts
 from .tensor import flops_per_token
 
@@ -39,6 +41,31 @@ def a2a_bytes(choices: int, embed: int, element: int, ep: int) -> dict:
     (an even load: ``(ep - 1) / ep`` of them go to other ranks)."""
     sent = choices * embed * element
     return {"bytes": sent, "bytes_remote": sent * (ep - 1) / ep}
+
+
+def step_volume(tokens: int, top_k: int, experts: int, embed: int, layers: int, ep: int, element: int,
+                capacity_factor: float | None = None) -> dict:
+    """Under an even load: a rank's kept choices per layer and forward (all its ``tokens x K``, or the
+    capacity ``E x ceil(F tokens K / E)`` if smaller), and its token all-to-all bytes per step: dispatch and
+    combine, forward and backward (4 transfers) per layer."""
+    choices = tokens * top_k
+    if capacity_factor is not None:
+        choices = min(choices, experts * math.ceil(capacity_factor * tokens * top_k / experts))
+    one = a2a_bytes(choices, embed, element, ep)
+    return {"choices": choices, "per_transfer": one["bytes"], "per_step": 4 * layers * one["bytes"],
+            "per_step_remote": 4 * layers * one["bytes_remote"]}
+
+
+#: optimizer state per parameter, in parameters' worth (SGD with momentum: one buffer; Adam: two)
+OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+
+
+def memory_per_rank(params: dict, ep: int, element: int, optimizer: str) -> dict:
+    """Model-state bytes a rank holds under ep: everything but the experts whole, E / ep experts;
+    parameters, gradients and optimizer state alike."""
+    held = params["parameters_total"] - params["expert_parameters"] + params["expert_parameters"] // ep
+    per = (2 + OPTIMIZER_STATE[optimizer]) * element
+    return {"parameters_held": held, "bytes": held * per, "bytes_all_experts": params["parameters_total"] * per}
 
 
 def load(steps: list[dict]) -> dict | None:
