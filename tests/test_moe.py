@@ -252,3 +252,15 @@ def test_ep_resumes_and_exports_the_data_parallel_weights(paralab, tmp_path):
         weights[name] = torch.load(target, weights_only=True)
     assert weights["ep"].keys() == weights["dp"].keys()
     assert max((weights["ep"][k] - weights["dp"][k]).abs().max().item() for k in weights["dp"]) < 1e-12
+
+
+def test_router_skew_sends_expert_0_more_tokens():
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 8)
+    counts = {}
+    for skew in (0.0, 3.0):
+        torch.manual_seed(1)
+        layer = MoE(8, 4, 1, 16, None, 0.01, router_skew=skew)
+        layer(x)
+        counts[skew] = layer.history[-1]["counts"]
+    assert counts[3.0][0] > counts[0.0][0] and sum(counts[3.0]) == sum(counts[0.0]) == 128

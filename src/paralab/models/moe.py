@@ -55,6 +55,8 @@ class MoEOptions:
                                            type=float, minimum=0, above=True, identity=True)
     aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (Switch/GShard) in the training loss",
                                   minimum=0, identity=True)
+    router_skew: float = option(0.0, "added to expert 0's router logit: a knob that sends it more tokens, to "
+                                     "measure what imbalance costs (benchmarks); 0: none", minimum=0, identity=True)
 
 
 class Expert(nn.Module):
@@ -124,12 +126,12 @@ class MoE(nn.Module):
     """The block's MLP as ``E`` experts behind a router; ``dispatch`` reaches them (this rank's by default)."""
 
     def __init__(self, embed: int, experts: int, top_k: int, hidden: int, capacity_factor: float | None,
-                 aux_loss_coef: float):
+                 aux_loss_coef: float, router_skew: float = 0.0):
         super().__init__()
         self.router = nn.Linear(embed, experts, bias=False)
         self.experts = nn.ModuleList(Expert(embed, hidden) for _ in range(experts))
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
-        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss_coef, self.router_skew = aux_loss_coef, router_skew
         self.dispatch = local_dispatch
         self.aux_loss: torch.Tensor | None = None  # the last training forward's, until taken
         self.history: list[dict] = []               # per training forward: counts, dropped, aux, min_margin
@@ -137,7 +139,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs = F.softmax(F.linear(tokens.double(), self.router.weight.double()), dim=-1)
+        logits = F.linear(tokens.double(), self.router.weight.double())
+        if self.router_skew:
+            logits = logits + logits.new_tensor([self.router_skew] + [0.0] * (self.num_experts - 1))
+        probs = F.softmax(logits, dim=-1)
         routing = route(probs, self.top_k, self.capacity_factor, tokens.dtype)
         out = self.dispatch(tokens, routing, self.experts)
         if self.training and torch.is_grad_enabled():
