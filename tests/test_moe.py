@@ -171,6 +171,15 @@ def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
     table = capsys.readouterr().out.split("predicted (even load)")[1].splitlines()[2:]
     assert len(table) == 2 and all(line.split("]")[1].split()[0:2] == line.split("]")[1].split()[2:4]
                                    for line in table), table
+    # plot moe-load (its table): each rank's tokens per expert, summed over steps and layers, as recorded
+    assert main(["plot", "moe-load", str(r.out)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    for rank in (0, 1):
+        counts = [sum(layer["counts"][e] for row in r.rows("steps.jsonl") if row["rank"] == rank
+                      for layer in row["moe"]) for e in range(4)]
+        assert [int(c) for c in lines[rank][-5:-1]] == counts, (lines, counts)
+    assert main(["plot", "moe-load", str(r.out), "-o", str(r.out / "load.png")]) == 0
+    assert (r.out / "load.png").stat().st_size > 0
 
 
 def test_calc_moe_even_load():
