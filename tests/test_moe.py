@@ -197,7 +197,9 @@ def test_calc_moe_even_load():
     ["torch-ddp", "--workers", "2"],
     ["allreduce", "--workers", "2", "--ep", "2", "--top-k", "2"],
     ["gather-scatter", "--workers", "2", "--ep", "2", "--dispatcher", "all-gather", "--capacity-factor", "1.25"],
-], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity"])
+    ["ddp", "--workers", "4", "--ep", "2", "--top-k", "2"],
+    ["allreduce", "--workers", "4", "--ep", "4", "--top-k", "1", "--capacity-factor", "1.0"],
+], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
