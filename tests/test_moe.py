@@ -33,7 +33,7 @@ def test_capacity_drops_second_choices_first_and_counts_them():
     probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]], dtype=torch.float64)
     r = route(probs, 1, 0.5, torch.float64)
     assert r.kept[:, 0].tolist() == [True, False, False, False] and r.stats["dropped"] == 3
-    assert r.stats["counts_t"].tolist() == [1, 0]
+    assert r.stats["counts"].tolist() == [1, 0]
     # top-2, capacity ceil(1.0 * 4 * 2 / 2) = 4 per expert: all first choices (expert 0) and all second ones fit
     r2 = route(probs, 2, 1.0, torch.float64)
     assert r2.stats["dropped"] == 0

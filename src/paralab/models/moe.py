@@ -86,7 +86,7 @@ class Routing:
         order = torch.argsort(e, stable=True)
         order = order[(e[order] >= 0)]
         k = self.expert.shape[1]
-        return order // k, self.gate.reshape(-1)[order], self.stats["counts_t"]
+        return order // k, self.gate.reshape(-1)[order], self.stats["counts"]
 
 
 def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: torch.dtype) -> Routing:
@@ -105,7 +105,7 @@ def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: tor
         position = (F.one_hot(flat, e).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
         kept = (position < capacity).view(k, n).t()
     counts = torch.bincount(expert[kept], minlength=e)
-    stats = {"counts_t": counts, "dropped": int((~kept).sum()), "min_margin": margin}
+    stats = {"counts": counts, "dropped": int((~kept).sum()), "min_margin": margin}
     return Routing(expert, gate.to(dtype), kept, aux, stats)
 
 
@@ -148,7 +148,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             self.aux_loss = routing.aux
             s = routing.stats
-            self.history.append({"counts": s["counts_t"].tolist(), "dropped": s["dropped"],
+            self.history.append({"counts": s["counts"].tolist(), "dropped": s["dropped"],
                                  "aux": routing.aux.item(), "min_margin": s["min_margin"]}
                                 | ({"received": s["received"]} if "received" in s else {}))
         return out.view(shape)
