@@ -275,3 +275,15 @@ def test_router_skew_sends_expert_0_more_tokens():
         layer(x)
         counts[skew] = layer.history[-1]["counts"]
     assert counts[3.0][0] > counts[0.0][0] and sum(counts[3.0]) == sum(counts[0.0]) == 128
+
+
+def test_mesh_ep_and_edp_groups():
+    from paralab.mesh import MeshShape
+    shape = MeshShape.for_world(4, ep=2)
+    assert shape.groups("ep") == [[0, 1], [2, 3]] and shape.groups("edp") == [[0, 2], [1, 3]]
+    assert shape.groups("dp") == [[0, 1, 2, 3]] and shape.coords(3) == {"pp": 0, "dp": 3, "tp": 0, "ep": 1, "edp": 1}
+    assert shape.dims() == ("pp", "dp", "tp", "ep", "edp") and MeshShape.for_world(4).dims() == ("pp", "dp", "tp")
+    # under tp the ep neighbours are consecutive dp indices, tp innermost
+    wide = MeshShape.for_world(8, tp=2, ep=2)
+    assert wide.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]] and wide.group_of(0, "edp") == [0, 4]
+    assert wide.to_dict()["shape"] == {"pp": 1, "dp": 4, "tp": 2, "ep": 2, "edp": 2}
