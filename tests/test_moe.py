@@ -199,7 +199,8 @@ def test_calc_moe_even_load():
     ["gather-scatter", "--workers", "2", "--ep", "2", "--dispatcher", "all-gather", "--capacity-factor", "1.25"],
     ["ddp", "--workers", "4", "--ep", "2", "--top-k", "2"],
     ["allreduce", "--workers", "4", "--ep", "4", "--top-k", "1", "--capacity-factor", "1.0"],
-], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity"])
+    ["ddp", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "2"],
+], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
@@ -216,8 +217,12 @@ def test_fp32_course_setting(paralab, args):
     ["allreduce", "--workers", "4", "--ep", "4", "--top-k", "1", "--capacity-factor", "1.0"],
     ["ddp", "--workers", "4", "--ep", "2", "--top-k", "2"],                                   # dp 2 x ep 2
     ["gather-scatter", "--workers", "4", "--ep", "2", "--top-k", "1", "--capacity-factor", "1.25"],
+    ["tp", "--workers", "2", "--top-k", "2", "--capacity-factor", "1.25"],                 # experts whole per tp rank
+    ["ddp", "--workers", "4", "--tp", "2", "--top-k", "1"],                                   # dp 2 x tp 2
+    ["ddp", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "2", "--capacity-factor", "1.25"],  # tp x ep
+    ["allreduce", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "1", "--dispatcher", "all-gather"],
 ], ids=["single", "gs-dp2", "ddp-dp2-acc", "torch-ddp-dp2", "ep2-top1", "ep2-top2-cap-acc", "ep2-all-gather",
-        "ep4-cap", "dp2xep2-top2", "dp2xep2-cap"])
+        "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather"])
 def test_fp64_lr0_1_20_steps(paralab, args):
     s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
     assert s["check"]["max_weight_dev"] <= 1e-9
@@ -232,7 +237,11 @@ def test_fp64_lr0_1_20_steps(paralab, args):
     (["ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "4"], "--ep 4 must divide"),
     (["torch-ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "2"], "not one"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--ep", "2", "--pp", "2"], "not composed"),
-    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2"], "not yet under"),
+    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--sequence-parallel"],
+     "drop --sequence-parallel"),
+    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--ep", "2", "--sequence-parallel"],
+     "drop --sequence-parallel"),
+    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--pp", "2"], "not yet under"),
     (["fsdp", "--workers", "2", "--model", "gpt", "--experts", "4"], "not yet under"),
 ])
 def test_bad_moe_input_exits_2_before_start(paralab, tmp_path, args, message):
@@ -287,3 +296,20 @@ def test_mesh_ep_and_edp_groups():
     wide = MeshShape.for_world(8, tp=2, ep=2)
     assert wide.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]] and wide.group_of(0, "edp") == [0, 4]
     assert wide.to_dict()["shape"] == {"pp": 1, "dp": 4, "tp": 2, "ep": 2, "edp": 2}
+
+
+@pytest.mark.slow
+def test_tp_x_ep_exports_the_data_parallel_weights(paralab, tmp_path):
+    """dp 2 = ep 2 with tp 2 on 4 ranks: `paralab export` gathers the tp slices and the ep experts into the
+    weights plain data parallelism over the same 2 shards reaches (fp64)."""
+    from paralab.cli import main
+    common = ["--top-k", "2", *GPT[:-1], "--precision", "fp64", "--lr", "0.1", "--num-batches", "3"]
+    runs = {"tpxep": paralab("train", "ddp", "--workers", "4", "--tp", "2", "--ep", "2", *common, fast=False),
+            "dp": paralab("train", "allreduce", "--workers", "2", *common, fast=False)}
+    weights = {}
+    for name, r in runs.items():
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert main(["export", str(r.out), "-o", str(tmp_path / f"{name}.pt")]) == 0
+        weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    assert weights["tpxep"].keys() == weights["dp"].keys()
+    assert max((weights["tpxep"][k] - weights["dp"][k]).abs().max().item() for k in weights["dp"]) < 1e-12

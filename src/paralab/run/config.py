@@ -301,13 +301,19 @@ def check_moe(cfg: RunConfig, modality: str) -> None:
     if cfg.experts and cfg.top_k > cfg.experts:
         raise UsageError(f"--top-k {cfg.top_k} must be at most --experts {cfg.experts} (each token goes to "
                          "top-k different experts)")
+    if cfg.experts and cfg.sequence_parallel:
+        raise UsageError("--experts with --sequence-parallel: each tp rank would route only its sequence "
+                         "shard (another capacity and load-balancing loss than one process's); drop "
+                         "--sequence-parallel")
     if cfg.experts and cfg.ep == 1:
         from ..strategies import get_strategy
         from ..strategies.data_parallel import DataParallel
-        if cfg.pp > 1 or cfg.tp > 1 or not issubclass(get_strategy(cfg.strategy), DataParallel):
-            raise UsageError(f"--experts: a mixture of experts runs under single and the data-parallel strategies "
-                             f"(gather-scatter, allreduce, ddp, torch-ddp), and with --ep; not yet under "
-                             f"{cfg.strategy!r}" + (" with --pp or --tp" if cfg.pp > 1 or cfg.tp > 1 else ""))
+        from ..strategies.tensor import TensorParallel
+        named = get_strategy(cfg.strategy)
+        if cfg.pp > 1 or not (issubclass(named, DataParallel) or named is TensorParallel):
+            raise UsageError(f"--experts: a mixture of experts runs under single, the data-parallel strategies "
+                             f"(gather-scatter, allreduce, ddp, torch-ddp), tp and --tp, and with --ep; not yet "
+                             f"under {cfg.strategy!r}" + (" with --pp" if cfg.pp > 1 else ""))
 
 
 def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:

@@ -70,7 +70,10 @@ def plan(cfg, world: int):
     cls = get_strategy(cfg.strategy)
     if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
         from .expert import ExpertParallel
-        return ExpertParallel.mesh_shape(cfg, world), ExpertParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
+        shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
+        if shape.tp > 1:
+            return shape, TensorParallel, {"inner_cls": ExpertParallel, "inner_kwargs": kwargs}
+        return shape, ExpertParallel, kwargs
     shape = cls.mesh_shape(cfg, world)
     if issubclass(cls, (Pipeline, TensorParallel)):  # the pure forms (they build what they wrap themselves)
         if shape.tp > 1 and not issubclass(cls, TensorParallel):

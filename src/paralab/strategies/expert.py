@@ -30,8 +30,12 @@ are the named strategy's data-parallel flavour (``allreduce``, ``ddp``,
 optimizer. The step, the aux loss and the capacity are per rank's forward,
 as on one process replaying the same shards (``check/reference.py``).
 
-Not composed here (refused before start): ``--pp``, ``--tp``, flavours that
-wrap the whole module (``torch-ddp``) or shard it (``fsdp``).
+Under ``--tp`` (``TensorParallel`` around this strategy) the attention, the
+embedding and the head are sharded over tp and every MoE layer stays whole
+on each tp rank: its input is the same there, so each tp rank's ep group
+sends the same tokens and the experts' gradients agree over tp. Not composed
+(refused before start): ``--pp``, ``--sequence-parallel``, flavours that wrap
+the whole module (``torch-ddp``) or shard it (``fsdp``).
 """
 from __future__ import annotations
 
@@ -190,6 +194,8 @@ class ExpertParallel(Strategy):
         mesh = ctx.mesh
         self.ep_comm, self.ep = mesh.comm("ep"), mesh.size("ep")
         model = model_fn()
+        if ctx.tp is not None:  # --tp: this rank's slice of every unit (the MoE layers stay whole)
+            model = nn.Sequential(*ctx.shard(dict(enumerate(model))).values())
         self.layers = moe_layers(model)
         self.experts = self.layers[0].num_experts
         self.local = self.experts // self.ep
@@ -215,9 +221,9 @@ class ExpertParallel(Strategy):
         from . import get_strategy
         from .data_parallel import DataParallel
         named = get_strategy(cfg.strategy)
-        if cfg.pp > 1 or cfg.tp > 1:
-            raise UsageError(f"--ep {cfg.ep} is not composed with --pp or --tp yet: drop them (expert "
-                             "parallelism here subdivides data parallelism only)")
+        if cfg.pp > 1:
+            raise UsageError(f"--ep {cfg.ep} is not composed with --pp yet: drop it (a pipeline stage's "
+                             "backward would need each microbatch's load-balancing loss)")
         if cfg.experts == 0:
             raise UsageError(f"--ep {cfg.ep} splits a mixture of experts: add --model gpt --experts E")
         flavour = named.pipeline_replicas(cfg) if issubclass(named, DataParallel) else None
