@@ -27,7 +27,7 @@ that hold the same expert (the ``edp`` group) and dividing by N gives the
 mean over all dp = edp x N shards, what one process computes. Both averages
 are the named strategy's data-parallel flavour (``allreduce``, ``ddp``,
 ``gather-scatter``), one over each set of parameters, each with its
-optimizer. The step, the aux loss and the capacity are per rank's forward,
+optimizer. Routing, the aux loss and the capacity are per rank's forward,
 as on one process replaying the same shards (``check/reference.py``).
 
 Under ``--tp`` (``TensorParallel`` around this strategy) the attention, the
