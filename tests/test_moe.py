@@ -200,7 +200,8 @@ def test_calc_moe_even_load():
     ["ddp", "--workers", "4", "--ep", "2", "--top-k", "2"],
     ["allreduce", "--workers", "4", "--ep", "4", "--top-k", "1", "--capacity-factor", "1.0"],
     ["ddp", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "2"],
-], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2"])
+    ["pipeline", "--workers", "2", "--microbatches", "2", "--top-k", "2", "--layers", "4"],
+], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2", "pp2"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
@@ -221,8 +222,16 @@ def test_fp32_course_setting(paralab, args):
     ["ddp", "--workers", "4", "--tp", "2", "--top-k", "1"],                                   # dp 2 x tp 2
     ["ddp", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "2", "--capacity-factor", "1.25"],  # tp x ep
     ["allreduce", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "1", "--dispatcher", "all-gather"],
+    # pipelines: the aux loss rides on each stage's output (stage.py), whole and split (zero-bubble) backward
+    ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "1f1b", "--layers", "4", "--top-k", "2",
+     "--capacity-factor", "1.25"],
+    ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1", "--layers", "4", "--top-k", "1"],
+    ["ddp", "--workers", "4", "--pp", "2", "--microbatches", "2", "--layers", "4", "--top-k", "2"],
+    ["model", "--workers", "2", "--layers", "4", "--top-k", "2"],
+    ["ddp", "--workers", "4", "--pp", "2", "--tp", "2", "--microbatches", "2", "--top-k", "2"],
 ], ids=["single", "gs-dp2", "ddp-dp2-acc", "torch-ddp-dp2", "ep2-top1", "ep2-top2-cap-acc", "ep2-all-gather",
-        "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather"])
+        "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather",
+        "pp2-1f1b-cap", "pp2-zb-h1", "dp2xpp2", "model", "pp2xtp2"])
 def test_fp64_lr0_1_20_steps(paralab, args):
     s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
     assert s["check"]["max_weight_dev"] <= 1e-9
@@ -241,7 +250,7 @@ def test_fp64_lr0_1_20_steps(paralab, args):
      "drop --sequence-parallel"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--ep", "2", "--sequence-parallel"],
      "drop --sequence-parallel"),
-    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--pp", "2"], "not yet under"),
+    (["torch-pipeline", "--workers", "2", "--model", "gpt", "--experts", "4"], "not yet under"),
     (["fsdp", "--workers", "2", "--model", "gpt", "--experts", "4"], "not yet under"),
 ])
 def test_bad_moe_input_exits_2_before_start(paralab, tmp_path, args, message):

@@ -169,6 +169,29 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return total
 
 
+class _CarryAux(torch.autograd.Function):
+    """``out`` unchanged forward; backward passes its gradient on and gives ``aux`` a gradient of 1, so a
+    backward from ``out`` (a pipeline stage's, from the gradient the next stage sent) also back-propagates
+    ``aux`` as a term of the loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux):
+        ctx.aux = (aux.dtype, aux.device)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def carry_aux_loss(unit: nn.Module, out: torch.Tensor, weight: float) -> torch.Tensor:
+    """``out`` carrying ``weight`` x the load-balancing losses of ``unit``'s last forward (taken), for a
+    backward that starts from ``out`` rather than from the loss (pipeline stages); ``out`` if none."""
+    aux = take_aux_loss(unit)
+    return out if aux is None else _CarryAux.apply(out, aux * weight)
+
+
 def take_history(model: nn.Module) -> list[list[dict]]:
     """Per MoE layer, its records since the last call (then cleared)."""
     out = []

@@ -306,14 +306,11 @@ def check_moe(cfg: RunConfig, modality: str) -> None:
                          "shard (another capacity and load-balancing loss than one process's); drop "
                          "--sequence-parallel")
     if cfg.experts and cfg.ep == 1:
-        from ..strategies import get_strategy
-        from ..strategies.data_parallel import DataParallel
-        from ..strategies.tensor import TensorParallel
-        named = get_strategy(cfg.strategy)
-        if cfg.pp > 1 or not (issubclass(named, DataParallel) or named is TensorParallel):
-            raise UsageError(f"--experts: a mixture of experts runs under single, the data-parallel strategies "
-                             f"(gather-scatter, allreduce, ddp, torch-ddp), tp and --tp, and with --ep; not yet "
-                             f"under {cfg.strategy!r}" + (" with --pp" if cfg.pp > 1 else ""))
+        from ..strategies import get_strategy, strategy_names
+        if not get_strategy(cfg.strategy).moe:
+            able = [n for n in strategy_names() if get_strategy(n).moe]
+            raise UsageError(f"--experts: a mixture of experts runs under {', '.join(able)} (and with --pp, --tp, "
+                             f"--ep); not yet under {cfg.strategy!r}")
 
 
 def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:

@@ -167,6 +167,9 @@ class Strategy:
     roles: tuple[str, ...] = ()
     #: the option classes (paralab.options) this strategy reads from ``ctx.options``
     options: tuple[type, ...] = ()
+    #: it trains a mixture of experts (models/moe.py): the load-balancing loss is part of its loss
+    #: (``training_loss``, or carried by a pipeline stage's outputs); else --experts is refused
+    moe: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx

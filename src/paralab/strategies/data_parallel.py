@@ -35,6 +35,7 @@ class DataParallel(Strategy):
     #: the flavour: how the replicas agree (set by each data-parallel strategy)
     replicas_cls: type[Replicas] = Replicas
     options = (AccumulateOptions,)
+    moe = True
 
     def __init__(self, ctx, model_fn, optim_fn, replicas_cls: type[Replicas] | None = None):
         """``replicas_cls``: the flavour, when a composed layout (``--tp``) names it; else the class's."""
