@@ -34,8 +34,9 @@ Under ``--tp`` (``TensorParallel`` around this strategy) the attention, the
 embedding and the head are sharded over tp and every MoE layer stays whole
 on each tp rank: its input is the same there, so each tp rank's ep group
 sends the same tokens and the experts' gradients agree over tp. Not composed
-(refused before start): ``--pp``, ``--sequence-parallel``, flavours that wrap
-the whole module (``torch-ddp``) or shard it (``fsdp``).
+(refused before start): ``--pp`` (a stage would need two flavours),
+``--sequence-parallel``, flavours that wrap the whole module (``torch-ddp``)
+or shard it (``fsdp``).
 """
 from __future__ import annotations
 
@@ -222,8 +223,8 @@ class ExpertParallel(Strategy):
         from .data_parallel import DataParallel
         named = get_strategy(cfg.strategy)
         if cfg.pp > 1:
-            raise UsageError(f"--ep {cfg.ep} is not composed with --pp yet: drop it (a pipeline stage's "
-                             "backward would need each microbatch's load-balancing loss)")
+            raise UsageError(f"--ep {cfg.ep} is not composed with --pp yet: drop one (a stage would need two "
+                             "data-parallel flavours, over dp and over edp)")
         if cfg.experts == 0:
             raise UsageError(f"--ep {cfg.ep} splits a mixture of experts: add --model gpt --experts E")
         flavour = named.pipeline_replicas(cfg) if issubclass(named, DataParallel) else None
