@@ -322,3 +322,13 @@ def test_tp_x_ep_exports_the_data_parallel_weights(paralab, tmp_path):
         weights[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
     assert weights["tpxep"].keys() == weights["dp"].keys()
     assert max((weights["tpxep"][k] - weights["dp"][k]).abs().max().item() for k in weights["dp"]) < 1e-12
+
+
+def test_compare_leaves_out_strategies_without_moe(capsys, tmp_path):
+    from paralab.cli import main
+    assert main(["compare", "--model", "gpt", "--dataset", "synthetic-text", "--dry-run", "--out", str(tmp_path / "c"),
+                 "--train-args", "--experts 4 --layers 2 --embed 32 --heads 2 --context 16"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "fsdp at 2 workers: does not train a mixture of experts" in text
+    assert "paralab train ddp --workers 2" in text and "--experts 4" in text
