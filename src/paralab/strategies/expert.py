@@ -51,6 +51,7 @@ from ..mesh import MeshShape
 from ..models.moe import Routing, combine, moe_layers
 from ..options import option
 from .base import StepResult, Strategy, moe_record
+from .replicas import Replicas
 
 DISPATCHERS = ("all-to-all", "all-gather")
 
@@ -219,22 +220,31 @@ class ExpertParallel(Strategy):
     # ------------------------------------------------------------ declarations
     @classmethod
     def mesh_shape(cls, cfg, world: int) -> MeshShape:
-        from . import get_strategy
-        from .data_parallel import DataParallel
-        named = get_strategy(cfg.strategy)
+        from . import get_strategy, strategy_names
         if cfg.pp > 1:
             raise UsageError(f"--ep {cfg.ep} is not composed with --pp yet: drop one (a stage would need two "
                              "data-parallel flavours, over dp and over edp)")
         if cfg.experts == 0:
             raise UsageError(f"--ep {cfg.ep} splits a mixture of experts: add --model gpt --experts E")
-        flavour = named.pipeline_replicas(cfg) if issubclass(named, DataParallel) else None
-        if flavour is None or flavour.flavour == "torch-ddp":
+        if cls.flavour_of(get_strategy(cfg.strategy), cfg) is None:
+            able = [n for n in strategy_names() if cls.flavour_of(get_strategy(n), cfg) is not None]
             raise UsageError(f"--ep needs a data-parallel flavour that averages a set of parameters over a group "
-                             f"(allreduce, ddp, gather-scatter); strategy {cfg.strategy!r} is not one")
+                             f"({', '.join(able)}); strategy {cfg.strategy!r} is not one")
         if cfg.experts % cfg.ep:
             raise UsageError(f"--experts {cfg.experts} must be divisible by --ep {cfg.ep} (each rank holds "
                              "experts / ep of them)")
         return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp, ep=cfg.ep)
+
+    @staticmethod
+    def flavour_of(named, cfg):
+        """The data-parallel flavour of strategy class ``named`` that this strategy can use twice (over the
+        non-expert parameters and over the experts'), or None: a flavour that wraps the whole module for
+        its forward (PyTorch's DDP) cannot be given a set of parameters."""
+        from .data_parallel import DataParallel
+        flavour = named.pipeline_replicas(cfg) if issubclass(named, DataParallel) else None
+        if flavour is None or flavour.forward_module is not Replicas.forward_module:
+            return None
+        return flavour
 
     # ------------------------------------------------------------ the step
     def train_step(self, x, y) -> StepResult:
@@ -251,6 +261,7 @@ class ExpertParallel(Strategy):
                     p.grad.div_(self.ep)
         for f in self.flavours:
             f.step()
+            f.sync_buffers()
         return StepResult(loss, len(y), moe=moe_record(self.model))
 
     def _all(self, method: str):
