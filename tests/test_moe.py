@@ -227,11 +227,14 @@ def test_fp32_course_setting(paralab, args):
      "--capacity-factor", "1.25"],
     ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1", "--layers", "4", "--top-k", "1"],
     ["ddp", "--workers", "4", "--pp", "2", "--microbatches", "2", "--layers", "4", "--top-k", "2"],
+    ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h2", "--layers", "4", "--top-k", "2"],
+    ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+     "--layers", "4", "--top-k", "2", "--capacity-factor", "1.25"],
     ["model", "--workers", "2", "--layers", "4", "--top-k", "2"],
     ["ddp", "--workers", "4", "--pp", "2", "--tp", "2", "--microbatches", "2", "--top-k", "2"],
 ], ids=["single", "gs-dp2", "ddp-dp2-acc", "torch-ddp-dp2", "ep2-top1", "ep2-top2-cap-acc", "ep2-all-gather",
         "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather",
-        "pp2-1f1b-cap", "pp2-zb-h1", "dp2xpp2", "model", "pp2xtp2"])
+        "pp2-1f1b-cap", "pp2-zb-h1", "pp2-zb-h2", "pp2-interleaved-cap", "dp2xpp2", "model", "pp2xtp2"])
 def test_fp64_lr0_1_20_steps(paralab, args):
     s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
     assert s["check"]["max_weight_dev"] <= 1e-9
