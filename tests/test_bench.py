@@ -72,3 +72,15 @@ def test_startup_bench(tmp_path):
     assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run"}
     assert all(v > 0 for v in d["median_seconds"].values()) and d["over_import_torch"]["import torch"] == 1.0
     assert "compare" not in d
+
+
+@pytest.mark.slow  # five 2-worker runs
+def test_moe_bench(tmp_path):
+    d = bench(tmp_path, "moe", "--embed", "32", "--context", "16", "--batch-size", "8", "--steps", "3",
+              "--warmup", "1", "--repeats", "1", "--skews", "3")
+    best = d["best"]
+    assert set(best) == {"ep1", "ep2-a2a", "ep2-gather", "ep2-skew3"}
+    # the recorded token all-to-all is exactly the routed rows (forward dispatch, both ranks)
+    assert best["ep2-a2a"]["dispatch_bytes_per_step"] == best["ep2-a2a"]["dispatch_bytes_predicted"] > 0
+    assert best["ep2-skew3"]["rank_load_imbalance"] > best["ep2-a2a"]["rank_load_imbalance"]
+

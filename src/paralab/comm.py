@@ -211,6 +211,13 @@ class Comm:
         out.copy_(full.view(-1, out.numel())[rank].view_as(out))
         return "all_reduce+slice"
 
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                          in_splits: list[int] | None = None, name: str = "all_to_all"):
+        """Rows ``in_splits[r]`` of ``inp`` to rank ``r``; rank ``r``'s rows for us into ``out``, in rank order
+        (``None``: equal splits). Bytes: what this rank sends (``inp``, its own part included)."""
+        return self._timed(name, "all_to_all", nbytes(inp), dist.all_to_all_single, out, inp,
+                           output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group)
+
     def send(self, t: torch.Tensor, dst: int, name: str = "send"):
         return self._timed(name, "send", nbytes(t), dist.send, t, dst=self._global(dst), group=self.group)
 

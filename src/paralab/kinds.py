@@ -14,7 +14,7 @@ Span categories:
   ``backward_weight`` where a pipeline splits the backward (zero bubble);
 - ``comm``: one per collective or send/recv, with ``bytes`` and ``args.op``
   (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``gather``, ``scatter``, ``send``, ``recv``, ``barrier``). An asynchronous
+  ``gather``, ``scatter``, ``all_to_all``, ``send``, ``recv``, ``barrier``). An asynchronous
   operation is one span with ``args.async`` covering launch to completion,
   plus a synchronous span named ``wait:<name>`` for the time the rank
   blocked on it;

@@ -19,6 +19,15 @@ strategies as a :class:`~paralab.comm.Comm` whose ranks are group-local.
 
 Its ``tp`` group holds the shards of every layer (``strategies/tensor/``):
 the collectives inside each layer's forward and backward run there.
+
+Expert parallelism (``--ep E``, ``strategies/expert.py``) subdivides dp: the
+dp index is ``edp_index * ep + ep_index``, so an ``ep`` group is ``ep``
+consecutive replicas (neighbours: the all-to-all of every MoE layer runs
+there, each member holding a different slice of the experts), and an
+``edp`` group (expert data parallelism) is the replicas holding the same
+experts, over which the experts' gradients are averaged. Every rank still
+reads its own data shard: ep ranks are data-parallel replicas too, so the
+non-expert parameters are averaged over the whole dp group.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from .errors import UsageError
 from .options import option
 
 DIMS = ("pp", "dp", "tp")  # outermost first
+EXPERT_DIMS = ("ep", "edp")  # dp subdivided under --ep: experts split over ep, replicated over edp
 
 
 @dataclass
@@ -40,6 +50,10 @@ class MeshOptions:
     tp: int = option(1, "tensor-parallel shards of every layer; the strategy names the data-parallel flavour and "
                         "dp = workers / (pp x tp) (e.g. 'ddp --workers 4 --tp 2' is dp 2 x tp 2)", minimum=1,
                      identity=True)
+    ep: int = option(1, "expert parallelism (a mixture-of-experts gpt, --experts): the experts split over this "
+                        "many data-parallel replicas, tokens sent to them by all-to-all; a divisor of dp (e.g. "
+                        "'allreduce --workers 4 --ep 2 --model gpt --experts 4' is dp 4 = 2 x ep 2)", minimum=1,
+                     identity=True)
 
 
 @dataclass(frozen=True)
@@ -47,34 +61,44 @@ class MeshShape:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1  # a divisor of dp (see the module docstring)
 
     @classmethod
-    def for_world(cls, world: int, pp: int = 1, tp: int = 1) -> "MeshShape":
+    def for_world(cls, world: int, pp: int = 1, tp: int = 1, ep: int = 1) -> "MeshShape":
         """The shape with ``dp = world / (pp * tp)``; UsageError if that is not a whole number."""
-        for name, size in (("pp", pp), ("tp", tp)):
+        for name, size in (("pp", pp), ("tp", tp), ("ep", ep)):
             if size < 1:
                 raise UsageError(f"--{name} must be positive (got {size})")
         if world % (pp * tp):
             raise UsageError(f"{world} worker(s) cannot form a mesh with pp {pp} x tp {tp}: the workers must be a "
                              f"multiple of {pp * tp} (data parallelism takes the rest)")
-        return cls(pp=pp, dp=world // (pp * tp), tp=tp)
+        dp = world // (pp * tp)
+        if dp % ep:
+            raise UsageError(f"--ep {ep} must divide the {dp} data-parallel replicas (workers / (pp x tp)): "
+                             f"change --ep or --workers")
+        return cls(pp=pp, dp=dp, tp=tp, ep=ep)
 
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
 
     def size(self, dim: str) -> int:
-        return getattr(self, dim)
+        return self.dp // self.ep if dim == "edp" else getattr(self, dim)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each dimension."""
+        """This rank's index along each dimension (and under --ep along ep and edp: its dp index split)."""
         coords = {}
         for dim in reversed(DIMS):  # innermost varies fastest
             coords[dim] = rank % self.size(dim)
             rank //= self.size(dim)
-        return {dim: coords[dim] for dim in DIMS}
+        out = {dim: coords[dim] for dim in DIMS}
+        if self.ep > 1:
+            out |= {"ep": out["dp"] % self.ep, "edp": out["dp"] // self.ep}
+        return out
 
     def rank(self, **coords: int) -> int:
+        if "ep" in coords or "edp" in coords:
+            coords = coords | {"dp": coords.get("edp", 0) * self.ep + coords.get("ep", 0)}
         r = 0
         for dim in DIMS:
             r = r * self.size(dim) + coords.get(dim, 0)
@@ -83,6 +107,10 @@ class MeshShape:
     def group_of(self, rank: int, dim: str) -> list[int]:
         """The global ranks of ``rank``'s group along ``dim``, ordered by their index in it."""
         c = self.coords(rank)
+        if dim == "dp":  # ep, edp follow from dp
+            c = {k: v for k, v in c.items() if k in DIMS}
+        elif dim in EXPERT_DIMS:
+            c = {k: v for k, v in c.items() if k != "dp"}
         return [self.rank(**(c | {dim: i})) for i in range(self.size(dim))]
 
     def groups(self, dim: str) -> list[list[int]]:
@@ -95,12 +123,21 @@ class MeshShape:
                 out.append(list(g))
         return out
 
+    def dims(self) -> tuple[str, ...]:
+        """The dimensions with a group of their own: pp, dp, tp, and under --ep, ep and edp."""
+        return DIMS + (EXPERT_DIMS if self.ep > 1 else ())
+
     def describe(self) -> str:
-        return " x ".join(f"{dim} {self.size(dim)}" for dim in DIMS)
+        return " x ".join(f"{dim} {self.size(dim)}" + (f" (edp {self.size('edp')} x ep {self.ep})"
+                                                         if dim == "dp" and self.ep > 1 else "") for dim in DIMS)
 
     def to_dict(self) -> dict:
-        return {"shape": {dim: self.size(dim) for dim in DIMS}, "order": list(DIMS),
-                "layout": "rank = (pp_index * dp + dp_index) * tp + tp_index"}
+        out = {"shape": {dim: self.size(dim) for dim in DIMS}, "order": list(DIMS),
+               "layout": "rank = (pp_index * dp + dp_index) * tp + tp_index"}
+        if self.ep > 1:
+            out["shape"] |= {"ep": self.ep, "edp": self.size("edp")}
+            out["layout"] += "; dp_index = edp_index * ep + ep_index"
+        return out
 
 
 class Mesh:
@@ -114,7 +151,7 @@ class Mesh:
         self.shape, self.rank, self.world = shape, rank, world_comm
         self.coords = shape.coords(rank)
         self.comms: dict[str, Comm] = {}
-        for dim in DIMS:
+        for dim in shape.dims():
             for index, ranks in enumerate(shape.groups(dim)):
                 if len(ranks) == world_comm.world:
                     group = world_comm.group  # the whole world: no new group needed
@@ -133,5 +170,5 @@ class Mesh:
         return self.shape.size(dim)
 
     def describe(self) -> str:
-        where = ", ".join(f"{dim} {self.coords[dim]}" for dim in DIMS)
+        where = ", ".join(f"{dim} {self.coords[dim]}" for dim in self.shape.dims())
         return f"mesh {self.shape.describe()} (rank {self.rank}: {where})"

@@ -38,7 +38,8 @@ import torch
 from ..data.loader import to_device
 from ..training.losses import cross_entropy
 from ..training.lr_schedule import set_lr
-from ..strategies.base import has_batchnorm, split_microbatches
+from ..models.moe import moe_layers
+from ..strategies.base import has_batchnorm, split_microbatches, take_history, training_loss
 
 TOLERANCES = {"fp32": {"weights": 1e-5, "outputs": 1e-4},
               "fp64": {"weights": 1e-9, "outputs": 1e-8}}
@@ -55,7 +56,8 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
     gradient the optimizer uses, as the compressed exchange leaves it on every rank.
     """
     losses = []
-    split = has_batchnorm(model) or combine is not None
+    # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
+    split = has_batchnorm(model) or combine is not None or bool(moe_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     for step in range(first_step, steps):
@@ -66,7 +68,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
         if not split:
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
-            loss = cross_entropy(model(x), y)
+            loss = training_loss(cross_entropy, model, model(x), y)
             loss.backward()
             losses.append(loss.item())
         else:
@@ -77,7 +79,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             for r, (x, y) in enumerate(shards):
                 for xs, ys, w in split_microbatches(x, y, microbatches):
                     weight = w * len(y) / total
-                    loss = cross_entropy(model(xs), ys)
+                    loss = training_loss(cross_entropy, model, model(xs), ys)
                     (loss * weight).backward()
                     step_loss += loss.item() * weight
                 if r == 0 and bn_rule == "first-replica":
@@ -96,6 +98,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             losses.append(step_loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        take_history(model)  # the reference keeps no routing records
     return losses
 
 

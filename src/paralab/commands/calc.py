@@ -7,6 +7,8 @@
               zb-h2 | interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source;
               --forward-ms/--backward-ms [--weight-ms]: its step time and bubble at those times
   tp          tensor parallelism on the gpt: collectives, activation memory (by recomputation), FLOPs, MFU
+  moe         a mixture-of-experts gpt: parameters and FLOPs active vs total, expert parallelism's all-to-all
+              bytes (an even load, or a run's measured one) and model-state memory per rank
   comm        model/pipeline traffic at the partition boundaries (the real partition)
   run         from a run directory: achieved bandwidth and utilisation (HPML Lab 4 Q3.2),
               predicted vs measured communication time, measured vs predicted bubble
@@ -22,6 +24,7 @@ examples:
   paralab calc bubble --stages 4 --microbatches 1,4,8,32
   paralab calc bubble --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages 2
   paralab calc comm --model vgg11 --workers 4 --batch-size 256
+  paralab calc moe --experts 8 --top-k 2 --ep 4 --tokens 2048
   paralab calc run runs/ddp-w2-20250101-120000 --bandwidth 10
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import math
 
 from ..errors import UsageError
-from ..models import GPTOptions, ModelOptions
+from ..models import GPTOptions, ModelOptions, MoEOptions
 from ..options import add_flags, flag
 
 HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
@@ -128,6 +131,22 @@ def add_arguments(p) -> None:
                    help="peak FLOP/s for MFU (default with RUN: this machine's measured fp32 matmul rate per "
                         "core, times the run's workers; stated as such)")
     q.set_defaults(calc=calc_tp)
+
+    q = sub.add_parser("moe", help="a mixture-of-experts gpt: active vs total, all-to-all bytes, memory per rank",
+                       description="Parameters and training FLOPs per token, active (top-k experts) vs total; "
+                                   "under --ep the token all-to-all's bytes per rank and step (dispatch and "
+                                   "combine, forward and backward) under an even load, and the model-state "
+                                   "bytes a rank holds. With RUN: its shape, and the bytes its measured load "
+                                   "predicts beside those it recorded.")
+    q.add_argument("run", nargs="?", help="a run directory of --model gpt --experts E (optional)")
+    add_flags(q, GPTOptions, only=("--layers", "--embed", "--context"))
+    add_flags(q, MoEOptions, only=("--experts", "--top-k", "--expert-hidden", "--capacity-factor"),
+              defaults=dict(experts=8))
+    q.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default %(default)s)")
+    q.add_argument("--tokens", type=int, default=2048, help="tokens per rank and forward (default %(default)s)")
+    q.add_argument("--precision", default="fp32", choices=("fp32", "fp64"))
+    q.add_argument("--optimizer", default="sgd-momentum", choices=("sgd", "sgd-momentum", "adam"))
+    q.set_defaults(calc=calc_moe)
 
     q = sub.add_parser("comm", help="bytes crossing the partition boundaries per step (model / pipeline)",
                        description="Cut the model as `paralab train model|pipeline` would and count the "
@@ -438,6 +457,64 @@ def calc_tp(args) -> int:
     print(f"  {totals[-1].formula}; 16-bit activations with dropout masks, as published")
     if run is not None:
         tp_run_table(run, args.peak_tflops)
+    return 0
+
+
+def calc_moe(args) -> int:
+    from types import SimpleNamespace
+
+    from ..analysis import moe
+    from ..analysis.cost import fmt_bytes as fmt
+    run = None
+    if args.run:
+        from ..analysis.runs import load_run
+        run = load_run(args.run)
+        if not run.config.get("experts"):
+            raise UsageError(f"{args.run} is not a --model gpt --experts run: nothing to compare")
+        for k in ("layers", "embed", "context", "experts", "top_k", "expert_hidden", "capacity_factor", "ep",
+                  "precision"):
+            setattr(args, k.replace("-", "_"), run.config[k])
+        args.tokens = run.get("global_batch") // run.config["mesh"]["shape"]["dp"] * args.context
+    for name in ("layers", "embed", "context", "experts", "top_k", "ep", "tokens"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.top_k > args.experts or args.experts % args.ep:
+        raise UsageError("--top-k must be at most --experts, and --experts divisible by --ep")
+    e = 8 if args.precision == "fp64" else 4
+    cfg = SimpleNamespace(layers=args.layers, embed=args.embed, context=args.context, experts=args.experts,
+                          top_k=args.top_k, expert_hidden=args.expert_hidden)
+    p = moe.parameters(cfg)
+    print(f"MoE gpt: L={args.layers} h={args.embed} s={args.context}, E={args.experts} experts, top-{args.top_k}"
+          f"{'' if args.capacity_factor is None else f', capacity factor {args.capacity_factor:g}'}")
+    print(f"  parameters {p['parameters_total']:,} total, {p['parameters_active']:,} active per token "
+          f"(experts {p['expert_parameters']:,}, router {p['router_parameters']:,})")
+    print(f"  training FLOPs per token (6 N + 12 L h s): {p['flops_per_token_active']:,} active, "
+          f"{p['flops_per_token_total']:,} if every expert ran")
+    v = moe.step_volume(args.tokens, args.top_k, args.experts, args.embed, args.layers, args.ep, e,
+                        args.capacity_factor)
+    m = moe.memory_per_rank(p, args.ep, e, args.optimizer)
+    print(f"\nep {args.ep}, {args.tokens} tokens per rank and forward, even load, {args.precision}:")
+    print(f"  kept choices per layer: {v['choices']:,}; one transfer: {v['choices']:,} x {args.embed} x {e} B = "
+          f"{fmt(v['per_transfer'])}")
+    print(f"  token all-to-all per rank and step (4 transfers x {args.layers} layers): {fmt(v['per_step'])}, "
+          f"of which {fmt(v['per_step_remote'])} to other ranks ((ep - 1) / ep)")
+    print(f"  model state per rank ({args.optimizer}: parameters, gradients, optimizer): {fmt(m['bytes'])} "
+          f"({m['parameters_held']:,} parameters held) vs {fmt(m['bytes_all_experts'])} with every expert")
+    if run is not None:
+        rows = [r for r in run.steps if r.get("moe")]
+        spans = [sp for sp in run.spans if sp["name"] == "moe_dispatch"]
+        measured_steps = sorted({r["step"] for r in rows})[-1:]  # the last step: one number per rank
+        print(f"\nmeasured load, step {measured_steps[0]}: the dispatch (forward, one transfer per layer) per rank")
+        table = []
+        for rank in sorted({r["rank"] for r in rows}):
+            row = next(r for r in rows if r["rank"] == rank and r["step"] == measured_steps[0])
+            predicted = sum(moe.a2a_bytes(sum(layer["counts"]), args.embed, e, args.ep)["bytes"]
+                            for layer in row["moe"])
+            recorded = sum(sp["bytes"] for sp in spans if sp["rank"] == rank and sp["step"] == measured_steps[0])
+            table.append([rank, [sum(layer["counts"]) for layer in row["moe"]], fmt(predicted), fmt(recorded),
+                          fmt(args.layers * v["per_transfer"])])
+        from ..report.page import text_table
+        print(text_table(["rank", "kept choices per layer", "predicted (measured load)", "recorded",
+                          "predicted (even load)"], table))
     return 0
 
 

@@ -238,6 +238,9 @@ def plan(a) -> tuple[list[dict], list[str]]:
                 cfg = dataclasses.replace(cfg, **{**overrides, **fields})
                 if hasattr(cls, "for_devices"):  # one process driving w GPUs (torch-dp): w is --gpus
                     cfg = cls.for_devices(cfg, w)
+                if getattr(cfg, "experts", 0) and not cls.moe:  # Strategy.moe: its loss has no load balancing
+                    left_out.append(f"{at}: does not train a mixture of experts (--experts) yet")
+                    continue
                 try:
                     cls.validate(cfg, cfg.workers)
                 except UsageError as exc:

@@ -16,6 +16,8 @@ kinds:
   memory       model-state bytes per rank (reported by the strategy, else estimated)
   deviation    max weight deviation from the single-process reference vs step
                (runs made with --check --check-every K; put fp32 beside fp64)
+  moe-load     a mixture of experts' routing: tokens per expert by rank, and the
+               imbalance (max / mean) and dropped choices per step
 
 examples:
   paralab plot throughput runs/ddp-w1-* runs/ddp-w2-* -o throughput.png
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-HELP = "plot throughput | split-time | timeline | scaling | memory | deviation from run directories"
+HELP = "plot throughput | split-time | timeline | scaling | memory | deviation | moe-load from run directories"
 
 from ..report.plots import KINDS  # noqa: E402
 

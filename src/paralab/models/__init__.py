@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..options import option
 from .gpt import GPTOptions, gpt
+from .moe import MoEOptions
 from .resnet import resnet18
 from .vgg import VGG_CONFIGS, vgg
 from .vgg_cs1390 import vgg16_cs1390
@@ -28,7 +29,11 @@ MODELS = {
     "vgg16-cs1390": lambda **kw: vgg16_cs1390(pool=False, **kw),
     "vgg16-cs1390-pool": lambda **kw: vgg16_cs1390(pool=True, **kw),
     # a small decoder-only transformer over byte tokens (shape: GPTOptions)
-    "gpt": lambda *, layers, heads, embed, context, **_: gpt(layers, heads, embed, context),
+    # (with --experts E, every block's MLP a mixture of experts: MoEOptions)
+    "gpt": lambda *, layers, heads, embed, context, experts=0, top_k=1, expert_hidden=0, capacity_factor=None,
+    aux_loss_coef=0.01, router_skew=0.0, **_: gpt(layers, heads, embed, context, experts=experts, top_k=top_k,
+                                                  expert_hidden=expert_hidden, capacity_factor=capacity_factor,
+                                                  aux_loss_coef=aux_loss_coef, router_skew=router_skew),
 }
 
 #: what a model reads and predicts: "image" (classes of a 3x32x32 image) or "text" (the next byte token)
@@ -65,18 +70,19 @@ def build_model(name: str, *, width: float = 1.0, norm: str | None = None,
         norm = DEFAULT_NORM[name]
     kwargs = dict(width=width, norm=norm, num_classes=num_classes)
     if MODALITY[name] == "text":
-        kwargs |= model_shape(GPTOptions()) | shape
+        kwargs |= model_shape(GPTOptions()) | model_shape(MoEOptions()) | shape
     return MODELS[name](**kwargs)
 
 
 def model_shape(cfg) -> dict:
-    """The transformer shape options (GPTOptions' fields) of a RunConfig or argparse namespace."""
-    return {f: getattr(cfg, f, getattr(GPTOptions, f)) for f in GPTOptions.__dataclass_fields__}
+    """The transformer shape options (GPTOptions' and MoEOptions' fields) of a RunConfig or argparse namespace."""
+    fields = {**GPTOptions.__dataclass_fields__, **MoEOptions.__dataclass_fields__}
+    return {f: getattr(cfg, f, fields[f].default) for f in fields}
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["DEFAULT_NORM", "GPTOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS",
+__all__ = ["DEFAULT_NORM", "GPTOptions", "MoEOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS",
            "build_model", "count_parameters"]

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..options import option
+from .moe import MoE
 
 VOCAB = 256  # byte-level tokens: every text is its UTF-8 bytes
 
@@ -90,10 +91,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, embed: int, heads: int):
+    def __init__(self, embed: int, heads: int, moe: dict | None = None):
+        """``moe``: MoE's arguments (a mixture of experts in place of the MLP, ``moe.py``), or None."""
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(embed), Attention(embed, heads)
-        self.ln2, self.mlp = nn.LayerNorm(embed), MLP(embed)
+        self.ln2, self.mlp = nn.LayerNorm(embed), (MoE(embed, **moe) if moe else MLP(embed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -134,10 +136,27 @@ def parameter_counts(layers: int, embed: int, context: int, vocab: int = VOCAB) 
     return counts
 
 
-def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB) -> nn.Sequential:
+def moe_parameter_counts(layers: int, embed: int, experts: int, top_k: int, expert_hidden: int) -> dict[str, int]:
+    """What a mixture of experts changes in :func:`parameter_counts`: per block the MLP (``8 D^2 + 5 D``) is
+    replaced by a router (``D E``) and ``E`` experts of ``2 D H + H + D`` each, of which a token uses
+    ``K``: ``expert_total`` and ``expert_active`` over all blocks, and ``router``."""
+    hidden = expert_hidden or 4 * embed
+    one = 2 * embed * hidden + hidden + embed
+    return {"dense_mlp": layers * (8 * embed * embed + 5 * embed), "router": layers * embed * experts,
+            "expert_total": layers * experts * one, "expert_active": layers * top_k * one}
+
+
+def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB, *,
+        experts: int = 0, top_k: int = 1, expert_hidden: int = 0, capacity_factor: float | None = None,
+        aux_loss_coef: float = 0.01, router_skew: float = 0.0) -> nn.Sequential:
+    """The gpt; with ``experts > 0`` every block's MLP is a mixture of experts (``moe.py``)."""
     if embed % heads:
         raise ValueError(f"--embed {embed} must be divisible by --heads {heads}")
-    model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads) for _ in range(layers)),
+    if experts and top_k > experts:
+        raise ValueError(f"--top-k {top_k} must be at most --experts {experts}")
+    moe = dict(experts=experts, top_k=top_k, hidden=expert_hidden or 4 * embed, capacity_factor=capacity_factor,
+               aux_loss_coef=aux_loss_coef, router_skew=router_skew) if experts else None
+    model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads, moe) for _ in range(layers)),
                           Head(embed, vocab))
     init_weights(model, layers)
     return model

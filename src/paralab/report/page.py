@@ -423,6 +423,13 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
             sec.figure(p, "plots/memory.png", "Model-state bytes per rank: as reported by the strategy "
                        "(summary.json strategy_details) where it does, else estimated (dotted).")
         sec.table(*plots.memory_table(finished))
+        if any(plots.moe_load(r) for r in finished):
+            sec = rep.section("Mixture of experts: load")
+            p = draw(plots.plot_moe_load, "moe_load.png", finished)
+            if p:
+                sec.figure(p, "plots/moe_load.png", "Left: tokens each rank routed to each expert; right: the "
+                           "imbalance (max over mean tokens per expert) per step, and the dropped choices.")
+            sec.table(*plots.moe_table(finished))
         sec = rep.section("Communication")
         sec.table(*comm_table(finished), "per measured step and rank; busbw = algbw x the collective's bus "
                   "factor (all-reduce 2(N-1)/N), as nccl-tests")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..analysis.runs import Run, sort_runs
 
-KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation")
+KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation", "moe-load")
 
 SPLIT_COLORS = {"data": "#9e9e9e", "compute": "#4c72b0", "comm": "#dd8452", "optimizer": "#55a868",
                 "idle": "#f2b5b5", "other": "#d9d9d9"}
@@ -627,7 +627,77 @@ def plot_deviation(runs: list[Run], path) -> Path:
     return _save(fig, path)
 
 
+def moe_load(run: Run) -> dict | None:
+    """A mixture-of-experts run's routing from its steps.jsonl: per rank the tokens it routed to each expert
+    (every step and layer), and per step the load imbalance (max over mean, the worst layer, over all ranks'
+    tokens) and the dropped choices; None for a run without MoE records."""
+    rows = [r for r in run.steps if r.get("moe")]
+    if not rows:
+        return None
+    per_rank: dict[int, list[int]] = {}
+    per_step: dict[int, dict] = {}
+    for r in rows:
+        totals = per_rank.setdefault(r["rank"], [0] * len(r["moe"][0]["counts"]))
+        step = per_step.setdefault(r["step"], {"counts": [None] * len(r["moe"]), "dropped": 0})
+        for i, layer in enumerate(r["moe"]):
+            totals[:] = [a + b for a, b in zip(totals, layer["counts"])]
+            step["counts"][i] = [a + b for a, b in zip(step["counts"][i] or [0] * len(layer["counts"]),
+                                                       layer["counts"])]
+            step["dropped"] += layer["dropped"]
+    over_time = [(st, max(max(c) / (sum(c) / len(c)) if sum(c) else 1.0 for c in v["counts"]), v["dropped"])
+                 for st, v in sorted(per_step.items())]
+    return {"per_rank": per_rank, "over_time": over_time}
+
+
+def moe_table(runs: list[Run]):
+    rows = []
+    for r in runs:
+        load = moe_load(r)
+        if load is None:
+            continue
+        for rank, counts in sorted(load["per_rank"].items()):
+            rows.append([r.label, rank, " ".join(str(c) for c in counts),
+                         _fmt(max(counts) / (sum(counts) / len(counts)) if sum(counts) else None, ".3f")])
+    return ["run", "rank", "tokens routed to each expert (all steps and layers)", "max / mean"], rows
+
+
+def plot_moe_load(runs: list[Run], path) -> Path:
+    loads = [(r, moe_load(r)) for r in runs]
+    loads = [(r, load) for r, load in loads if load]
+    if not loads:
+        raise ValueError("no run holds mixture-of-experts records: train --model gpt --experts E")
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, 4.2))
+    width = 0.8 / sum(len(load["per_rank"]) for _, load in loads)
+    k = 0
+    for r, load in loads:
+        for rank, counts in sorted(load["per_rank"].items()):
+            xs = [e + k * width for e in range(len(counts))]
+            left.bar(xs, counts, width, color=WORKER_COLORS[k % len(WORKER_COLORS)], label=f"{r.label} rank {rank}")
+            k += 1
+    experts = len(next(iter(loads[0][1]["per_rank"].values())))
+    left.set_xticks([e + (k - 1) * width / 2 for e in range(experts)], [str(e) for e in range(experts)])
+    left.set_xlabel("expert")
+    left.set_ylabel("tokens routed (all steps and layers)")
+    left.set_title("load per expert, by the rank that routed the tokens")
+    left.legend(fontsize=7)
+    for j, (r, load) in enumerate(loads):
+        steps = [st for st, _, _ in load["over_time"]]
+        right.plot(steps, [imb for _, imb, _ in load["over_time"]], marker="o", markersize=3,
+                   color=WORKER_COLORS[j % len(WORKER_COLORS)], label=f"{r.label}")
+        dropped = [d for _, _, d in load["over_time"]]
+        if any(dropped):
+            right.plot(steps, [1 + d / max(max(dropped), 1) for d in dropped], linestyle=":",
+                       color=WORKER_COLORS[j % len(WORKER_COLORS)], label=f"{r.label}: dropped (scaled)")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_xlabel("step")
+    right.set_ylabel("max / mean tokens per expert (worst layer)")
+    right.set_title("imbalance over time (1: even)")
+    right.legend(fontsize=7)
+    return _save(fig, path)
+
+
 TABLES = {"throughput": throughput_table, "split-time": split_table, "timeline": timeline_table,
-          "scaling": scaling_table, "memory": memory_table, "deviation": deviation_table}
+          "scaling": scaling_table, "memory": memory_table, "deviation": deviation_table, "moe-load": moe_table}
 PLOTS = {"throughput": plot_throughput, "split-time": plot_split_time, "timeline": plot_timeline,
-         "scaling": plot_scaling, "memory": plot_memory, "deviation": plot_deviation}
+         "scaling": plot_scaling, "memory": plot_memory, "deviation": plot_deviation, "moe-load": plot_moe_load}

@@ -204,6 +204,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if self.embed % self.heads:
                 raise UsageError(f"--embed {self.embed} must be divisible by --heads {self.heads} "
                                  "(each head gets embed / heads features)")
+        check_moe(self, MODALITY[self.model])
         if self.check and self.precision == "bf16":
             raise UsageError("--check compares fp32 or fp64 arithmetic with a reference; autocast's bf16 "
                              "rounding is not replayed: drop --precision bf16 (or use fp64 for an exact check)")
@@ -285,6 +286,31 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.per_worker_batch is not None:
             return self.per_worker_batch * self.data_replicas(strategy_cls)
         return self.batch_size
+
+
+def check_moe(cfg: RunConfig, modality: str) -> None:
+    """The mixture-of-experts options (models/moe.py) against the model and each other."""
+    from ..models import MoEOptions
+    given = [options.flag(f.name) for f in options.option_fields(MoEOptions)
+             if getattr(cfg, f.name) != f.default]
+    if modality != "text" and (given or cfg.ep > 1):
+        raise UsageError(f"{', '.join(given or ['--ep'])}: a mixture of experts replaces the gpt's MLPs; "
+                         f"--model {cfg.model} has none: use --model gpt or drop them")
+    if not cfg.experts and (given or cfg.ep > 1):
+        raise UsageError(f"{', '.join(given or ['--ep'])} shape a mixture of experts: add --experts E")
+    if cfg.experts and cfg.top_k > cfg.experts:
+        raise UsageError(f"--top-k {cfg.top_k} must be at most --experts {cfg.experts} (each token goes to "
+                         "top-k different experts)")
+    if cfg.experts and cfg.sequence_parallel:
+        raise UsageError("--experts with --sequence-parallel: each tp rank would route only its sequence "
+                         "shard (another capacity and load-balancing loss than one process's); drop "
+                         "--sequence-parallel")
+    if cfg.experts and cfg.ep == 1:
+        from ..strategies import get_strategy, strategy_names
+        if not get_strategy(cfg.strategy).moe:
+            able = [n for n in strategy_names() if get_strategy(n).moe]
+            raise UsageError(f"--experts: a mixture of experts runs under {', '.join(able)} (and with --pp, --tp, "
+                             f"--ep); not yet under {cfg.strategy!r}")
 
 
 def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:

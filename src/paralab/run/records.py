@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..analysis import moe as moe_analysis
 from ..analysis import timeline
 from ..analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
 from ..training.evaluate import format_report
@@ -39,8 +40,11 @@ def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict) ->
     seconds = t1 - t0
     accounted = sum(split[c] for c in CATEGORIES)
     split = {**split, "other": max(0.0, seconds - accounted)}
-    return {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
-            "loss": result.loss, "samples": result.samples, "split": split}
+    row = {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
+           "loss": result.loss, "samples": result.samples, "split": split}
+    if getattr(result, "moe", None):
+        row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
+    return row
 
 
 def environment(world: int, backend: str, device: torch.device) -> dict:
@@ -239,6 +243,10 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
         summary["losses_before_resume"] = before
     if cfg.restarts:
         summary["restarts"] = cfg.restarts
+    if getattr(cfg, "experts", 0):  # a mixture of experts: active vs total, and the load the routers saw
+        summary["moe"] = moe_analysis.parameters(cfg) | {"experts": cfg.experts, "top_k": cfg.top_k,
+                                                         "capacity_factor": cfg.capacity_factor, "ep": cfg.ep,
+                                                         "load": moe_analysis.load(steps)}
     write_json(run_dir / "summary.json", summary)
     if evaluation is not None:
         (run_dir / "eval.txt").write_text(format_report(evaluation))

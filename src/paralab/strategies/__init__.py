@@ -3,7 +3,8 @@
 :func:`plan` composes: the named strategy alone, or, under ``--pp P`` and/or
 ``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
 data-parallel flavour around each part (stage the model first, then shard
-each stage's units over tp, then wrap them for data parallelism).
+each stage's units over tp, then wrap them for data parallelism); under
+``--ep N``, expert parallelism with the named flavour (``expert.py``).
 """
 from __future__ import annotations
 
@@ -67,6 +68,12 @@ def plan(cfg, world: int):
     from .pipeline import Pipeline
     from .tensor import TensorParallel
     cls = get_strategy(cfg.strategy)
+    if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
+        from .expert import ExpertParallel
+        shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
+        if shape.tp > 1:
+            return shape, TensorParallel, {"inner_cls": ExpertParallel, "inner_kwargs": kwargs}
+        return shape, ExpertParallel, kwargs
     shape = cls.mesh_shape(cfg, world)
     if issubclass(cls, (Pipeline, TensorParallel)):  # the pure forms (they build what they wrap themselves)
         if shape.tp > 1 and not issubclass(cls, TensorParallel):

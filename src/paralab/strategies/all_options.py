@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 from ..mesh import MeshOptions
 from ..models.gpt import GPTOptions
+from ..models.moe import MoEOptions
 from .compression import CompressOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
+from .expert import ExpertOptions
 from .fsdp.strategy import FSDPOptions
 from .torch_dp import DataParallelOptions
 from .pipeline.strategy import PipelineOptions
@@ -23,7 +25,7 @@ from .tensor.strategy import TensorOptions
 
 #: in the order the command line lists them
 OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
-                  FSDPOptions, DataParallelOptions, GPTOptions)
+                  FSDPOptions, DataParallelOptions, ExpertOptions, GPTOptions, MoEOptions)
 
 
 @dataclass

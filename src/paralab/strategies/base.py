@@ -42,6 +42,7 @@ from ..comm import Comm
 from ..errors import UsageError
 from ..training.losses import cross_entropy
 from ..mesh import Mesh, MeshShape
+from ..models.moe import take_aux_loss, take_history
 from ..recorder import Recorder
 
 
@@ -87,6 +88,34 @@ class Context:
 class StepResult:
     loss: float | None  # mean loss over the samples this rank saw (None: no loss here)
     samples: int        # samples this rank trained on
+    moe: list | None = None  # a mixture of experts: per MoE layer, this step's routing (moe_record)
+
+
+def moe_record(model: nn.Module) -> list | None:
+    """Per MoE layer, what its router decided this step over this rank's forwards (None: no MoE):
+    tokens routed to each expert (kept choices), dropped choices, the load-balancing loss (mean over
+    the forwards), the smallest top-k margin, and where the experts are split the tokens each of this
+    rank's experts received (``received``)."""
+    out = []
+    for forwards in take_history(model):
+        if not forwards:
+            continue
+        rec = {"counts": [sum(c) for c in zip(*(f["counts"] for f in forwards))],
+               "dropped": sum(f["dropped"] for f in forwards),
+               "aux": sum(f["aux"] for f in forwards) / len(forwards),
+               "min_margin": min(f["min_margin"] for f in forwards)}
+        if "received" in forwards[0]:
+            rec["received"] = [sum(c) for c in zip(*(f["received"] for f in forwards))]
+        out.append(rec)
+    return out or None
+
+
+def training_loss(ctx_loss, model: nn.Module, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss a step minimises: the cross-entropy (``ctx_loss``), plus a mixture of experts' weighted
+    load-balancing losses from the forward that gave ``logits`` (``models/moe.py``)."""
+    loss = ctx_loss(logits, target)
+    aux = take_aux_loss(model)
+    return loss if aux is None else loss + aux.to(loss.dtype)
 
 
 ModelFactory = Callable[[], nn.Sequential]
@@ -141,6 +170,9 @@ class Strategy:
     roles: tuple[str, ...] = ()
     #: the option classes (paralab.options) this strategy reads from ``ctx.options``
     options: tuple[type, ...] = ()
+    #: it trains a mixture of experts (models/moe.py): the load-balancing loss is part of its loss
+    #: (``training_loss``, or carried by a pipeline stage's outputs); else --experts is refused
+    moe: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx
@@ -259,7 +291,7 @@ class Strategy:
             with around() if around else nullcontext():
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
-                        loss = self.ctx.loss(model(xs), ys)
+                        loss = training_loss(self.ctx.loss, model, model(xs), ys)
                 with self.rec.span("compute", "backward", mb=i):
                     (loss * weight).backward()
             total += loss.item() * weight

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..options import option
-from .base import StepResult, Strategy
+from .base import StepResult, Strategy, moe_record
 from .portable import Portable
 from .replicas import Replicas
 
@@ -45,6 +45,7 @@ class DataParallel(Strategy):
     #: the flavour: how the replicas agree (set by each data-parallel strategy)
     replicas_cls: type[Replicas] = Replicas
     options = (AccumulateOptions,)
+    moe = True
 
     def __init__(self, ctx, model_fn, optim_fn, replicas_cls: type[Replicas] | None = None):
         """``replicas_cls``: the flavour, when a composed layout (``--tp``) names it; else the class's."""
@@ -76,7 +77,7 @@ class DataParallel(Strategy):
         self.dp.finish()
         self.dp.step()
         self.dp.sync_buffers()
-        return StepResult(loss, len(y))
+        return StepResult(loss, len(y), moe=moe_record(self.model))
 
     def predict(self, x):
         self.dp.sync_buffers(after_step=False)

@@ -55,6 +55,7 @@ def v_placement(ranks: int) -> tuple[int, ...]:
 
 class TorchPipeline(Pipeline):
     name = "torch-pipeline"
+    moe = False  # PyTorch's schedules call their own loss function: no load-balancing loss there
     options = (PipelineOptions,)
 
     def __init__(self, ctx, model_fn, optim_fn, **kwargs):

@@ -105,7 +105,7 @@ class Executor:
                 xs, ys, weight = chunks[i]
                 inp = xs if st.first else incoming("act", s, i)
                 with self.rec.span("compute", "forward", mb=i, stage=s):
-                    out = st.forward(i, inp, split=(s, i) in split)
+                    out = st.forward(i, inp, split=(s, i) in split, weight=weight)
                     if st.last:
                         with self.autocast():
                             losses[i] = st.ctx.loss(out, ys) * weight  # tensor parallelism's loss where it applies

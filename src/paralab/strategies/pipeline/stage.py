@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ...models.moe import carry_aux_loss
+
 
 class Stage:
     """One rank's contiguous slice of the units, with a forward and a whole or split backward.
@@ -67,8 +69,11 @@ class Stage:
             unit.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     # ------------------------------------------------------------ compute
-    def forward(self, mb: int, x: torch.Tensor, split: bool = False) -> torch.Tensor:
-        """Run the stage on microbatch ``mb``, keeping what its backward needs (per unit if ``split``)."""
+    def forward(self, mb: int, x: torch.Tensor, split: bool = False, weight: float = 1.0) -> torch.Tensor:
+        """Run the stage on microbatch ``mb``, keeping what its backward needs (per unit if ``split``).
+
+        A mixture of experts' load-balancing loss (``models/moe.py``) is carried by each unit's output,
+        times ``weight`` (the microbatch's share of the loss), so the stage's backward includes it."""
         seen: dict[tuple[int, int], int] = {}
         if self._param_ptrs is None:  # at the first forward, not at build: a data-parallel flavour
             # wrapping the stage may re-point the parameters first (ZeRO-1's flat views)
@@ -90,7 +95,7 @@ class Stage:
             for n, unit in enumerate(self.units):
                 if split and n > 0:
                     inp = h = h.detach().requires_grad_()
-                h = unit(h)
+                h = carry_aux_loss(unit, unit(h), weight)
                 if split:
                     segments.append((self._trained[n], inp, h))
             if not split:

@@ -45,7 +45,7 @@ from ...mesh import MeshShape
 from ...options import option
 from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
                           split_costs, unit_label)
-from ..base import StepResult, Strategy, split_microbatches
+from ..base import StepResult, Strategy, moe_record, split_microbatches
 from ..data_parallel import flavour_of
 from ..portable import Portable, trainable
 from ..replicas import Replicas
@@ -74,6 +74,7 @@ class PipelineOptions(PartitionOptions):
 class Pipeline(Strategy):
     name = "pipeline"
     options = (PipelineOptions,)
+    moe = True  # stage.py carries the load-balancing loss on each unit's output
     #: the pure form hands every rank the whole global batch; composed, each dp replica its shard
     data_parallel = False
 
@@ -222,7 +223,8 @@ class Pipeline(Strategy):
                                  last_backward=lambda s: self.flavours[s].last_backward() if s in self.flavours
                                  else nullcontext())
         self.flavours_do("finish", "step", "sync_buffers")
-        return StepResult(loss, len(y))
+        # the loss recorded is the cross-entropy; a mixture of experts' aux loss is in the gradients (stage.py)
+        return StepResult(loss, len(y), moe=moe_record(nn.ModuleList(st.units for st in self.stages.values())))
 
     def flavours_do(self, *phases: str) -> None:
         """Each phase of the flavour contract (``replicas.py``) on every stage's flavour, in stage order,

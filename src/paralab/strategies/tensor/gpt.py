@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...models.gpt import MLP, Attention, Block, Embedding, Head
+from ...models.moe import MoE
 from .group import TPGroup
 
 
@@ -151,7 +152,10 @@ def shard_unit(tp: TPGroup, unit: nn.Module) -> nn.Module:
         return TPHead(tp, unit)
     if isinstance(unit, Block):
         unit.ln1, unit.ln2 = TPLayerNorm(tp, unit.ln1), TPLayerNorm(tp, unit.ln2)
-        unit.attn, unit.mlp = TPAttention(tp, unit.attn), TPMLP(tp, unit.mlp)
+        # a mixture of experts stays whole on every tp rank (models/moe.py): its input, the residual stream
+        # after attention's all-reduce, is the same on each, so its gradients are too; no collective
+        unit.attn = TPAttention(tp, unit.attn)
+        unit.mlp = unit.mlp if isinstance(unit.mlp, MoE) else TPMLP(tp, unit.mlp)
         return unit
     raise TypeError(f"no tensor-parallel form for {type(unit).__name__}")
 

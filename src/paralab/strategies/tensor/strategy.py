@@ -116,6 +116,7 @@ class TensorParallelism:
 class TensorParallel(Strategy):
     name = "tp"
     options = (TensorOptions,)
+    moe = True
     data_parallel = False  # the pure form: every rank sees the whole batch
 
     def __init__(self, ctx, model_fn, optim_fn, inner_cls=None, inner_kwargs=None):
