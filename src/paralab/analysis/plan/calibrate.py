@@ -1,0 +1,206 @@
+"""``this-machine``: a cluster measured here, in well under a minute, and cached.
+
+Three measurements, each the best (or median) of a few repeats:
+
+- matmul FLOP/s in the run's dtype on one core (one worker of paralab's
+  launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
+- memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
+- the link: two gloo processes on loopback all-reduce 1 kB and 16 MB through
+  ``comm.py`` (timed by the recorder); a ring of 2 takes ``S / B + 2 a``, so
+  the small message gives the latency a and the large one the bandwidth B.
+
+The result is cached as JSON (``~/.cache/paralab/calibration-<host>.json``,
+or the file ``--calibration`` names): a second plan reads it instead of
+measuring (``--recalibrate`` measures again). :func:`this_machine` turns it
+into a :class:`~.cluster.Cluster` for a number of workers: all on one node;
+more workers than cores share them, each getting ``cores / workers`` of one
+core's rate; memory is the machine's divided among the workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ...progress import Progress
+from .cluster import Cluster
+
+SMALL, LARGE = 1024, 16 * 2 ** 20  # all-reduce sizes in bytes
+REPEATS = 10
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paralab" / \
+        f"calibration-{socket.gethostname()}.json"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "this CPU"
+
+
+def matmul_rate(dtype: str, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` on one thread (best of ``repeats``)."""
+    import torch
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(n, n).to(kind)
+        x @ x  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ x
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n ** 3 / best
+
+
+def copy_rate(size: int = 256 * 2 ** 20, repeats: int = 3) -> float:
+    """Bytes per second a copy moves (read + write) on one thread."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.empty(size // 4)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size / best
+
+
+def _rank(rank: int, store: str, out) -> None:
+    """One of the two link-measuring processes: repeated all-reduces through comm.py."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from ...comm import Comm
+    from ...recorder import Recorder
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        rec = Recorder(rank)
+        comm = Comm(rec, rank, 2)
+        times = {}
+        for size in (SMALL, LARGE):
+            t = torch.zeros(size // 4)
+            for _ in range(3):
+                comm.all_reduce(t, name=f"warm{size}")
+            for _ in range(REPEATS):
+                comm.all_reduce(t, name=f"size{size}")
+            times[size] = statistics.median(s.seconds for s in rec.spans if s.name == f"size{size}")
+        if rank == 0:
+            out.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def link_times(timeout: float = 60.0) -> dict[int, float]:
+    """{bytes: median seconds} of a 2-process gloo all-reduce on loopback."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            times = out.get(timeout=timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+    return times
+
+
+def measure(dtype: str, progress: bool = True) -> dict:
+    """Every measurement, as the cache holds it."""
+    bar = Progress(3, "calibrating this machine", enabled=progress)
+    t0 = time.perf_counter()
+    rate = matmul_rate(dtype)
+    bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
+    mem = copy_rate()
+    bar.update(2, f"copy {mem / 1e9:.1f} GB/s")
+    times = link_times()
+    small, large = times[SMALL], times[LARGE]
+    per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # T = S / B + 2a through both points
+    latency = max(small - SMALL * per_byte, 0.0) / 2
+    gbps = 8 / per_byte / 1e9
+    bar.update(3, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
+    bar.close()
+    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "allreduce_seconds": {
+        str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
+            "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
+            "host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": time.perf_counter() - t0}
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 10 ** 9
+
+
+def calibration(dtype: str, cache: Path | None = None, again: bool = False, progress: bool = True) -> tuple[dict, str]:
+    """(the measurements, where they came from): the cache if it holds this dtype, else measured and cached."""
+    cache = cache or default_cache()
+    if cache.is_file() and not again:
+        try:
+            data = json.loads(cache.read_text())
+            if dtype in data:
+                return data[dtype], f"read from {cache} (measured {data[dtype]['measured_at']}; --recalibrate " \
+                                    "measures again)"
+        except (ValueError, KeyError):
+            pass  # a damaged cache is measured again
+    found = measure(dtype, progress)
+    data = {}
+    if cache.is_file():
+        try:
+            data = json.loads(cache.read_text())
+        except ValueError:
+            data = {}
+    data[dtype] = found
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(cache)  # never a half-written cache
+    return found, f"measured now in {found['seconds']:.1f} s, cached in {cache}"
+
+
+def this_machine(cal: dict, workers: int, where: str) -> Cluster:
+    """The cluster of ``workers`` processes on this machine, from a calibration."""
+    cores = cal["cores"]
+    share = min(1.0, cores / workers)
+    rate = cal["matmul_flops"] * share
+    return Cluster(
+        "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
+        cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=cal["link_gbps"],
+        intra_latency_us=cal["link_latency_s"] * 1e6, inter_gbps=cal["link_gbps"],
+        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=1.0,
+        source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
+               f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
+               + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
+               + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
+                 f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us; efficiency 1 (measured)")
