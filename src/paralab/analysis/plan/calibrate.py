@@ -1,10 +1,12 @@
 """``this-machine``: a cluster measured here, in well under a minute, and cached.
 
-Three measurements, each the best (or median) of a few repeats:
+Four measurements, each the best (the fixed cost: the median) of a few repeats:
 
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
+- a unit's fixed cost: a gpt block's forward on one token of width 8, where
+  dispatch, not arithmetic, is the time;
 - the link: two gloo processes on loopback all-reduce 1 kB and 16 MB through
   ``comm.py`` (timed by the recorder); a ring of 2 takes ``S / B + 2 a``, so
   the small message gives the latency a and the large one the bandwidth B.
@@ -87,6 +89,27 @@ def copy_rate(size: int = 256 * 2 ** 20, repeats: int = 3) -> float:
     return 2 * size / best
 
 
+def unit_overhead(repeats: int = 30) -> float:
+    """Seconds of a gpt block's forward on one token of width 8 (one thread): the fixed cost of a unit."""
+    import torch
+
+    from ...models.gpt import Block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block, x = Block(8, 1), torch.randn(1, 1, 8)
+        with torch.no_grad():
+            block(x)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                block(x)
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
 def _rank(rank: int, store: str, out) -> None:
     """One of the two link-measuring processes: repeated all-reduces through comm.py."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -107,7 +130,7 @@ def _rank(rank: int, store: str, out) -> None:
                 comm.all_reduce(t, name=f"warm{size}")
             for _ in range(REPEATS):
                 comm.all_reduce(t, name=f"size{size}")
-            times[size] = statistics.median(s.seconds for s in rec.spans if s.name == f"size{size}")
+            times[size] = min(s.seconds for s in rec.spans if s.name == f"size{size}")  # best: least disturbed
         if rank == 0:
             out.put(times)
     finally:
@@ -115,7 +138,7 @@ def _rank(rank: int, store: str, out) -> None:
 
 
 def link_times(timeout: float = 60.0) -> dict[int, float]:
-    """{bytes: median seconds} of a 2-process gloo all-reduce on loopback."""
+    """{bytes: best seconds} of a 2-process gloo all-reduce on loopback."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -136,20 +159,22 @@ def link_times(timeout: float = 60.0) -> dict[int, float]:
 
 def measure(dtype: str, progress: bool = True) -> dict:
     """Every measurement, as the cache holds it."""
-    bar = Progress(3, "calibrating this machine", enabled=progress)
+    bar = Progress(4, "calibrating this machine", enabled=progress)
     t0 = time.perf_counter()
     rate = matmul_rate(dtype)
     bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
     mem = copy_rate()
     bar.update(2, f"copy {mem / 1e9:.1f} GB/s")
+    overhead = unit_overhead()
+    bar.update(3, f"a unit's fixed cost {overhead * 1e6:.0f} us")
     times = link_times()
     small, large = times[SMALL], times[LARGE]
     per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # T = S / B + 2a through both points
     latency = max(small - SMALL * per_byte, 0.0) / 2
     gbps = 8 / per_byte / 1e9
-    bar.update(3, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
+    bar.update(4, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
     bar.close()
-    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "allreduce_seconds": {
+    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead, "allreduce_seconds": {
         str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
             "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
             "host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -169,7 +194,7 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
     if cache.is_file() and not again:
         try:
             data = json.loads(cache.read_text())
-            if dtype in data:
+            if dtype in data and "unit_overhead_s" in data[dtype]:
                 return data[dtype], f"read from {cache} (measured {data[dtype]['measured_at']}; --recalibrate " \
                                     "measures again)"
         except (ValueError, KeyError):
@@ -199,8 +224,10 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=cal["link_gbps"],
         intra_latency_us=cal["link_latency_s"] * 1e6, inter_gbps=cal["link_gbps"],
         inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=1.0,
+        unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
+               + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
                + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
                  f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us; efficiency 1 (measured)")

@@ -39,6 +39,7 @@ class Cluster:
     efficiency: float            # achieved / peak for large matmuls (an assumption; 1 where measured)
     source: str                  # where each number comes from
     usable_fraction: float = 0.9  # of device memory a run may fill (allocator, context, workspaces)
+    unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
 
     def rate(self, dtype: str) -> float:
         """Achievable FLOP/s of one device in ``dtype``."""
@@ -63,11 +64,12 @@ class Cluster:
 
 _LATENCY = ("latencies are typical small-message figures, assumed (not from a datasheet): 5 us inside a node, "
             "10 us between nodes")
-_EFFICIENCY = "efficiency 0.6 of the dense peak is an assumption (large GEMMs reach more; elementwise ops less)"
+_EFFICIENCY = ("efficiency 0.6 of the dense peak is an assumption (large GEMMs reach more; elementwise ops less), "
+               "and so is 20 us of fixed cost per unit forward of a microbatch (kernel launches)")
 
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("a100-sxm", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
-            intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6,
+            intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
                    "dense, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
                    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
@@ -75,25 +77,26 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
                    "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU); "
                    f"{_LATENCY}; {_EFFICIENCY}"),
     Cluster("h100-sxm", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 80, 3350, 8,
-            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6,
+            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense "
                    "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s = 450 GB/s each way), "
                    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet; NVIDIA DGX "
                    "H100 datasheet (8 GPUs, 8 ConnectX-7 400 Gb/s InfiniBand/Ethernet: one per GPU); "
                    f"{_LATENCY}; {_EFFICIENCY}"),
     Cluster("h200", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 141, 4800, 8,
-            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6,
+            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: the H100's compute, FP32 67 TFLOPS, "
                    "BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s), "
                    "https://www.nvidia.com/en-us/data-center/h200/; NVIDIA DGX H200 datasheet (8 GPUs, "
                    "8 ConnectX-7 400 Gb/s); " f"{_LATENCY}; {_EFFICIENCY}"),
     Cluster("cpu", {"fp32": 0.08}, 4, 20, 2,
             intra_gbps=40, intra_latency_us=20, inter_gbps=10, inter_latency_us=50, efficiency=0.5,
+            unit_overhead_us=50,
             source="one x86 core per worker: AMD Zen 2/3 cores retire two 256-bit FMAs a cycle, 32 fp32 FLOP/cycle "
                    "(AMD Software Optimization Guide for AMD Family 17h/19h Processors), x 2.5 GHz = 80 GFLOP/s; "
                    "4 GB and 20 GB/s of DRAM per worker, 2 workers a node, 10 Gb/s Ethernet between nodes "
                    "(IEEE 802.3ae 10GBASE) and loopback at 40 Gb/s inside one: assumed, a plain CPU node, not "
-                   "a datasheet; efficiency 0.5 assumed"),
+                   "a datasheet; efficiency 0.5 and 50 us per unit forward (dispatch) assumed"),
 )}
 
 #: the fields a cluster file must give (``name`` defaults to the file's stem; the others have defaults)
@@ -133,8 +136,8 @@ def load_cluster(path: str) -> Cluster:
         v = peaks[k.split(".")[1]] if k.startswith("peak_tflops.") else data[k]
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise UsageError(f"--cluster {path}: {k} must be a positive number (got {v!r})")
-    for k in ("intra_latency_us", "inter_latency_us"):
-        if not isinstance(data[k], (int, float)) or data[k] < 0:
+    for k in ("intra_latency_us", "inter_latency_us", "unit_overhead_us"):
+        if k in data and (not isinstance(data[k], (int, float)) or data[k] < 0):
             raise UsageError(f"--cluster {path}: {k} must be zero or positive (got {data[k]!r})")
     if not isinstance(data["devices_per_node"], int) or data["devices_per_node"] < 1:
         raise UsageError(f"--cluster {path}: devices_per_node must be a positive integer")

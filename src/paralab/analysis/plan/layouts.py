@@ -104,6 +104,8 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
     out: list[Layout] = []
     tps = [t for t in work.tp_options() if workers % t == 0 and (t <= devices_per_node or "tp" in fixed)]
     for tp in pick("tp", tps):
+        if tp not in work.tp_options():
+            continue
         for pp in pick("pp", divisors(workers // tp) if workers % tp == 0 else []):
             if workers % (tp * pp):
                 continue

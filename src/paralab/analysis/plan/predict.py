@@ -3,7 +3,8 @@
 Per step on the busiest device (all times in seconds):
 
 - **compute**: each stage's forward of one microbatch is its units' FLOPs
-  x b / tp at the cluster's achievable rate; its backward twice that, plus
+  x b / tp at the cluster's achievable rate, plus the cluster's fixed cost
+  per unit (launches: what makes tiny microbatches slow); its backward twice that, plus
   what recomputation runs again (``Workload.recompute_flops``).
 - **tensor parallelism** (synchronous in paralab, in every layer's critical
   path): per block two activation all-reduces forward and two backward
@@ -36,6 +37,7 @@ Per step on the busiest device (all times in seconds):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -47,6 +49,7 @@ from .layouts import Layout
 from .workload import Workload
 
 BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
+FIRST_BUCKET = 2 ** 20       # ddp's first bucket closes at 1 MiB
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,9 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     fwd, bwd, tpc = [], [], []
     s_tok = work.tokens_per_sample
     act_msg = b * s_tok * work.shape.get("embed", 0) * e
+    overhead = cluster.unit_overhead_us * 1e-6
     for lo, hi in stages:
-        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / t / rate
+        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / t / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / t / rate
         comm = 0.0
         if t > 1:
@@ -172,7 +176,9 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     units_with_params = sum(1 for s in ranks[r_max] for i in range(*stages[s]) if work.units[i].parameters)
     if d > 1:
         if lay.zero == 0:
-            buckets = max(1, int(grad_bytes // BUCKET_BYTES))
+            # ddp closes its first bucket at 1 MiB, the others at --bucket-mb; the last one launched (the first
+            # units' gradients) cannot overlap anything
+            buckets = 1 + math.ceil(max(grad_bytes - FIRST_BUCKET, 0) / BUCKET_BYTES)
             dp_total = ring(grad_bytes, d, dp_link, calls=buckets)
             dp_exposed = max(dp_total - last_backward, dp_total / buckets)
         else:

@@ -71,6 +71,9 @@ def why_first(a: Prediction, b: Prediction) -> str:
     diffs = sorted(((getattr(b, k) - getattr(a, k), words) for k, words in TERMS), reverse=True)
     gains = [(d, w) for d, w in diffs if d > 0.02 * max(gap, 1e-12)]
     losses = [(d, w) for d, w in diffs if d < -0.02 * max(gap, 1e-12)]
+    if gap <= 1e-12 * max(b.step, 1) and abs(a.memory - b.memory) <= 1e-9 * max(b.memory, 1):
+        return (f"{a.layout.label()} and {b.layout.label()} predict the same step time and memory (the model "
+                "does not tell them apart); the first is listed first in enumeration order")
     if gap <= 1e-12 * max(b.step, 1):
         return (f"{a.layout.label()} and {b.layout.label()} predict the same step time; the first is listed first "
                 f"for its smaller memory ({a.memory / 1e9:.3g} GB vs {b.memory / 1e9:.3g} GB)")
