@@ -177,7 +177,7 @@ def test_cluster_file_toml_and_presets_cite_sources(tmp_path):
 
 
 def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
-    cal = {"dtype": "fp32", "matmul_flops": 1e11, "copy_bytes_per_s": 2e10, "unit_overhead_s": 5e-5,
+    cal = {"dtype": "fp32", "matmul_flops": 1e11, "copy_bytes_per_s": 2e10, "unit_overhead_s": 5e-5, "block_flops": 5e10,
            "link_gbps": 10.0, "link_latency_s": 1e-4, "cores": 2, "memory_bytes": 8e9, "cpu": "test CPU",
            "measured_at": "now"}
     cache = tmp_path / "cal.json"

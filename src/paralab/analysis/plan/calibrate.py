@@ -1,9 +1,13 @@
 """``this-machine``: a cluster measured here, in well under a minute, and cached.
 
-Four measurements, each the best (the fixed cost: the median) of a few repeats:
+Five measurements, each the best (the fixed cost: the median) of a few repeats:
 
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
+- the rate a real unit achieves: the course gpt's block (width 128, 64
+  tokens, 8 sequences) forward and backward, its FLOPs / time; over the
+  matmul's rate it is the cluster's ``efficiency`` (elementwise work, small
+  matmuls);
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
 - a unit's fixed cost: a gpt block's forward on one token of width 8, where
   dispatch, not arithmetic, is the time;
@@ -89,6 +93,31 @@ def copy_rate(size: int = 256 * 2 ** 20, repeats: int = 3) -> float:
     return 2 * size / best
 
 
+def block_rate(dtype: str, repeats: int = 5) -> float:
+    """FLOP/s a real unit achieves: the course gpt's block (width 128, 4 heads, 64 tokens, 8 sequences),
+    forward and backward on one thread (median of ``repeats``), its matmuls and its elementwise work."""
+    import torch
+
+    from ...models.gpt import Block
+    from .workload import gpt_workload
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block = Block(128, 4).to(kind)
+        x = torch.randn(8, 64, 128, dtype=kind, requires_grad=True)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    flops = 3 * 8 * gpt_workload(1, 128, 4, 64, 256).units[1].forward_flops
+    return flops / statistics.median(times)
+
+
 def unit_overhead(repeats: int = 30) -> float:
     """Seconds of a gpt block's forward on one token of width 8 (one thread): the fixed cost of a unit."""
     import torch
@@ -159,22 +188,25 @@ def link_times(timeout: float = 60.0) -> dict[int, float]:
 
 def measure(dtype: str, progress: bool = True) -> dict:
     """Every measurement, as the cache holds it."""
-    bar = Progress(4, "calibrating this machine", enabled=progress)
+    bar = Progress(5, "calibrating this machine", enabled=progress)
     t0 = time.perf_counter()
     rate = matmul_rate(dtype)
     bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
+    unit = block_rate(dtype)
+    bar.update(2, f"a gpt block {unit / 1e9:.1f} GFLOP/s")
     mem = copy_rate()
-    bar.update(2, f"copy {mem / 1e9:.1f} GB/s")
+    bar.update(3, f"copy {mem / 1e9:.1f} GB/s")
     overhead = unit_overhead()
-    bar.update(3, f"a unit's fixed cost {overhead * 1e6:.0f} us")
+    bar.update(4, f"a unit's fixed cost {overhead * 1e6:.0f} us")
     times = link_times()
     small, large = times[SMALL], times[LARGE]
     per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # T = S / B + 2a through both points
     latency = max(small - SMALL * per_byte, 0.0) / 2
     gbps = 8 / per_byte / 1e9
-    bar.update(4, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
+    bar.update(5, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
     bar.close()
-    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead, "allreduce_seconds": {
+    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead,
+            "block_flops": unit, "allreduce_seconds": {
         str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
             "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
             "host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -194,7 +226,7 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
     if cache.is_file() and not again:
         try:
             data = json.loads(cache.read_text())
-            if dtype in data and "unit_overhead_s" in data[dtype]:
+            if dtype in data and "block_flops" in data[dtype]:
                 return data[dtype], f"read from {cache} (measured {data[dtype]['measured_at']}; --recalibrate " \
                                     "measures again)"
         except (ValueError, KeyError):
@@ -223,11 +255,13 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=cal["link_gbps"],
         intra_latency_us=cal["link_latency_s"] * 1e6, inter_gbps=cal["link_gbps"],
-        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=1.0,
+        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=min(1.0, cal["block_flops"] / cal["matmul_flops"]),
         unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
+               + f", a gpt block (h 128, s 64, b 8) {cal['block_flops'] / 1e9:.3g} GFLOP/s forward and backward: "
+                 f"efficiency {min(1.0, cal['block_flops'] / cal['matmul_flops']):.2f} of the matmul's"
                + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
                + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
-                 f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us; efficiency 1 (measured)")
+                 f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us")
