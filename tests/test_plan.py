@@ -186,5 +186,6 @@ def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
     got, where = calibration("fp32", cache)
     assert got == cal and str(cache) in where
     c = this_machine(got, 4, where)
-    assert c.rate("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
+    assert c.peak("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
+    assert c.efficiency == pytest.approx(0.5) and c.rate("fp32") == pytest.approx(0.25e11)  # a block's rate
     assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
