@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
     args = p.parse_args(argv)
-    cal, where = calibration("fp32")
+    cal, where = calibration("fp32", workers=args.workers)
     work = gpt_workload(args.layers, args.embed, args.heads, args.context, 256)
     setting = Setting(args.global_batch, "fp32", "sgd-momentum")  # paralab train's default optimizer
     result = {"machine": cpu_name(), "calibration": cal, "calibration_from": where, "settings": vars(args),

@@ -118,7 +118,7 @@ def _cluster(args, presets):
         from ..analysis.plan.calibrate import calibration, this_machine
         dtype = "bf16" if args.precision == "mixed" else "fp32"
         cal, where = calibration(dtype, Path(args.calibration) if args.calibration else None, args.recalibrate,
-                                 progress=not args.json)
+                                 progress=not args.json, workers=args.workers)
         return this_machine(cal, args.workers, where), where
     return load_cluster(args.cluster), f"file {args.cluster}"
 

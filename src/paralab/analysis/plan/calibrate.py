@@ -5,9 +5,11 @@ Five measurements, each the best (the fixed cost: the median) of a few repeats:
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
 - the rate a real unit achieves: the course gpt's block (width 128, 64
-  tokens, 8 sequences) forward and backward, its FLOPs / time; over the
-  matmul's rate it is the cluster's ``efficiency`` (elementwise work, small
-  matmuls);
+  tokens, 8 sequences) forward and backward, its FLOPs / time, alone and
+  (once per worker count, cached) with as many processes at once as the
+  plan has workers; over the matmul's rate x the share of cores it is the
+  cluster's ``efficiency`` (elementwise work, small matmuls, and the
+  contention of workers sharing cores and of anything else running here);
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
 - a unit's fixed cost: a gpt block's forward on one token of width 8, where
   dispatch, not arithmetic, is the time;
@@ -118,6 +120,29 @@ def block_rate(dtype: str, repeats: int = 5) -> float:
     return flops / statistics.median(times)
 
 
+def _block_worker(dtype: str, out) -> None:
+    out.put(block_rate(dtype))
+
+
+def parallel_block_rate(dtype: str, workers: int, timeout: float = 120.0) -> float:
+    """The block's rate per process with ``workers`` processes running it at once (one thread each): what
+    one worker achieves when the workers share the cores (and whatever else runs here). The median."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_block_worker, args=(dtype, out)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        rates = [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return statistics.median(rates)
+
+
 def unit_overhead(repeats: int = 30) -> float:
     """Seconds of a gpt block's forward on one token of width 8 (one thread): the fixed cost of a unit."""
     import torch
@@ -220,30 +245,36 @@ def _memory_bytes() -> int:
         return 8 * 10 ** 9
 
 
-def calibration(dtype: str, cache: Path | None = None, again: bool = False, progress: bool = True) -> tuple[dict, str]:
-    """(the measurements, where they came from): the cache if it holds this dtype, else measured and cached."""
+def calibration(dtype: str, cache: Path | None = None, again: bool = False, progress: bool = True,
+                workers: int | None = None) -> tuple[dict, str]:
+    """(the measurements, where they came from): the cache if it holds this dtype, else measured and cached;
+    with ``workers``, also the block's rate with that many processes at once (measured once per count)."""
     cache = cache or default_cache()
-    if cache.is_file() and not again:
-        try:
-            data = json.loads(cache.read_text())
-            if dtype in data and "block_flops" in data[dtype]:
-                return data[dtype], f"read from {cache} (measured {data[dtype]['measured_at']}; --recalibrate " \
-                                    "measures again)"
-        except (ValueError, KeyError):
-            pass  # a damaged cache is measured again
-    found = measure(dtype, progress)
-    data = {}
+    data: dict = {}
     if cache.is_file():
         try:
             data = json.loads(cache.read_text())
         except ValueError:
-            data = {}
-    data[dtype] = found
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(cache)  # never a half-written cache
-    return found, f"measured now in {found['seconds']:.1f} s, cached in {cache}"
+            data = {}  # a damaged cache is measured again
+    found = data.get(dtype) if not again else None
+    fresh = found is None or "block_flops" not in found
+    if fresh:
+        found = measure(dtype, progress)
+    key = str(workers) if workers else None
+    if key and key not in found.setdefault("block_flops_by_workers", {}):
+        bar = Progress(1, f"calibrating: {workers} workers at once", enabled=progress)
+        found["block_flops_by_workers"][key] = parallel_block_rate(dtype, workers)
+        bar.update(1, f"a gpt block {found['block_flops_by_workers'][key] / 1e9:.1f} GFLOP/s per worker")
+        bar.close()
+        fresh = True
+    if fresh:
+        data[dtype] = found
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(cache)  # never a half-written cache
+        return found, f"measured now, cached in {cache}"
+    return found, f"read from {cache} (measured {found['measured_at']}; --recalibrate measures again)"
 
 
 def this_machine(cal: dict, workers: int, where: str) -> Cluster:
@@ -251,17 +282,21 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
     cores = cal["cores"]
     share = min(1.0, cores / workers)
     rate = cal["matmul_flops"] * share
+    together = cal.get("block_flops_by_workers", {}).get(str(workers))
+    block = together if together is not None else cal["block_flops"] * share
+    efficiency = min(1.0, block / rate)
     return Cluster(
         "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=cal["link_gbps"],
         intra_latency_us=cal["link_latency_s"] * 1e6, inter_gbps=cal["link_gbps"],
-        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=min(1.0, cal["block_flops"] / cal["matmul_flops"]),
+        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=efficiency,
         unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
-               + f", a gpt block (h 128, s 64, b 8) {cal['block_flops'] / 1e9:.3g} GFLOP/s forward and backward: "
-                 f"efficiency {min(1.0, cal['block_flops'] / cal['matmul_flops']):.2f} of the matmul's"
+               + f", a gpt block (h 128, s 64, b 8) forward and backward {block / 1e9:.3g} GFLOP/s per worker "
+               + (f"with {workers} running at once" if together is not None else "(one alone, x the share)")
+               + f": efficiency {efficiency:.2f}"
                + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
                + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
                  f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us")
