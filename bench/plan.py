@@ -3,8 +3,12 @@
 ``python bench/plan.py [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 6]``
 
 For each link rate: the cluster is ``this-machine`` (its calibration: the
-matmul rate, a unit's fixed cost, the loopback latency; cached) with the
-emulated link's rate as both link bandwidths (``--network`` adds no latency).
+matmul rate, a real unit's rate with the workers running at once, a unit's
+fixed cost; cached), its link the emulated one: bandwidth and per-step
+latency fitted to ``bench/network.py``'s all-reduce times on the same links
+(``--link-from``; without it, the rate and the loopback latency). Small
+collectives between 4 processes on 2 cores cost milliseconds there, where
+loopback in one namespace takes a tenth of that.
 ``paralab plan``'s model ranks every layout of the gpt on the workers
 (recomputation left out: paralab cannot run it); ``--layouts`` of them, spread
 evenly over that ranking and each a different dp x tp x pp / ZeRO / schedule,
@@ -67,6 +71,26 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def emulated_link(path: Path, rate: str, workers: int) -> tuple[float, float] | None:
+    """(Gb/s, latency s per ring step) of the emulated link at ``rate``, fitted by least squares to
+    ``T = 2(N-1)/N x S / B + 2(N-1) a`` over bench/network.py's all-reduce times on the same links and
+    workers (None where that file has none)."""
+    import json
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("workers") != workers:
+        return None
+    pts = [(r["bytes"], r["best_s"]) for r in data["rows"] if r["op"] == "all_reduce" and r["rate"] == rate]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    intercept = max(my - slope * mx, 0.0)
+    return 2 * (workers - 1) / workers * 8 / slope / 1e9, intercept / (2 * (workers - 1))
+
+
 def run_layout(pred, args, rate: str, out: Path) -> dict:
     words = shlex.split(pred.layout.command(args.workers))[2:]  # drop "paralab train"
     argv = [*words, "--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads",
@@ -97,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "plan.json"))
+    p.add_argument("--link-from", default=str(RESULTS / "network.json"),
+                   help="bench/network.py's result on the same links: the link's bandwidth and per-step latency "
+                        "fitted to its all-reduce times ('' to use the rate and the loopback latency)")
     args = p.parse_args(argv)
     cal, where = calibration("fp32", workers=args.workers)
     work = gpt_workload(args.layers, args.embed, args.heads, args.context, 256)
@@ -107,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         gbps = parse(rate).gbps
         base = this_machine(cal, args.workers, where)
         import dataclasses
-        cluster = dataclasses.replace(base, intra_gbps=gbps, inter_gbps=gbps)
+        fitted = emulated_link(Path(args.link_from), rate, args.workers) if args.link_from else None
+        if fitted:
+            link_gbps, latency = fitted
+            link = f"fitted to {args.link_from}: {link_gbps:.3g} Gb/s, {latency * 1e6:.0f} us a ring step"
+        else:
+            link_gbps, latency = gbps, base.intra_latency_us * 1e-6
+            link = f"the rate, and this-machine's loopback latency {latency * 1e6:.0f} us"
+        print(f"bench plan: {rate}: link {link}", flush=True)
+        cluster = dataclasses.replace(base, intra_gbps=link_gbps, inter_gbps=link_gbps,
+                                      intra_latency_us=latency * 1e6, inter_latency_us=latency * 1e6)
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
                          shortlist=10 ** 6)
         chosen = spread(plan.ranked, args.layouts)
@@ -120,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         errors = [abs(r["error"]) for r in ok]
         fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
         best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
-        summary = {"rows": rows, "link_gbps": gbps, "measured": len(ok), "failed": len(rows) - len(ok),
+        summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "measured": len(ok), "failed": len(rows) - len(ok),
                    "median_abs_error": statistics.median(errors) if errors else None,
                    "worst_abs_error": max(errors) if errors else None,
                    "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]),

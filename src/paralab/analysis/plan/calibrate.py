@@ -13,9 +13,12 @@ Five measurements, each the best (the fixed cost: the median) of a few repeats:
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
 - a unit's fixed cost: a gpt block's forward on one token of width 8, where
   dispatch, not arithmetic, is the time;
-- the link: two gloo processes on loopback all-reduce 1 kB and 16 MB through
-  ``comm.py`` (timed by the recorder); a ring of 2 takes ``S / B + 2 a``, so
-  the small message gives the latency a and the large one the bandwidth B.
+- the link: gloo processes on loopback all-reduce 1 kB and 16 MB through
+  ``comm.py`` (timed by the recorder), two of them, and (once per worker
+  count, cached) as many as the plan has workers; a ring of n takes
+  ``2(n-1)/n x S / B + 2(n-1) a``, so the two sizes give the bandwidth B and
+  the latency a of a step (which, with more processes than cores, includes
+  waiting to be scheduled).
 
 The result is cached as JSON (``~/.cache/paralab/calibration-<host>.json``,
 or the file ``--calibration`` names): a second plan reads it instead of
@@ -164,8 +167,8 @@ def unit_overhead(repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, store: str, out) -> None:
-    """One of the two link-measuring processes: repeated all-reduces through comm.py."""
+def _rank(rank: int, world: int, store: str, out) -> None:
+    """One of the link-measuring processes: repeated all-reduces through comm.py."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -173,10 +176,10 @@ def _rank(rank: int, store: str, out) -> None:
     from ...comm import Comm
     from ...recorder import Recorder
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         rec = Recorder(rank)
-        comm = Comm(rec, rank, 2)
+        comm = Comm(rec, rank, world)
         times = {}
         for size in (SMALL, LARGE):
             t = torch.zeros(size // 4)
@@ -191,14 +194,14 @@ def _rank(rank: int, store: str, out) -> None:
         dist.destroy_process_group()
 
 
-def link_times(timeout: float = 60.0) -> dict[int, float]:
-    """{bytes: best seconds} of a 2-process gloo all-reduce on loopback."""
+def link_times(world: int = 2, timeout: float = 60.0) -> dict[int, float]:
+    """{bytes: best seconds} of a ``world``-process gloo all-reduce on loopback."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, world, store, out)) for r in range(world)]
         for p in procs:
             p.start()
         try:
@@ -209,6 +212,14 @@ def link_times(timeout: float = 60.0) -> dict[int, float]:
                 if p.is_alive():
                     p.terminate()
     return times
+
+
+def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:
+    """(Gb/s, latency s) of the ring ``T = 2(n-1)/n x S / B + 2(n-1) a`` through the two sizes' times."""
+    small, large = times[SMALL], times[LARGE]
+    per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # 2(n-1)/n / B
+    latency = max(small - SMALL * per_byte, 0.0) / (2 * (n - 1))
+    return 2 * (n - 1) / n * 8 / per_byte / 1e9, latency
 
 
 def measure(dtype: str, progress: bool = True) -> dict:
@@ -224,10 +235,7 @@ def measure(dtype: str, progress: bool = True) -> dict:
     overhead = unit_overhead()
     bar.update(4, f"a unit's fixed cost {overhead * 1e6:.0f} us")
     times = link_times()
-    small, large = times[SMALL], times[LARGE]
-    per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # T = S / B + 2a through both points
-    latency = max(small - SMALL * per_byte, 0.0) / 2
-    gbps = 8 / per_byte / 1e9
+    gbps, latency = fit_ring(times, 2)
     bar.update(5, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
     bar.close()
     return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead,
@@ -261,10 +269,15 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
     if fresh:
         found = measure(dtype, progress)
     key = str(workers) if workers else None
-    if key and key not in found.setdefault("block_flops_by_workers", {}):
-        bar = Progress(1, f"calibrating: {workers} workers at once", enabled=progress)
+    if key and (key not in found.setdefault("block_flops_by_workers", {})
+                or workers > 1 and key not in found.get("link_by_workers", {})):
+        bar = Progress(2, f"calibrating: {workers} workers at once", enabled=progress)
         found["block_flops_by_workers"][key] = parallel_block_rate(dtype, workers)
         bar.update(1, f"a gpt block {found['block_flops_by_workers'][key] / 1e9:.1f} GFLOP/s per worker")
+        if workers > 1:
+            gbps, latency = fit_ring(link_times(workers), workers)
+            found.setdefault("link_by_workers", {})[key] = {"gbps": gbps, "latency_s": latency}
+            bar.update(2, f"a ring of {workers}: {gbps:.2f} Gb/s, {latency * 1e6:.0f} us a step")
         bar.close()
         fresh = True
     if fresh:
@@ -285,11 +298,12 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
     together = cal.get("block_flops_by_workers", {}).get(str(workers))
     block = together if together is not None else cal["block_flops"] * share
     efficiency = min(1.0, block / rate)
+    ring = cal.get("link_by_workers", {}).get(str(workers))
+    gbps, latency = (ring["gbps"], ring["latency_s"]) if ring else (cal["link_gbps"], cal["link_latency_s"])
     return Cluster(
         "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
-        cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=cal["link_gbps"],
-        intra_latency_us=cal["link_latency_s"] * 1e6, inter_gbps=cal["link_gbps"],
-        inter_latency_us=cal["link_latency_s"] * 1e6, efficiency=efficiency,
+        cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=gbps,
+        intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
         unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
@@ -299,4 +313,5 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
                + f": efficiency {efficiency:.2f}"
                + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
                + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
-                 f"{cal['link_gbps']:.3g} Gb/s and {cal['link_latency_s'] * 1e6:.3g} us")
+                 f"{gbps:.3g} Gb/s and {latency * 1e6:.3g} us a ring step"
+               + (f" (a ring of {workers} at once)" if ring else " (2 processes)"))
