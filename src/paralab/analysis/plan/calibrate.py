@@ -1,0 +1,317 @@
+"""``this-machine``: a cluster measured here, in well under a minute, and cached.
+
+Five measurements, each the best (the fixed cost: the median) of a few repeats:
+
+- matmul FLOP/s in the run's dtype on one core (one worker of paralab's
+  launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
+- the rate a real unit achieves: the course gpt's block (width 128, 64
+  tokens, 8 sequences) forward and backward, its FLOPs / time, alone and
+  (once per worker count, cached) with as many processes at once as the
+  plan has workers; over the matmul's rate x the share of cores it is the
+  cluster's ``efficiency`` (elementwise work, small matmuls, and the
+  contention of workers sharing cores and of anything else running here);
+- memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
+- a unit's fixed cost: a gpt block's forward on one token of width 8, where
+  dispatch, not arithmetic, is the time;
+- the link: gloo processes on loopback all-reduce 1 kB and 16 MB through
+  ``comm.py`` (timed by the recorder), two of them, and (once per worker
+  count, cached) as many as the plan has workers; a ring of n takes
+  ``2(n-1)/n x S / B + 2(n-1) a``, so the two sizes give the bandwidth B and
+  the latency a of a step (which, with more processes than cores, includes
+  waiting to be scheduled).
+
+The result is cached as JSON (``~/.cache/paralab/calibration-<host>.json``,
+or the file ``--calibration`` names): a second plan reads it instead of
+measuring (``--recalibrate`` measures again). :func:`this_machine` turns it
+into a :class:`~.cluster.Cluster` for a number of workers: all on one node;
+more workers than cores share them, each getting ``cores / workers`` of one
+core's rate; memory is the machine's divided among the workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ...progress import Progress
+from .cluster import Cluster
+
+SMALL, LARGE = 1024, 16 * 2 ** 20  # all-reduce sizes in bytes
+REPEATS = 10
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paralab" / \
+        f"calibration-{socket.gethostname()}.json"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "this CPU"
+
+
+def matmul_rate(dtype: str, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` on one thread (best of ``repeats``)."""
+    import torch
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(n, n).to(kind)
+        x @ x  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ x
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n ** 3 / best
+
+
+def copy_rate(size: int = 256 * 2 ** 20, repeats: int = 3) -> float:
+    """Bytes per second a copy moves (read + write) on one thread."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.empty(size // 4)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size / best
+
+
+def block_rate(dtype: str, repeats: int = 5) -> float:
+    """FLOP/s a real unit achieves: the course gpt's block (width 128, 4 heads, 64 tokens, 8 sequences),
+    forward and backward on one thread (median of ``repeats``), its matmuls and its elementwise work."""
+    import torch
+
+    from ...models.gpt import Block
+    from .workload import gpt_workload
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block = Block(128, 4).to(kind)
+        x = torch.randn(8, 64, 128, dtype=kind, requires_grad=True)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    flops = 3 * 8 * gpt_workload(1, 128, 4, 64, 256).units[1].forward_flops
+    return flops / statistics.median(times)
+
+
+def _block_worker(dtype: str, out) -> None:
+    out.put(block_rate(dtype))
+
+
+def parallel_block_rate(dtype: str, workers: int, timeout: float = 120.0) -> float:
+    """The block's rate per process with ``workers`` processes running it at once (one thread each): what
+    one worker achieves when the workers share the cores (and whatever else runs here). The median."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_block_worker, args=(dtype, out)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        rates = [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return statistics.median(rates)
+
+
+def unit_overhead(repeats: int = 30) -> float:
+    """Seconds of a gpt block's forward on one token of width 8 (one thread): the fixed cost of a unit."""
+    import torch
+
+    from ...models.gpt import Block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block, x = Block(8, 1), torch.randn(1, 1, 8)
+        with torch.no_grad():
+            block(x)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                block(x)
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, store: str, out) -> None:
+    """One of the link-measuring processes: repeated all-reduces through comm.py."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from ...comm import Comm
+    from ...recorder import Recorder
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        rec = Recorder(rank)
+        comm = Comm(rec, rank, world)
+        times = {}
+        for size in (SMALL, LARGE):
+            t = torch.zeros(size // 4)
+            for _ in range(3):
+                comm.all_reduce(t, name=f"warm{size}")
+            for _ in range(REPEATS):
+                comm.all_reduce(t, name=f"size{size}")
+            times[size] = min(s.seconds for s in rec.spans if s.name == f"size{size}")  # best: least disturbed
+        if rank == 0:
+            out.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def link_times(world: int = 2, timeout: float = 60.0) -> dict[int, float]:
+    """{bytes: best seconds} of a ``world``-process gloo all-reduce on loopback."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_rank, args=(r, world, store, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            times = out.get(timeout=timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+    return times
+
+
+def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:
+    """(Gb/s, latency s) of the ring ``T = 2(n-1)/n x S / B + 2(n-1) a`` through the two sizes' times."""
+    small, large = times[SMALL], times[LARGE]
+    per_byte = max(large - small, 1e-12) / (LARGE - SMALL)  # 2(n-1)/n / B
+    latency = max(small - SMALL * per_byte, 0.0) / (2 * (n - 1))
+    return 2 * (n - 1) / n * 8 / per_byte / 1e9, latency
+
+
+def measure(dtype: str, progress: bool = True) -> dict:
+    """Every measurement, as the cache holds it."""
+    bar = Progress(5, "calibrating this machine", enabled=progress)
+    t0 = time.perf_counter()
+    rate = matmul_rate(dtype)
+    bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
+    unit = block_rate(dtype)
+    bar.update(2, f"a gpt block {unit / 1e9:.1f} GFLOP/s")
+    mem = copy_rate()
+    bar.update(3, f"copy {mem / 1e9:.1f} GB/s")
+    overhead = unit_overhead()
+    bar.update(4, f"a unit's fixed cost {overhead * 1e6:.0f} us")
+    times = link_times()
+    gbps, latency = fit_ring(times, 2)
+    bar.update(5, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
+    bar.close()
+    return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead,
+            "block_flops": unit, "allreduce_seconds": {
+        str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
+            "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
+            "host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": time.perf_counter() - t0}
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 10 ** 9
+
+
+def calibration(dtype: str, cache: Path | None = None, again: bool = False, progress: bool = True,
+                workers: int | None = None) -> tuple[dict, str]:
+    """(the measurements, where they came from): the cache if it holds this dtype, else measured and cached;
+    with ``workers``, also the block's rate with that many processes at once (measured once per count)."""
+    cache = cache or default_cache()
+    data: dict = {}
+    if cache.is_file():
+        try:
+            data = json.loads(cache.read_text())
+        except ValueError:
+            data = {}  # a damaged cache is measured again
+    found = data.get(dtype) if not again else None
+    fresh = found is None or "block_flops" not in found
+    if fresh:
+        found = measure(dtype, progress)
+    key = str(workers) if workers else None
+    if key and (key not in found.setdefault("block_flops_by_workers", {})
+                or workers > 1 and key not in found.get("link_by_workers", {})):
+        bar = Progress(2, f"calibrating: {workers} workers at once", enabled=progress)
+        found["block_flops_by_workers"][key] = parallel_block_rate(dtype, workers)
+        bar.update(1, f"a gpt block {found['block_flops_by_workers'][key] / 1e9:.1f} GFLOP/s per worker")
+        if workers > 1:
+            gbps, latency = fit_ring(link_times(workers), workers)
+            found.setdefault("link_by_workers", {})[key] = {"gbps": gbps, "latency_s": latency}
+            bar.update(2, f"a ring of {workers}: {gbps:.2f} Gb/s, {latency * 1e6:.0f} us a step")
+        bar.close()
+        fresh = True
+    if fresh:
+        data[dtype] = found
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(cache)  # never a half-written cache
+        return found, f"measured now, cached in {cache}"
+    return found, f"read from {cache} (measured {found['measured_at']}; --recalibrate measures again)"
+
+
+def this_machine(cal: dict, workers: int, where: str) -> Cluster:
+    """The cluster of ``workers`` processes on this machine, from a calibration."""
+    cores = cal["cores"]
+    share = min(1.0, cores / workers)
+    rate = cal["matmul_flops"] * share
+    together = cal.get("block_flops_by_workers", {}).get(str(workers))
+    block = together if together is not None else cal["block_flops"] * share
+    efficiency = min(1.0, block / rate)
+    ring = cal.get("link_by_workers", {}).get(str(workers))
+    gbps, latency = (ring["gbps"], ring["latency_s"]) if ring else (cal["link_gbps"], cal["link_latency_s"])
+    return Cluster(
+        "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
+        cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=gbps,
+        intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
+        unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
+        source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
+               f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
+               + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
+               + f", a gpt block (h 128, s 64, b 8) forward and backward {block / 1e9:.3g} GFLOP/s per worker "
+               + (f"with {workers} running at once" if together is not None else "(one alone, x the share)")
+               + f": efficiency {efficiency:.2f}"
+               + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
+               + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
+                 f"{gbps:.3g} Gb/s and {latency * 1e6:.3g} us a ring step"
+               + (f" (a ring of {workers} at once)" if ring else " (2 processes)"))

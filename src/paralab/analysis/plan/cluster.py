@@ -1,0 +1,150 @@
+"""A cluster as the planner sees it: one device's arithmetic and memory, and the two kinds of link.
+
+:class:`Cluster` holds what a prediction needs and nothing else: peak FLOP/s
+per dtype (dense, no sparsity), the fraction of it large matmuls achieve
+(``efficiency``, an assumption a preset states), device memory and its
+bandwidth, devices per node, and the bandwidth and latency of a link inside a
+node (NVLink) and between nodes (one NIC per device). Bandwidths are per
+direction, in Gb/s as everywhere in paralab's cost model.
+
+:data:`PRESETS` are common nodes, each with its ``source`` (vendor datasheet
+names and addresses; the latencies are typical values, said so). A user's
+cluster is a JSON or TOML file with the same fields (:func:`load_cluster`):
+a missing or unknown field is refused, naming it. ``this-machine`` is
+measured (``calibrate.py``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+from ...errors import UsageError
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    peak_tflops: dict            # dtype -> dense peak TFLOP/s of one device
+    memory_gb: float             # device memory, 1 GB = 10^9 B
+    memory_gbs: float            # device memory bandwidth, GB/s (the optimizer step is bound by it)
+    devices_per_node: int
+    intra_gbps: float            # one direction of a device's link inside a node, Gb/s
+    intra_latency_us: float
+    inter_gbps: float            # one device's share of the network between nodes, Gb/s
+    inter_latency_us: float
+    efficiency: float            # achieved / peak for large matmuls (an assumption; 1 where measured)
+    source: str                  # where each number comes from
+    usable_fraction: float = 0.9  # of device memory a run may fill (allocator, context, workspaces)
+    unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
+
+    def rate(self, dtype: str) -> float:
+        """Achievable FLOP/s of one device in ``dtype``."""
+        if dtype not in self.peak_tflops:
+            raise UsageError(f"cluster {self.name} gives no peak for {dtype} (it has "
+                             f"{', '.join(self.peak_tflops)}): choose --precision accordingly")
+        return self.peak_tflops[dtype] * 1e12 * self.efficiency
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_tflops[dtype] * 1e12
+
+    def link(self, span_devices: int) -> tuple[float, float]:
+        """(Gb/s, latency s) of a group of consecutive devices spanning ``span_devices`` ranks: inside a
+        node if they fit in one, else the network between nodes."""
+        if span_devices <= self.devices_per_node:
+            return self.intra_gbps, self.intra_latency_us * 1e-6
+        return self.inter_gbps, self.inter_latency_us * 1e-6
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LATENCY = ("latencies are typical small-message figures, assumed (not from a datasheet): 5 us inside a node, "
+            "10 us between nodes")
+_EFFICIENCY = ("efficiency 0.6 of the dense peak is an assumption (large GEMMs reach more; elementwise ops less), "
+               "and so is 20 us of fixed cost per unit forward of a microbatch (kernel launches)")
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (
+    Cluster("a100-sxm", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
+            intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
+            source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
+                   "dense, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
+                   "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
+                   "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU); "
+                   f"{_LATENCY}; {_EFFICIENCY}"),
+    Cluster("h100-sxm", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 80, 3350, 8,
+            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
+            source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense "
+                   "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s = 450 GB/s each way), "
+                   "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet; NVIDIA DGX "
+                   "H100 datasheet (8 GPUs, 8 ConnectX-7 400 Gb/s InfiniBand/Ethernet: one per GPU); "
+                   f"{_LATENCY}; {_EFFICIENCY}"),
+    Cluster("h200", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 141, 4800, 8,
+            intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
+            source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: the H100's compute, FP32 67 TFLOPS, "
+                   "BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s), "
+                   "https://www.nvidia.com/en-us/data-center/h200/; NVIDIA DGX H200 datasheet (8 GPUs, "
+                   "8 ConnectX-7 400 Gb/s); " f"{_LATENCY}; {_EFFICIENCY}"),
+    Cluster("cpu", {"fp32": 0.08}, 4, 20, 2,
+            intra_gbps=40, intra_latency_us=20, inter_gbps=10, inter_latency_us=50, efficiency=0.5,
+            unit_overhead_us=50,
+            source="one x86 core per worker: AMD Zen 2/3 cores retire two 256-bit FMAs a cycle, 32 fp32 FLOP/cycle "
+                   "(AMD Software Optimization Guide for AMD Family 17h/19h Processors), x 2.5 GHz = 80 GFLOP/s; "
+                   "4 GB and 20 GB/s of DRAM per worker, 2 workers a node, 10 Gb/s Ethernet between nodes "
+                   "(IEEE 802.3ae 10GBASE) and loopback at 40 Gb/s inside one: assumed, a plain CPU node, not "
+                   "a datasheet; efficiency 0.5 and 50 us per unit forward (dispatch) assumed"),
+)}
+
+#: the fields a cluster file must give (``name`` defaults to the file's stem; the others have defaults)
+REQUIRED = tuple(f.name for f in fields(Cluster) if f.default is MISSING and f.name != "name")
+
+
+def load_cluster(path: str) -> Cluster:
+    """A cluster from a JSON or TOML file (by its suffix; ``name`` defaults to the file's stem).
+    UsageError naming the field for a missing, unknown or invalid one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--cluster {path}: no such file, and not a preset ({', '.join(names())})")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--cluster {path}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--cluster {path}: expected a table of fields, got {type(data).__name__}")
+    data.setdefault("name", p.stem)
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"--cluster {path}: unknown field(s) {', '.join(unknown)}; the fields are {', '.join(known)}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise UsageError(f"--cluster {path}: missing field(s) {', '.join(missing)} (every cluster file gives "
+                         f"{', '.join(REQUIRED)}; see docs/plan.md)")
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks or any(k not in DTYPES for k in peaks):
+        raise UsageError(f"--cluster {path}: peak_tflops must map dtypes ({', '.join(DTYPES)}) to TFLOP/s")
+    for k in ("memory_gb", "memory_gbs", "intra_gbps", "inter_gbps", "efficiency", *(f"peak_tflops.{d}" for d in peaks)):
+        v = peaks[k.split(".")[1]] if k.startswith("peak_tflops.") else data[k]
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise UsageError(f"--cluster {path}: {k} must be a positive number (got {v!r})")
+    for k in ("intra_latency_us", "inter_latency_us", "unit_overhead_us"):
+        if k in data and (not isinstance(data[k], (int, float)) or data[k] < 0):
+            raise UsageError(f"--cluster {path}: {k} must be zero or positive (got {data[k]!r})")
+    if not isinstance(data["devices_per_node"], int) or data["devices_per_node"] < 1:
+        raise UsageError(f"--cluster {path}: devices_per_node must be a positive integer")
+    if data["efficiency"] > 1 or not 0 < data.get("usable_fraction", 0.9) <= 1:
+        raise UsageError(f"--cluster {path}: efficiency and usable_fraction are fractions in (0, 1]")
+    return Cluster(**data)
+
+
+def names() -> list[str]:
+    return [*PRESETS, "this-machine"]

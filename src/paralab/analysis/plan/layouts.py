@@ -1,0 +1,166 @@
+"""The layouts a planner considers: dp x tp x pp with everything each dimension adds.
+
+A :class:`Layout` is one way to run the model on the workers, as paralab
+composes it (``docs/architecture.md``): ``pp`` stages (a ``schedule`` of the
+registry, ``virtual`` stages per rank for the interleaved one), each sharded
+over ``tp`` (with or without sequence parallelism), each wrapped for data
+parallelism over ``dp`` at a ZeRO ``zero`` stage (0 = ddp's buckets; 1-3 =
+paralab's fsdp; under ``--pp`` or ``--tp`` only 0 and 1 compose); a step is
+``microbatches`` microbatches of ``microbatch`` samples per replica;
+``recompute`` is none, selective or full (planned from formulas: paralab has
+no recomputation strategy yet).
+
+:func:`enumerate_layouts` yields every layout that divides the model and the
+workers (fitting in memory is the predictor's question). Tensor parallelism
+stays inside a node (its collectives are in every layer's critical path);
+microbatches are of 1, 2, 4, ... samples (and the whole replica batch);
+paralab's fsdp takes no gradient accumulation (one microbatch per step).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ...strategies.pipeline.schedules import REGISTRY, layout_problem
+from .workload import RECOMPUTE, Workload
+
+VIRTUAL = (2, 3, 4)  # stages per rank tried for the interleaved schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    sp: bool = False
+    schedule: str | None = None
+    virtual: int = 1
+    microbatch: int = 1      # samples per microbatch (b)
+    microbatches: int = 1    # per step and replica (m)
+    recompute: str = "none"
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        parts.append(f"m{self.microbatches}xb{self.microbatch}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        return " ".join(parts)
+
+    def flavour(self) -> str:
+        """What paralab runs for the data-parallel dimension."""
+        if self.zero == 0:
+            return "ddp"
+        return f"fsdp --zero-stage {self.zero}"
+
+    def command(self, workers: int) -> str:
+        """The `paralab train` flags of this layout (recomputation has no flag yet)."""
+        words = [f"paralab train {'ddp' if self.zero == 0 else 'fsdp'} --workers {workers}"]
+        if self.zero:
+            words.append(f"--zero-stage {self.zero}")
+        if self.tp > 1:
+            words.append(f"--tp {self.tp}" + (" --sequence-parallel" if self.sp else ""))
+        if self.pp > 1:
+            words.append(f"--pp {self.pp} --schedule {self.schedule} --microbatches {self.microbatches}")
+            if self.virtual > 1:
+                words.append(f"--virtual-stages {self.virtual}")
+        elif self.microbatches > 1:
+            words.append(f"--accumulate {self.microbatches}")
+        return " ".join(words)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"label": self.label()}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_sizes(per_replica: int) -> list[int]:
+    """1, 2, 4, ... dividing the replica's batch, and the whole batch."""
+    out, b = [], 1
+    while b <= per_replica:
+        if per_replica % b == 0:
+            out.append(b)
+        b *= 2
+    return sorted(set(out) | {per_replica})
+
+
+def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_per_node: int, *,
+                      fixed: dict | None = None) -> list[Layout]:
+    """Every layout of ``work`` on ``workers`` that divides the model, the workers and the batch.
+
+    ``fixed`` pins dimensions ({"tp": 8, "pp": 4, "dp": ..., "zero": 1, "schedule": "1f1b", "microbatch": 1,
+    "recompute": "selective", "sp": True}).
+    """
+    fixed = fixed or {}
+    pick = lambda key, options: [fixed[key]] if fixed.get(key) is not None else options  # noqa: E731
+    recompute = pick("recompute", list(RECOMPUTE) if work.kind == "gpt" else ["none", "full"])
+    out: list[Layout] = []
+    tps = [t for t in work.tp_options() if workers % t == 0 and (t <= devices_per_node or "tp" in fixed)]
+    for tp in pick("tp", tps):
+        if tp not in work.tp_options():
+            continue
+        for pp in pick("pp", divisors(workers // tp) if workers % tp == 0 else []):
+            if workers % (tp * pp):
+                continue
+            dp = workers // (tp * pp)
+            if fixed.get("dp") is not None and fixed["dp"] != dp or global_batch % dp:
+                continue
+            if isinstance(work.cut(pp), str):
+                continue
+            per_replica = global_batch // dp
+            zeros = [0, 1] if (pp > 1 or tp > 1) else [0, 1, 2, 3]
+            for zero in pick("zero", zeros if dp > 1 else [0]):
+                for sp in pick("sp", [False, True] if tp > 1 else [False]):
+                    for schedule, v in _schedules(work, pp, fixed):
+                        for b in pick("microbatch", microbatch_sizes(per_replica)):
+                            if per_replica % b:
+                                continue
+                            m = per_replica // b
+                            if zero >= 1 and pp == 1 and tp == 1 and m > 1:
+                                continue  # paralab's fsdp: no gradient accumulation
+                            if schedule and layout_problem(schedule, pp, m, v):
+                                continue
+                            for rc in recompute:
+                                out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc))
+    return out
+
+
+def _schedules(work: Workload, pp: int, fixed: dict) -> list[tuple[str | None, int]]:
+    if pp == 1:
+        return [(None, 1)]
+    out = []
+    for name, spec in REGISTRY.items():
+        if fixed.get("schedule") not in (None, name):
+            continue
+        if spec.virtual:
+            out += [(name, v) for v in ([fixed["virtual"]] if fixed.get("virtual") else VIRTUAL)
+                    if not isinstance(work.cut(pp * v), str)]
+        else:
+            out.append((name, 1))
+    return out
+
+
+def why_none(work: Workload, workers: int, global_batch: int, devices_per_node: int, fixed: dict) -> str:
+    """Why no layout divides this model on these workers, in words saying what to change."""
+    tp, pp = fixed.get("tp"), fixed.get("pp")
+    if tp and tp not in work.tp_options():
+        return (f"--tp {tp} does not divide the model: tensor parallelism splits the {work.shape.get('heads')} heads"
+                if work.kind == "gpt" else f"tensor parallelism is not planned for {work.name}: leave out --tp")
+    if tp and workers % tp or pp and workers % pp or tp and pp and workers % (tp * pp):
+        return f"--tp and --pp must divide the {workers} workers"
+    if pp:
+        problem = work.cut(pp)
+        if isinstance(problem, str):
+            return f"--pp {pp}: {problem}"
+    if fixed.get("dp") and workers % fixed["dp"]:
+        return f"--dp {fixed['dp']} must divide the {workers} workers"
+    return (f"no layout of dp x tp x pp = {workers} divides the model and the global batch {global_batch} "
+            "(the data-parallel degree must divide the global batch): change --workers, --global-batch or "
+            "the pinned dimensions")

@@ -1,0 +1,242 @@
+"""One layout's predicted step: compute, communication (what is exposed), bubble, memory.
+
+Per step on the busiest device (all times in seconds):
+
+- **compute**: each stage's forward of one microbatch is its units' FLOPs
+  x b / tp at the cluster's achievable rate, plus the cluster's fixed cost
+  per unit (launches: what makes tiny microbatches slow); its backward twice that, plus
+  what recomputation runs again (``Workload.recompute_flops``).
+- **tensor parallelism** (synchronous in paralab, in every layer's critical
+  path): per block two activation all-reduces forward and two backward
+  (``b s h e`` bytes, ring over the tp group; sequence parallelism's
+  all-gather + reduce-scatter move the same bytes), one more at each end;
+  full recomputation repeats the forward's two. Added to the stage's times.
+- **pipeline**: the schedule is run by the simulator
+  (``strategies/pipeline/simulate.py``) on these per-stage times, with each
+  boundary transfer (``b s h e`` bytes, ``/ tp`` under sequence parallelism)
+  as its message delay: paralab's executor sends without blocking and posts
+  its receives ahead, so a transfer only delays the receiver. ``bubble`` is
+  the makespan less the busiest rank's work at free transfers, ``pp comm``
+  what the transfers add on top.
+- **data parallelism** (after the last microbatch, per paralab's flavours):
+  ddp's buckets all-reduce during the last microbatch's backward, so only
+  what outlasts it (and at least the last bucket) is exposed; ZeRO-1
+  reduce-scatters after backward and all-gathers after the step (fsdp:
+  asynchronously, hidden by the next forward; the pipeline flavour
+  synchronously); ZeRO-2 reduce-scatters each unit in backward
+  (synchronously) and all-gathers like ZeRO-1; ZeRO-3 gathers each unit one
+  unit ahead in forward and backward (hidden by the unit's compute when
+  shorter) and reduce-scatters in backward (exposed).
+- **optimizer**: memory-bound: the device's model states read and written
+  once at the device's memory bandwidth.
+- **memory** (busiest device): model states from ``analysis/memory.py``
+  (the stage's parameters over ``tp``, sharded over ``dp`` at the ZeRO stage;
+  fsdp's unit working set and step in backward at stages 2-3), plus each
+  stage's activations for one microbatch x the schedule's peak microbatches
+  alive on that rank (registry), one microbatch without a pipeline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ...strategies.pipeline.schedules import build_schedule, spec_of
+from ...strategies.pipeline.simulate import simulate
+from ..memory import memory_per_worker
+from .cluster import Cluster
+from .layouts import Layout
+from .workload import Workload
+
+BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
+FIRST_BUCKET = 2 ** 20       # ddp's first bucket closes at 1 MiB
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a plan holds fixed for every layout."""
+    global_batch: int
+    precision: str = "mixed"       # fp32 | mixed (16-bit parameters, gradients, activations; fp32 optimizer)
+    optimizer: str = "adam"
+
+    @property
+    def dtype(self) -> str:
+        return "bf16" if self.precision == "mixed" else "fp32"
+
+    @property
+    def element(self) -> int:
+        return 2 if self.precision == "mixed" else 4
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step: float
+    compute: float            # busiest rank's arithmetic
+    tp_comm: float            # tensor-parallel collectives (exposed: all of them)
+    bubble: float             # pipeline idle at free transfers
+    pp_comm: float            # what point-to-point transfers add to the pipeline
+    dp_comm: float            # data-parallel communication left exposed
+    dp_total: float           # data-parallel communication in flight
+    optimizer: float
+    memory: float             # peak bytes on the busiest device
+    memory_parts: dict = field(default_factory=dict)
+    fits: bool = True
+    simulated: bool = False   # bubble from the simulator (else the schedule's closed form, for the shortlist)
+    mfu: float = 0.0
+    tokens_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        keys = ("step", "compute", "tp_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
+                "fits", "simulated", "mfu", "tokens_per_s", "samples_per_s")
+        return {"layout": self.layout.to_dict(), **{k: getattr(self, k) for k in keys},
+                "memory_parts": self.memory_parts, "notes": self.notes}
+
+
+def ring(size: float, n: int, link: tuple[float, float], half: bool = False, calls: int = 1) -> float:
+    """Ring all-reduce time of ``size`` bytes over ``n`` ranks (``half``: a reduce-scatter or an all-gather)."""
+    if n <= 1:
+        return 0.0
+    gbps, lat = link
+    steps = (n - 1) * (1 if half else 2)
+    return steps / n * size / (gbps * 1e9 / 8) + steps * lat * calls
+
+
+def stage_of_rank(layout: Layout) -> list[list[int]]:
+    """The stages each pipeline rank holds (one, or v interleaved: stage s on rank s mod p)."""
+    p, v = layout.pp, layout.virtual
+    return [[s for s in range(p * v) if s % p == r] for r in range(p)]
+
+
+def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True) -> Prediction:
+    e, rate = setting.element, cluster.rate(setting.dtype)
+    t, p, v, d, b, m = lay.tp, lay.pp, lay.virtual, lay.dp, lay.microbatch, lay.microbatches
+    stages = work.cut(p * v)
+    if isinstance(stages, str):
+        raise ValueError(stages)
+    tp_link = cluster.link(t)
+    dp_link = cluster.link(t * d)
+    pp_link = cluster.link(t * d * p)
+    notes = []
+    # ---------------------------------------------------------------- per-stage times
+    fwd, bwd, tpc = [], [], []
+    s_tok = work.tokens_per_sample
+    act_msg = b * s_tok * work.shape.get("embed", 0) * e
+    overhead = cluster.unit_overhead_us * 1e-6
+    for lo, hi in stages:
+        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / t / rate + overhead * (hi - lo)
+        extra = work.recompute_flops(lo, hi, b, lay.recompute) / t / rate
+        comm = 0.0
+        if t > 1:
+            blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
+            ends = (lo == 0) + (hi == len(work.units))
+            per = ring(act_msg, t, tp_link)
+            comm = (4 * blocks + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
+        fwd.append(f)
+        bwd.append(2 * f + extra)
+        tpc.append(comm)
+    ranks = stage_of_rank(lay)
+    busy = [sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in held) for held in ranks]
+    r_max = max(range(p), key=lambda r: busy[r])
+    compute = sum(m * (fwd[s] + bwd[s]) for s in ranks[r_max])
+    tp_comm = sum(m * tpc[s] for s in ranks[r_max])
+    # ---------------------------------------------------------------- pipeline
+    bubble = pp_comm = 0.0
+    simulated = False
+    if p > 1:
+        boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1)
+        gbps, lat = pp_link
+        transfer = boundary / (gbps * 1e9 / 8) + lat
+        F = [fwd[s] + tpc[s] / 2 for s in range(p * v)]
+        B = [bwd[s] + tpc[s] / 2 for s in range(p * v)]
+        spec = spec_of(lay.schedule)
+        if simulate_pipeline:
+            free = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), 0.0)
+            real = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), transfer)
+            simulated = True
+        else:  # the closed form on the slowest rank's times: only to shortlist
+            f_r = max(sum(F[s] for s in held) for held in ranks)
+            b_r = max(sum(B[s] for s in held) for held in ranks)
+            free = m * (f_r + b_r) + spec.idle.value(p, v, f_r, b_r / 2, b_r / 2)
+            real = free + 2 * (p - 1) * transfer
+        bubble = max(free - busy[r_max], 0.0)
+        pp_comm = max(real - free, 0.0)
+        pipe = real
+    else:
+        pipe = busy[0]
+    # ---------------------------------------------------------------- data parallelism
+    stage_params = [sum(work.units[i].parameters for s in held for i in range(*stages[s])) for held in ranks]
+    local = stage_params[r_max] / t
+    grad_bytes = local * e
+    dp_total = dp_exposed = 0.0
+    last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
+    first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
+    units_with_params = sum(1 for s in ranks[r_max] for i in range(*stages[s]) if work.units[i].parameters)
+    if d > 1:
+        if lay.zero == 0:
+            # ddp closes its first bucket at 1 MiB, the others at --bucket-mb; the last one launched (the first
+            # units' gradients) cannot overlap anything
+            buckets = 1 + math.ceil(max(grad_bytes - FIRST_BUCKET, 0) / BUCKET_BYTES)
+            dp_total = ring(grad_bytes, d, dp_link, calls=buckets)
+            dp_exposed = max(dp_total - last_backward, dp_total / buckets)
+        else:
+            rs = ring(grad_bytes, d, dp_link, half=True, calls=units_with_params)
+            ag = ring(local * e, d, dp_link, half=True, calls=units_with_params)
+            if lay.zero == 3:
+                dp_total = 2 * ag + rs
+                dp_exposed = rs + max(ag - first_forward, 0.0) + max(ag - last_backward, 0.0)
+            else:
+                dp_total = rs + ag
+                hidden_gather = lay.zero == 2 or (p == 1 and t == 1)  # fsdp's asynchronous all-gather
+                dp_exposed = rs + (max(ag - first_forward, 0.0) if hidden_gather else ag)
+    # ---------------------------------------------------------------- memory and optimizer
+    unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
+    est = memory_per_worker(stage_params[r_max], d, lay.zero, setting.optimizer, setting.precision,
+                            unit_parameters=unit_max if lay.zero else None,
+                            step_in_backward=lay.zero >= 2, model_parallel=t)
+    optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
+    alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
+    acts = []
+    for r, held in enumerate(ranks):
+        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / len(held)
+        acts.append(per_mb * alive[r])
+    # the busiest device for memory: model states of its stages + its activations
+    mem_by_rank = []
+    for r in range(p):
+        if stage_params[r] == stage_params[r_max]:
+            states = est.peak
+        else:
+            states = memory_per_worker(stage_params[r], d, lay.zero, setting.optimizer, setting.precision,
+                                       unit_parameters=unit_max if lay.zero else None,
+                                       step_in_backward=lay.zero >= 2, model_parallel=t).peak
+        mem_by_rank.append((states + acts[r], states, acts[r], r))
+    memory, states, activations, r_mem = max(mem_by_rank)
+    step = pipe + dp_exposed + optimizer
+    gb = setting.global_batch
+    tokens = gb * work.tokens_per_sample
+    workers = d * t * p
+    mfu = gb * work.model_flops_per_sample() / step / (workers * cluster.peak(setting.dtype))
+    if lay.recompute != "none":
+        notes.append("recomputation is planned from formulas: paralab has no recomputation strategy yet")
+    return Prediction(lay, step, compute, tp_comm, bubble, pp_comm, dp_exposed, dp_total, optimizer, memory,
+                      {"model_states": states, "activations": activations, "rank": r_mem,
+                       "model_states_formula": est.total_formula.formula},
+                      fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
+                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes)
+
+
+@lru_cache(maxsize=64)
+def _schedule(name: str, p: int, m: int, v: int):
+    return build_schedule(name, p, m, v)
+
+
+@lru_cache(maxsize=4096)
+def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: float) -> float:
+    """The simulated step of schedule ``name`` at per-stage forward and backward times ``F``, ``B`` (a
+    zero-bubble schedule's backward split evenly into I and W), each transfer taking ``transfer`` seconds.
+    Layouts that differ only outside the pipeline (ZeRO stage, data parallelism) share one simulation."""
+    kw = dict(input_time=[x / 2 for x in B], weight_time=[x / 2 for x in B]) if spec_of(name).split_backward else {}
+    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
+    return max((x.t1 for row in timeline for x in row), default=0.0)

@@ -1,0 +1,88 @@
+"""A plan: every layout that divides the model, predicted, the ones that fit ranked by step time.
+
+Two passes, so a 1024-worker search takes seconds: every layout is first
+predicted with its schedule's closed form (the registry's idle law on the
+slowest rank's times); the fastest ``shortlist`` of those that fit are then
+predicted again with the schedule simulator on their per-stage times, and
+ranked by that. Every row a plan shows is simulated. :func:`why_first`
+says, in one sentence, which terms make the first beat the second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cluster import Cluster
+from .layouts import Layout, enumerate_layouts, why_none
+from .predict import Prediction, Setting, predict
+from .workload import Workload
+
+
+class NoLayout(ValueError):
+    """No layout divides the model, or none fits: the message says what to change."""
+
+
+@dataclass
+class Plan:
+    work: Workload
+    cluster: Cluster
+    setting: Setting
+    workers: int
+    ranked: list[Prediction]
+    considered: int
+    fitting: int
+    smallest: Prediction | None = None  # the layout with the least memory (also when nothing fits)
+    notes: list = field(default_factory=list)
+
+
+def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, *, fixed: dict | None = None,
+              top: int = 10, shortlist: int | None = None) -> Plan:
+    fixed = fixed or {}
+    layouts = enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node, fixed=fixed)
+    if not layouts:
+        raise NoLayout(why_none(work, workers, setting.global_batch, cluster.devices_per_node, fixed))
+    rough = [predict(work, lay, cluster, setting, simulate_pipeline=False) for lay in layouts]
+    smallest = min(rough, key=lambda x: x.memory)
+    fitting = [x for x in rough if x.fits]
+    if not fitting:
+        parts = smallest.memory_parts
+        raise NoLayout(
+            f"no layout fits in {cluster.memory_gb:g} GB x {cluster.usable_fraction:g} usable per device: the "
+            f"smallest found needs {smallest.memory / 1e9:.4g} GB ({smallest.layout.label()}: model states "
+            f"{parts['model_states'] / 1e9:.4g} GB, activations {parts['activations'] / 1e9:.4g} GB); give more "
+            "--workers, a smaller --global-batch or model, or a cluster with more memory")
+    fitting.sort(key=lambda x: x.step)
+    keep = shortlist if shortlist is not None else max(4 * top, 40)
+    final = [predict(work, x.layout, cluster, setting) for x in fitting[:keep]]
+    final = [x for x in final if x.fits]
+    final.sort(key=lambda x: (x.step, x.memory))
+    return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest)
+
+
+TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"), ("bubble", "pipeline bubble"),
+         ("pp_comm", "pipeline transfers"), ("dp_comm", "exposed data-parallel communication"),
+         ("optimizer", "optimizer step"))
+
+
+def why_first(a: Prediction, b: Prediction) -> str:
+    """One sentence: by how much ``a`` beats ``b`` and which terms of the step account for it."""
+    if b.step <= 0:
+        return ""
+    gap = b.step - a.step
+    diffs = sorted(((getattr(b, k) - getattr(a, k), words) for k, words in TERMS), reverse=True)
+    gains = [(d, w) for d, w in diffs if d > 0.02 * max(gap, 1e-12)]
+    losses = [(d, w) for d, w in diffs if d < -0.02 * max(gap, 1e-12)]
+    if gap <= 1e-12 * max(b.step, 1) and abs(a.memory - b.memory) <= 1e-9 * max(b.memory, 1):
+        return (f"{a.layout.label()} and {b.layout.label()} predict the same step time and memory (the model "
+                "does not tell them apart); the first is listed first in enumeration order")
+    if gap <= 1e-12 * max(b.step, 1):
+        return (f"{a.layout.label()} and {b.layout.label()} predict the same step time; the first is listed first "
+                f"for its smaller memory ({a.memory / 1e9:.3g} GB vs {b.memory / 1e9:.3g} GB)")
+    text = (f"{a.layout.label()} is {100 * gap / b.step:.1f} % faster than {b.layout.label()}: "
+            + ", ".join(f"{_ms(d)} less {w}" for d, w in gains[:2]))
+    if losses:
+        text += " outweigh " + ", ".join(f"{_ms(-d)} more {w}" for d, w in losses[:2])
+    return text
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

@@ -1,0 +1,154 @@
+"""What is trained, as the planner sees it: units with parameters, FLOPs and activations.
+
+A :class:`Workload` is the model's flat units (as paralab cuts them: a
+pipeline stage is a contiguous run of units), each with its parameters, its
+forward FLOPs per sample and the elements it hands to the next unit, plus
+what only the model knows: how tensor parallelism splits it, what a unit
+keeps for its backward, what recomputation costs, and which cuts divide it.
+
+- :func:`gpt_workload`: any gpt shape, counted from the shape
+  (``models/gpt.parameter_counts``): nothing is built, so a published shape
+  takes no memory. A block's forward is ``2 N_block s + 4 s^2 h`` FLOPs per
+  sequence (its matmuls and the attention scores and their weighted sum), the
+  head's ``2 (h V + 2 h) s``, the embedding's none: three times the sum is
+  ``s (6 N + 12 L h s)``, ``calc tp``'s FLOPs per token times s. Activations
+  per block: Korthikanti et al. 2022, Table 2 (``analysis/tensor.py``),
+  published for 16-bit activations and scaled by the element size.
+  Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
+  first, the head on the last (the cut must divide the blocks).
+- :func:`cnn_workload`: a course CNN built on the meta device (no memory):
+  each leaf module's output is what it keeps for backward, convolutions and
+  linears are its FLOPs. Tensor parallelism is not planned for CNNs; any
+  number of stages up to the units is a cut (balanced on FLOPs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    parameters: int
+    forward_flops: float      # per sample (one sequence or one image), forward only
+    output_elements: int      # per sample: what crosses a stage boundary after this unit
+    kept_elements: float = 0  # per sample, a CNN's: elements kept for backward (the gpt's come from its formula)
+
+
+@dataclass
+class Workload:
+    name: str
+    units: list[Unit]
+    tokens_per_sample: int            # s for the gpt, 1 for an image
+    kind: str                         # "gpt" or "cnn"
+    shape: dict = field(default_factory=dict)  # the gpt's L, h, a, s, V
+
+    @property
+    def parameters(self) -> int:
+        return sum(u.parameters for u in self.units)
+
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs of one sample without recomputation: forward and twice it backward."""
+        return 3 * sum(u.forward_flops for u in self.units)
+
+    def tp_options(self) -> list[int]:
+        """Tensor-parallel degrees that split the model: divisors of the heads (gpt); none for a CNN."""
+        if self.kind != "gpt":
+            return [1]
+        a = self.shape["heads"]
+        return [t for t in range(1, a + 1) if a % t == 0]
+
+    def cut(self, stages: int) -> list[tuple[int, int]] | str:
+        """The units of each of ``stages`` contiguous stages, or why this count does not divide the model."""
+        n = len(self.units)
+        if self.kind == "gpt":
+            L = self.shape["layers"]
+            if L % stages:
+                return f"{stages} stages do not divide the {L} blocks (stages hold L / (p v) blocks each)"
+            k = L // stages
+            return [(0 if s == 0 else 1 + s * k, n if s == stages - 1 else 1 + (s + 1) * k) for s in range(stages)]
+        if stages > n:
+            return f"{stages} stages exceed the {n} units of {self.name}"
+        from ...strategies.pipeline.partition import split_costs
+        return split_costs([max(u.forward_flops, 1.0) for u in self.units], stages)
+
+    def activation_bytes(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int) -> float:
+        """Bytes units ``lo..hi-1`` keep for backward, for one microbatch of ``b`` samples, per tp rank."""
+        if self.kind != "gpt":
+            kept = sum(u.kept_elements for u in self.units[lo:hi])
+            if recompute == "full":  # only each unit's input kept
+                kept = sum(self.units[i - 1].output_elements if i else 0 for i in range(lo, hi))
+            return kept * b * e
+        from ..tensor import activation_memory
+        sh = self.shape
+        s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
+        blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
+        per_block = activation_memory(b, s, h, a, tp, sp, recompute).value
+        total = blocks * per_block
+        if lo == 0:  # the embedding's output (its dropout mask, as published)
+            total += s * b * h / tp
+        if hi == len(self.units):  # final LayerNorm, output layer input, fp32 logits for the loss
+            total += 4 * s * b * h / tp * (1 + V / h)
+        return total * e / 2  # published for 16-bit activations
+
+    def recompute_flops(self, lo: int, hi: int, b: int, recompute: str) -> float:
+        """Extra forward FLOPs a microbatch's backward spends recomputing, units ``lo..hi-1``."""
+        if recompute == "none":
+            return 0.0
+        if recompute == "full":
+            return b * sum(u.forward_flops for u in self.units[lo:hi] if u.name in ("block", "conv", "linear"))
+        s, h = self.shape.get("context", 1), self.shape.get("embed", 1)
+        blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
+        return b * blocks * 4 * s * s * h  # selective: the attention scores and their weighted sum again
+
+    def describe(self) -> str:
+        if self.kind == "gpt":
+            sh = self.shape
+            return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}: "
+                    f"{self.parameters:,} parameters")
+        return f"{self.name}: {self.parameters:,} parameters in {len(self.units)} units"
+
+
+def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int) -> Workload:
+    from ...models.gpt import parameter_counts
+    L, h, s, V = layers, embed, context, vocab
+    c = parameter_counts(L, h, s, V)
+    block = c["blocks"] // L
+    units = [Unit("embedding", c["tokens"] + c["positions"], 0.0, s * h)]
+    units += [Unit("block", block, 2.0 * block * s + 4.0 * s * s * h, s * h) for _ in range(L)]
+    units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
+    return Workload("gpt", units, s, "gpt", dict(layers=L, embed=h, heads=heads, context=s, vocab=V))
+
+
+def cnn_workload(name: str, width: float = 1.0) -> Workload:
+    """A course CNN counted on the meta device: per unit, parameters, forward FLOPs, kept elements."""
+    import torch
+    import torch.nn as nn
+
+    from ...models import build_model
+    with torch.device("meta"):
+        model = build_model(name, width=width)
+        x = torch.empty(1, 3, 32, 32)
+    units = []
+    for unit in model:
+        flops, kept = 0.0, 0.0
+
+        def hook(mod, inp, out):
+            nonlocal flops, kept
+            kept += out.numel()
+            if isinstance(mod, nn.Conv2d):
+                k = mod.weight.shape[1] * mod.weight.shape[2] * mod.weight.shape[3]
+                flops += 2.0 * k * out.numel()
+            elif isinstance(mod, nn.Linear):
+                flops += 2.0 * mod.in_features * out.numel()
+        leaves = [m for m in unit.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        x = unit(x)
+        for hd in handles:
+            hd.remove()
+        kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
+            "linear" if any(isinstance(m, nn.Linear) for m in leaves) else "other"
+        units.append(Unit(kind, sum(p.numel() for p in unit.parameters()), flops, x.numel(), kept))
+    return Workload(name, units, 1, "cnn", dict(width=width))

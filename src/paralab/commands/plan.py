@@ -1,0 +1,168 @@
+"""Choose a layout for a model on a cluster: every layout that fits, predicted and ranked.
+
+For a model (any gpt shape, or a course CNN), a global batch and a cluster (a
+preset, a JSON/TOML file, or this-machine, measured here in seconds and
+cached), paralab plan enumerates the layouts that divide the model and the
+workers (dp x tp x pp; ZeRO stage 0-3; sequence parallelism; pipeline
+schedule, microbatches and virtual stages; recomputation none/selective/full,
+planned from formulas: paralab has no recomputation strategy yet), predicts
+each one's step time (compute; tensor-parallel, pipeline and data-parallel
+communication with what paralab overlaps; the bubble from the schedule
+simulator on per-stage times; the optimizer step) and peak memory per
+device, and prints the fastest that fit, with MFU, tokens/s and why the
+first beats the second. How to read it and the cost model's assumptions:
+docs/plan.md.
+
+examples:
+  paralab plan --model gpt --layers 96 --embed 12288 --heads 96 --context 2048 --vocab 50257 \\
+      --workers 1024 --cluster h100-sxm --global-batch 1536
+  paralab plan --model gpt --workers 4 --cluster this-machine
+  paralab plan --model vgg11 --workers 8 --cluster a100-sxm --global-batch 256 --json
+  paralab plan --model gpt --layers 24 --embed 2048 --heads 16 --context 2048 --vocab 50257 --workers 64 \\
+      --cluster my-cluster.toml --tp 4 --top 5
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..analysis.memory import OPTIMIZERS
+from ..errors import UsageError
+from ..models import MODELS, GPTOptions, ModelOptions
+from ..options import add_flags, check, option
+from ..strategies.pipeline.schedules import SCHEDULES
+
+HELP = "choose a layout: every dp/ZeRO/tp/pp/schedule/recompute layout that fits, predicted and ranked"
+
+
+@dataclass
+class PlanOptions:
+    """plan: the workers, the batch, the cluster, what to pin, how to print"""
+    workers: int = option(None, "devices (workers) to lay the model out on", type=int, positive=True)
+    global_batch: int = option(32, "samples (sequences or images) per step over all replicas", positive=True)
+    vocab: int = option(256, "gpt vocabulary V (256: paralab's byte tokens; 50257 for GPT-2/GPT-3)", positive=True)
+    cluster: str = option("this-machine", "a preset (a100-sxm, h100-sxm, h200, cpu), this-machine (measured and "
+                                          "cached), or a JSON/TOML cluster file", metavar="CLUSTER")
+    precision: str = option(None, "fp32 | mixed (16-bit parameters, gradients and activations, fp32 optimizer "
+                                  "state; default: mixed where the cluster has a bf16 peak, else fp32)", type=str,
+                            choices=("fp32", "mixed"))
+    optimizer: str = option("adam", "optimizer whose state the memory model counts", choices=OPTIMIZERS)
+    tp: int = option(None, "pin the tensor-parallel degree", type=int, positive=True)
+    pp: int = option(None, "pin the pipeline stages", type=int, positive=True)
+    dp: int = option(None, "pin the data-parallel degree", type=int, positive=True)
+    zero: int = option(None, "pin the ZeRO stage (0 = ddp)", type=int, choices=(0, 1, 2, 3))
+    schedule: str = option(None, "pin the pipeline schedule", type=str, choices=SCHEDULES)
+    microbatch: int = option(None, "pin the samples per microbatch", type=int, positive=True)
+    recompute: str = option(None, "pin recomputation (planned from formulas only)", type=str,
+                            choices=("none", "selective", "full"))
+    top: int = option(10, "rows to show", positive=True)
+    json: bool = option(False, "print the plan as JSON (for scripts)")
+    calibration: str = option(None, "this-machine's calibration file (default ~/.cache/paralab/"
+                                    "calibration-<host>.json)", type=str, metavar="FILE")
+    recalibrate: bool = option(False, "this-machine: measure again even if a calibration is cached")
+
+
+PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute")
+
+
+def add_arguments(p) -> None:
+    add_flags(p, ModelOptions, only=("--model", "--width"), defaults=dict(model="gpt"))
+    add_flags(p, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
+    add_flags(p, PlanOptions)
+
+
+def run(args) -> int:
+    from ..analysis.plan import NoLayout, Setting, make_plan
+    from ..analysis.plan.cluster import PRESETS
+    if args.workers is None:
+        raise UsageError("--workers is required: how many devices to lay the model out on")
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    check(args, PlanOptions)
+    check(args, GPTOptions)
+    work = _workload(args)
+    cluster, where = _cluster(args, PRESETS)
+    precision = args.precision or ("mixed" if "bf16" in cluster.peak_tflops else "fp32")
+    setting = Setting(args.global_batch, precision, args.optimizer)
+    fixed = {k: getattr(args, k) for k in PINS if getattr(args, k) is not None}
+    try:
+        plan = make_plan(work, cluster, setting, args.workers, fixed=fixed, top=args.top)
+    except NoLayout as exc:
+        raise UsageError(str(exc)) from None
+    except ValueError as exc:  # a cluster without the precision's peak, and the like
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(to_json(plan, where), indent=1))
+    else:
+        show(plan, where)
+    return 0
+
+
+def _workload(args):
+    from ..analysis.plan import cnn_workload, gpt_workload
+    if args.model == "gpt":
+        if args.embed % args.heads:
+            raise UsageError(f"--embed {args.embed} must be divisible by --heads {args.heads}")
+        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab)
+    if args.tp not in (None, 1):
+        raise UsageError(f"--tp {args.tp}: tensor parallelism is planned for the gpt only; leave out --tp")
+    return cnn_workload(args.model, args.width)
+
+
+def _cluster(args, presets):
+    from ..analysis.plan import load_cluster
+    if args.cluster in presets:
+        return presets[args.cluster], "preset"
+    if args.cluster == "this-machine":
+        from ..analysis.plan.calibrate import calibration, this_machine
+        dtype = "bf16" if args.precision == "mixed" else "fp32"
+        cal, where = calibration(dtype, Path(args.calibration) if args.calibration else None, args.recalibrate,
+                                 progress=not args.json, workers=args.workers)
+        return this_machine(cal, args.workers, where), where
+    return load_cluster(args.cluster), f"file {args.cluster}"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.4g}"
+
+
+def show(plan, where: str) -> None:
+    from ..analysis.plan import why_first
+    from ..report.page import text_table
+    c, s = plan.cluster, plan.setting
+    print(f"{plan.work.describe()}; global batch {s.global_batch}, {s.precision} precision, {s.optimizer}")
+    print(f"cluster {c.name}" + ("" if where in c.source else f" ({where})") + f": {plan.workers} devices, {c.devices_per_node} per node, "
+          f"{c.peak_tflops[s.dtype]:.4g} TFLOP/s peak {s.dtype} x efficiency {c.efficiency:.3g}, {c.memory_gb:.4g} GB "
+          f"({c.usable_fraction:g} usable), links {c.intra_gbps:.4g} Gb/s in a node, {c.inter_gbps:.4g} Gb/s between")
+    print(f"  source: {c.source}")
+    print(f"{plan.considered} layouts divide the model and the workers, {plan.fitting} fit in memory; the fastest "
+          f"{len(plan.ranked)}, their bubbles from the schedule simulator (times in ms per step):\n")
+    rows = []
+    for i, x in enumerate(plan.ranked, 1):
+        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.bubble), _ms(x.pp_comm),
+                     _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}", f"{100 * x.mfu:.1f}",
+                     f"{x.tokens_per_s:.4g}"])
+    per = "tokens/s" if plan.work.kind == "gpt" else "samples/s"
+    print(text_table(["#", "layout", "step", "compute", "tp comm", "bubble", "pp comm", "dp comm", "optim",
+                      "mem GB", "MFU %", per], rows))
+    best = plan.ranked[0]
+    if len(plan.ranked) > 1:
+        print("\nwhy: " + why_first(best, plan.ranked[1]))
+    print(f"\nrun the first: {best.layout.command(plan.workers)}"
+          + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
+    print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "
+          "overlapped); bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
+          "communication left exposed; mem = peak per device (model states + activations). docs/plan.md")
+
+
+def to_json(plan, where: str) -> dict:
+    from dataclasses import asdict
+
+    from ..analysis.plan import why_first
+    return {"model": plan.work.describe(), "shape": plan.work.shape, "workers": plan.workers,
+            "cluster": plan.cluster.to_dict() | {"from": where}, "setting": asdict(plan.setting),
+            "considered": plan.considered, "fitting": plan.fitting,
+            "ranked": [x.to_dict() for x in plan.ranked],
+            "why": why_first(plan.ranked[0], plan.ranked[1]) if len(plan.ranked) > 1 else "",
+            "command": plan.ranked[0].layout.command(plan.workers)}

@@ -1,0 +1,191 @@
+"""paralab plan: the layouts it enumerates, its terms against calc's formulas and the simulator, its ranking,
+its output, its refusals. Nothing trains; this-machine is built from a calibration written here."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from paralab.analysis.memory import memory_per_worker
+from paralab.analysis.plan import PRESETS, Layout, Setting, gpt_workload, cnn_workload, enumerate_layouts, \
+    load_cluster, make_plan, predict
+from paralab.analysis.plan.calibrate import calibration, this_machine
+from paralab.analysis.plan.cluster import REQUIRED, Cluster
+from paralab.analysis.tensor import activation_total, gpt_flops_per_token
+from paralab.cli import main
+from paralab.strategies.pipeline.schedules import build_schedule, spec_of
+from paralab.strategies.pipeline.simulate import simulate
+
+H100 = PRESETS["h100-sxm"]
+SMALL = dict(layers=12, embed=256, heads=8, context=128, vocab=512)
+
+
+def small():
+    return gpt_workload(**SMALL)
+
+
+def test_gpt_workload_counts_what_calc_tp_counts():
+    w = gpt_workload(96, 12288, 96, 2048, 50257)
+    assert w.parameters == 175_221_817_344
+    assert w.model_flops_per_sample() == pytest.approx(2048 * gpt_flops_per_token(96, 12288, 2048, 50257).value)
+
+
+def test_cnn_workload_on_the_meta_device():
+    w = cnn_workload("vgg11")
+    assert w.parameters == 9_231_114  # VGG-11 with BatchNorm, as models/vgg.py says
+    assert w.units[0].forward_flops == 2 * 3 * 9 * 64 * 32 * 32  # the first conv: 2 x Cin k^2 x output elements
+
+
+def test_every_layout_divides_the_model_the_workers_and_the_batch():
+    w, workers, batch = small(), 8, 16
+    layouts = enumerate_layouts(w, workers, batch, devices_per_node=8)
+    assert len(layouts) > 100
+    for lay in layouts:
+        assert lay.dp * lay.tp * lay.pp == workers
+        assert SMALL["heads"] % lay.tp == 0 and SMALL["layers"] % (lay.pp * lay.virtual) == 0
+        assert batch % lay.dp == 0 and lay.microbatch * lay.microbatches == batch // lay.dp
+        if lay.zero >= 2:
+            assert lay.pp == lay.tp == 1  # paralab's fsdp at ZeRO-2/3 composes with neither
+        if lay.pp == 1:
+            assert lay.schedule is None
+        elif spec_of(lay.schedule).virtual:
+            assert lay.virtual >= 2 and lay.microbatches % lay.pp == 0
+    kinds = {(lay.tp > 1, lay.pp > 1, lay.zero, lay.sp, lay.recompute) for lay in layouts}
+    assert (True, True, 1, True, "selective") in kinds and (False, False, 3, False, "full") in kinds
+    pinned = enumerate_layouts(w, workers, batch, 8, fixed={"tp": 2, "schedule": "1f1b"})
+    assert pinned and all(x.tp == 2 and x.schedule in (None, "1f1b") for x in pinned)
+
+
+def test_model_states_agree_with_calc_memory(capsys):
+    w = small()
+    for zero in (0, 1, 2, 3):
+        lay = Layout(dp=4, tp=1, pp=1, zero=zero, microbatch=4, microbatches=1)
+        got = predict(w, lay, H100, Setting(16))
+        argv = ["calc", "memory", "--parameters", str(w.parameters), "--workers", "4", "--optimizer", "adam",
+                "--precision", "mixed", "--stage", str(zero), "--json"]
+        if zero:
+            argv += ["--unit-parameters", str(max(u.parameters for u in w.units))]
+        if zero >= 2:
+            argv.append("--step-in-backward")
+        assert main(argv) == 0
+        calc = json.loads(capsys.readouterr().out)[0]["bytes"]["peak"]
+        assert got.memory_parts["model_states"] == pytest.approx(calc)
+    lay = Layout(dp=2, tp=2, pp=1, zero=1, microbatch=4, microbatches=2)
+    got = predict(w, lay, H100, Setting(16))
+    want = memory_per_worker(w.parameters, 2, 1, "adam", "mixed", unit_parameters=max(u.parameters for u in w.units),
+                             model_parallel=2)
+    assert got.memory_parts["model_states"] == pytest.approx(want.peak)
+
+
+def test_activations_are_korthikantis_for_the_whole_model():
+    w, s = small(), SMALL
+    for rc in ("none", "selective", "full"):
+        lay = Layout(dp=1, tp=1, pp=1, microbatch=4, microbatches=4, recompute=rc)
+        got = predict(w, lay, H100, Setting(16))
+        want = activation_total(4, s["context"], s["embed"], s["heads"], s["layers"], 1, False, rc, s["vocab"]).value
+        assert got.memory_parts["activations"] == pytest.approx(want)  # 16-bit: the published formula as it is
+
+
+def test_the_bubble_is_the_simulators_on_per_stage_times():
+    w = gpt_workload(8, 256, 8, 128, 50257)  # a large vocabulary: the last stage (the head) is the slowest
+    cluster = Cluster("free-links", {"bf16": 100.0}, 80, 1000, 8, 1e9, 0, 1e9, 0, 1.0, "test")
+    for sched, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        lay = Layout(dp=1, tp=1, pp=4, schedule=sched, virtual=v, microbatch=1, microbatches=8)
+        got = predict(w, lay, cluster, Setting(8))
+        stages = w.cut(4 * v)
+        F = [sum(u.forward_flops for u in w.units[lo:hi]) / 100e12 for lo, hi in stages]
+        B = [2 * f for f in F]
+        kw = dict(input_time=[f for f in F], weight_time=[f for f in F]) if spec_of(sched).split_backward else {}
+        timeline = simulate(build_schedule(sched, 4, 8, v), F, B, **kw)
+        makespan = max(x.t1 for row in timeline for x in row)
+        assert got.step - got.dp_comm - got.optimizer == pytest.approx(makespan, rel=1e-6)
+        assert got.compute + got.bubble == pytest.approx(makespan, rel=1e-6)
+        equal_stage = spec_of(sched).bubble(4, 8, v)
+        assert got.bubble / makespan != pytest.approx(equal_stage, abs=1e-3)  # unequal stages: not the formula
+
+
+def test_ranking_follows_the_link():
+    w = gpt_workload(4, 512, 8, 256, 256)
+    fast = Cluster("fast", {"bf16": 100.0}, 80, 1000, 8, 1e6, 0, 1e6, 0, 1.0, "test")
+    slow = Cluster("slow", {"bf16": 100.0}, 80, 1000, 8, 0.01, 0, 0.01, 0, 1.0, "test")
+    a = make_plan(w, fast, Setting(8), 2, top=50)
+    assert a.ranked[0].layout.dp == 2  # data parallelism costs nothing here: no bubble, no tp collectives
+    b = make_plan(w, slow, Setting(8), 2, top=50)
+    assert b.ranked[0].layout.dp == 1  # gradients over a 10 Mb/s link: a pipeline's activations are cheaper
+    for plan in (a, b):
+        steps = [x.step for x in plan.ranked]
+        assert steps == sorted(steps) and all(x.fits and (x.simulated or x.layout.pp == 1) for x in plan.ranked)
+
+
+def test_json_output(capsys):
+    code = main(["plan", "--model", "gpt", "--layers", "4", "--workers", "4", "--cluster", "a100-sxm", "--top", "3",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["ranked"]) == 3 and data["cluster"]["name"] == "a100-sxm"
+    first = data["ranked"][0]
+    assert first["step"] <= data["ranked"][1]["step"] and set(first) >= {"compute", "bubble", "memory", "mfu"}
+    assert data["why"] and data["command"].startswith("paralab train")
+
+
+def test_the_175b_example_in_seconds(capsys):
+    t0 = time.perf_counter()
+    code = main(["plan", "--model", "gpt", "--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048",
+                 "--vocab", "50257", "--workers", "1024", "--cluster", "h100-sxm", "--global-batch", "1536",
+                 "--top", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "why:" in out and "175,221,817,344 parameters" in out
+    assert time.perf_counter() - t0 < 30
+
+
+def refused(capsys, *argv) -> str:
+    code = main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
+def test_bad_input_exits_2(capsys, tmp_path):
+    assert "--pp 5: 5 stages do not divide the 4 blocks" in refused(capsys, "--workers", "5", "--pp", "5",
+                                                                   "--cluster", "h100-sxm")
+    assert "--tp 3 does not divide the model" in refused(capsys, "--workers", "6", "--tp", "3",
+                                                        "--cluster", "h100-sxm")
+    err = refused(capsys, "--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048", "--vocab",
+                  "50257", "--workers", "8", "--global-batch", "8", "--cluster", "h100-sxm")
+    assert "no layout fits" in err and "the smallest found needs" in err
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"peak_tflops": {"bf16": 100}, "memory_gb": 80}))
+    err = refused(capsys, "--workers", "4", "--cluster", str(f))
+    assert "missing field(s) memory_gbs" in err and "source" in err
+    assert "not a preset" in refused(capsys, "--workers", "4", "--cluster", str(tmp_path / "none.toml"))
+    assert "--workers is required" in refused(capsys, "--cluster", "h100-sxm")
+    assert "--global-batch must be positive" in refused(capsys, "--workers", "2", "--global-batch", "0",
+                                                        "--cluster", "h100-sxm")
+
+
+def test_cluster_file_toml_and_presets_cite_sources(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text("\n".join(f"{k} = {v}" for k, v in dict(
+        memory_gb=40, memory_gbs=1555, devices_per_node=4, intra_gbps=800, intra_latency_us=5, inter_gbps=100,
+        inter_latency_us=10, efficiency=0.5, source='"my notes"').items()) + "\n[peak_tflops]\nbf16 = 312\n")
+    c = load_cluster(str(f))
+    assert c.name == "mine" and c.rate("bf16") == pytest.approx(156e12) and set(REQUIRED) <= set(c.to_dict())
+    for name, preset in PRESETS.items():
+        assert len(preset.source) > 80, name
+        if name != "cpu":
+            assert "datasheet" in preset.source and "https://" in preset.source
+
+
+def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
+    cal = {"dtype": "fp32", "matmul_flops": 1e11, "copy_bytes_per_s": 2e10, "unit_overhead_s": 5e-5, "block_flops": 5e10,
+           "link_gbps": 10.0, "link_latency_s": 1e-4, "cores": 2, "memory_bytes": 8e9, "cpu": "test CPU",
+           "measured_at": "now"}
+    cache = tmp_path / "cal.json"
+    cache.write_text(json.dumps({"fp32": cal}))
+    monkeypatch.setattr("paralab.analysis.plan.calibrate.measure", lambda *a, **k: pytest.fail("measured again"))
+    got, where = calibration("fp32", cache)
+    assert got == cal and str(cache) in where
+    c = this_machine(got, 4, where)
+    assert c.peak("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
+    assert c.efficiency == pytest.approx(0.5) and c.rate("fp32") == pytest.approx(0.25e11)  # a block's rate
+    assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
