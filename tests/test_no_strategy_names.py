@@ -23,13 +23,18 @@ import paralab
 from paralab.strategies import strategy_names
 
 SRC = Path(paralab.__file__).parent
-SCANNED = ["report/*.py", "analysis/*.py", "commands/*.py"]
+SCANNED = ["report/**/*.py", "analysis/**/*.py", "commands/**/*.py"]
 
 #: (file relative to src/paralab, literal) -> why it is not a strategy's name
 ALLOWED = {
     ("analysis/memory.py", "ddp"): "the cost model's label for ZeRO stage 0 (DDP's layout of model states)",
     ("commands/partition.py", "model"): "a key of the JSON `paralab partition --json` prints (the model's name)",
     ("commands/calc.py", "tp"): "`calc tp`'s own --tp option and the mesh dimension it reads, not the strategy",
+    ("commands/plan.py", "tp"): "a pin: `paralab plan --tp`, the mesh dimension, not the strategy",
+    ("commands/plan.py", "model"): "a key of the JSON `paralab plan --json` prints (the model's description)",
+    ("analysis/plan/layouts.py", "tp"): "the --tp pin's key, the mesh dimension, not the strategy",
+    ("analysis/plan/layouts.py", "ddp"): "the `paralab train` command plan prints for a layout without ZeRO",
+    ("analysis/plan/layouts.py", "fsdp"): "the `paralab train` command plan prints for a ZeRO layout",
 }
 
 
