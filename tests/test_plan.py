@@ -189,3 +189,42 @@ def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
     assert c.peak("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
     assert c.efficiency == pytest.approx(0.5) and c.rate("fp32") == pytest.approx(0.25e11)  # a block's rate
     assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
+
+
+def test_report_page_from_the_plan_json(capsys, tmp_path):
+    out = tmp_path / "page"
+    code = main(["plan", "--model", "vgg11", "--workers", "8", "--cluster", "a100-sxm", "--global-batch", "256",
+                 "--top", "4", "--report", str(out)])
+    assert code == 0 and f"plan page: {out / 'report.html'}" in capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for i, r in enumerate(plan["ranked"], 1):  # every ranked layout, in order, with its predicted step
+        assert f"| {i} | {r['layout']['label']} | {r['step'] * 1e3:.4g} |" in md
+    assert plan["command"] in md and "samples/s" in md and "a100-sxm" in md
+    assert page.count("data:image/png;base64,") == 2 and sorted(p.name for p in (out / "plots").iterdir()) == \
+        ["memory.png", "step.png"]
+    assert [p.name for p in tmp_path.iterdir()] == ["page"]  # the staging directory was renamed, none left
+    before = (out / "plan.json").read_text()
+    assert "already exists" in refused(capsys, "--workers", "8", "--cluster", "a100-sxm", "--report", str(out))
+    assert (out / "plan.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_this_machine_measured_through_the_command_line(tmp_path):
+    """The real calibration (matmuls, a gpt block on every worker, gloo all-reduces), cached, then reused."""
+    from conftest import run_paralab
+    cache = tmp_path / "cal.json"
+    argv = ["plan", "--model", "gpt", "--workers", "2", "--cluster", "this-machine", "--calibration", str(cache),
+            "--json", "--top", "2"]
+    t0 = time.perf_counter()
+    first = run_paralab(*argv)
+    measuring = time.perf_counter() - t0
+    assert first.returncode == 0, first.stderr
+    cal = json.loads(cache.read_text())["fp32"]
+    assert cal["matmul_flops"] > 1e8 and cal["link_gbps"] > 0 and cal["unit_overhead_s"] > 0
+    plan = json.loads(first.stdout)
+    assert plan["cluster"]["name"] == "this-machine" and plan["ranked"][0]["step"] > 0
+    t0 = time.perf_counter()
+    again = run_paralab(*argv)
+    assert again.returncode == 0 and json.loads(again.stdout)["ranked"] == plan["ranked"]  # from the cache, same plan
+    assert time.perf_counter() - t0 < measuring

@@ -24,6 +24,9 @@ examples:
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +61,9 @@ class PlanOptions:
                             choices=("none", "selective", "full"))
     top: int = option(10, "rows to show", positive=True)
     json: bool = option(False, "print the plan as JSON (for scripts)")
+    report: str = option(None, "also write the plan's page to this new directory: plan.json, report.html, "
+                               "report.md and the figures (step terms and memory per layout)", type=str,
+                         metavar="DIR")
     calibration: str = option(None, "this-machine's calibration file (default ~/.cache/paralab/"
                                     "calibration-<host>.json)", type=str, metavar="FILE")
     recalibrate: bool = option(False, "this-machine: measure again even if a calibration is cached")
@@ -81,6 +87,8 @@ def run(args) -> int:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     check(args, PlanOptions)
     check(args, GPTOptions)
+    if args.report and Path(args.report).exists():
+        raise UsageError(f"--report {args.report} already exists; name a new directory (or remove it)")
     work = _workload(args)
     cluster, where = _cluster(args, PRESETS)
     precision = args.precision or ("mixed" if "bf16" in cluster.peak_tflops else "fp32")
@@ -96,7 +104,26 @@ def run(args) -> int:
         print(json.dumps(to_json(plan, where), indent=1))
     else:
         show(plan, where)
+    if args.report:
+        page = write_report(to_json(plan, where), Path(args.report))
+        print(f"plan page: {page}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def write_report(plan: dict, out: Path) -> Path:
+    """``out``/plan.json, report.html, report.md and plots/, written beside ``out`` and renamed into place
+    at the end, so a failure leaves nothing half-written."""
+    from ..report.plan_page import build_plan_report
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (tmp / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        build_plan_report(plan, tmp).write(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "report.html"
 
 
 def _workload(args):
