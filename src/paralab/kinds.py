@@ -52,6 +52,7 @@ UNCOUNTED_COMM = "uncounted_comm"  # this rank also communicated outside comm.py
                                    # its recorded bytes are not all it sent: why, as a string
 ALLOCATOR = "allocator"  # CUDA only: the allocator's peak bytes per step (recorder.allocator_peaks); where a
                          # memory record has a prediction, records put it beside it (memory["allocator"])
+HELD = "held"  # every device: the saved-activation peak and model states of a start's first step (run/held.py)
 
 
 @dataclass

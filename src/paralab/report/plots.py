@@ -33,6 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.runs import Run, sort_runs
+from ..kinds import HELD
 
 KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation", "moe-load")
 
@@ -436,7 +437,9 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
     Sources, in order: the strategy's ``memory`` in ``strategy_details`` —
     either ``{component: bytes}`` or ``{"measured": {"resident_peak_split":
     {...}}, "predicted": {"bytes": {...}}}`` (measured parts, predicted total);
-    otherwise the model state is estimated with the cost model
+    else what the rank measured it held (``held``: model states and the peak
+    of saved activations, ``run/held.py``); otherwise (records from before
+    that) the model state is estimated with the cost model
     (``analysis.memory``, DDP formula) for the parameters the rank holds
     (``stage_parameters`` / ``shard_parameters`` when reported, else the whole
     model). Reported ``*_bytes`` figures (e.g. a pipeline stage's peak
@@ -465,9 +468,17 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
                         sum(_numeric_dict(pb).values()) or None)
                     if isinstance(pb.get("peak"), (int, float)) and pb["peak"] != predicted:
                         predicted_peak = pb["peak"]  # model states + the largest unit's working set
+        held = det.get(HELD)
+        if not parts and isinstance(held, dict):  # measured on any device (run/held.py)
+            states = _numeric_dict(held.get("model_states_bytes"))
+            parts = {("optimizer state" if k == "optimizer" else f"{k} held" if k == "other" else k): (v, False)
+                     for k, v in states.items() if v}
+            parts["saved activations (peak)"] = (float(held.get("saved_activations_peak_bytes", 0)), False)
+            out[rank] = {"parts": parts, "predicted": predicted, "predicted_peak": predicted_peak}
+            continue
         if not parts:
-            held = next((det[k] for k in PARAMETER_KEYS if isinstance(det.get(k), (int, float))), None)
-            parts = {k: (v, True) for k, v in estimate_model_state(run, held).items()}
+            counted = next((det[k] for k in PARAMETER_KEYS if isinstance(det.get(k), (int, float))), None)
+            parts = {k: (v, True) for k, v in estimate_model_state(run, counted).items()}
         for k, v in det.items():
             if k.endswith("_bytes") and isinstance(v, (int, float)) and not k.startswith("total"):
                 parts[_component(k)] = (float(v), False)
@@ -535,7 +546,7 @@ def plot_memory(runs: list[Run], path) -> Path:
                   rotation=90 if len(bars) > 5 else 0, fontsize=7)
     ax.set_ylabel("memory per rank (MB, 1 MB = 10^6 B)")
     ax.set_xlabel("run and rank")
-    title = "Memory per rank: model states (and activations where reported)"
+    title = "Memory per rank: model states and saved activations"
     if any_est:
         title += ("\ndotted: estimated by the cost model for the parameters the rank holds; "
                   "solid: measured by the strategy")

@@ -29,7 +29,7 @@ from ..analysis import timeline
 from ..analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
 from ..training.evaluate import format_report
 from ..analysis.memory import beside_prediction, memory_per_worker
-from ..kinds import ALLOCATOR, MEMORY, STAGE, MemoryModel
+from ..kinds import ALLOCATOR, HELD, MEMORY, STAGE, MemoryModel
 from ..recorder import CATEGORIES, union_length
 from ..analysis.trace import chrome_trace
 
@@ -209,13 +209,15 @@ def predicted_memory(model: dict) -> dict:
 
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
-              dataset, evaluation, check, error, global_batch, is_main, earlier=()) -> None:
+              dataset, evaluation, check, error, global_batch, is_main, earlier=(), held=None) -> None:
     """Gather every rank's records to rank 0, which writes the run directory. ``earlier``: this rank's
     [step, loss] pairs from before a resume (summary.json ``losses_before_resume``)."""
     extra = strategy.extra_summary()
     peaks = recorder.allocator_peaks()  # CUDA only; absent on CPU
     if peaks:
         extra = {**extra, ALLOCATOR: peaks}
+    if held:
+        extra = {**extra, HELD: held}
     gathered = comm.gather_objects((step_rows, recorder.dump(), extra, list(earlier)))
     if not is_main:
         return

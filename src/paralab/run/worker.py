@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, hangs, records
+from . import checkpoint, hangs, held, records
 from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
@@ -32,6 +32,7 @@ from ..models import build_model, count_parameters, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
 from ..training.lr_schedule import lr_at, set_lr
+from ..training.saved import SavedActivations
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
@@ -190,6 +191,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     global at_step
     # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
     attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    held_record = None
     for step in range(start_step, s.total_steps):
         recorder.step = at_step = step
         t0 = recorder.now()
@@ -198,7 +200,14 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         with recorder.span("data", "load"):
             x, y = source.batch(step)
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
-        result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
+        if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
+            probe, grads = SavedActivations(held.parameter_storages([strategy])), held.Gradients([strategy], s.optimizers)
+            with probe.watch():
+                result = strategy.train_step(x, y)
+            states = held.model_states([strategy], s.optimizers) | {"gradients": grads.close()}
+            held_record = held.record(probe, states, step)
+        else:
+            result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
         t1 = recorder.now()
         recorder.step = -1
         step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
@@ -237,7 +246,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
-                      evaluation=result_eval, check=check, error=error, global_batch=s.global_batch, is_main=main)
+                      evaluation=result_eval, check=check, error=error, global_batch=s.global_batch, is_main=main,
+                      held=held_record)
     if main:
         say(f"records written to {run_dir}")
     if error is not None:

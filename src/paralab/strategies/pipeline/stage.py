@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ...models.moe import carry_aux_loss
+from ...training import saved
 
 
 class Stage:
@@ -85,10 +86,10 @@ class Stage:
         def pack(t: torch.Tensor):
             if t.data_ptr() not in param_ptrs:
                 seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            return t
+            return saved.pack(t)  # on to the run's probe of the step, when one is watching
 
         segments = []
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.ctx.autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, saved.unpack), self.ctx.autocast():
             # a leaf at the stage's input (its gradient is what goes to the stage before) and, when
             # split, at every unit's input (its gradient is what the unit hands to the one before)
             inp = h = x.detach().requires_grad_(not self.first)

@@ -1,0 +1,97 @@
+"""Bytes autograd saves for backward, counted once per allocation from save to release, and their peak.
+
+``SavedActivations().watch()`` installs ``saved_tensors_hooks`` around a
+step: every tensor autograd saves is counted once per storage (a view and
+its base are one allocation) from when it is saved until autograd lets it go
+(a ``weakref.finalize`` on the box the hook hands autograd), so ``peak`` is
+the most the step held at once: every microbatch's activations under GPipe,
+a few under 1F1B. Tensors on a parameter's storage (a weight kept for its
+input's gradient) are model state, not activations, and are not counted; a
+gathered copy (ZeRO-3's) is, as it is held.
+
+Only the innermost ``saved_tensors_hooks`` sees a save, so code that
+installs its own (a pipeline stage measuring its microbatches) passes each
+tensor on with :func:`pack` / :func:`unpack`, which hand it to the probe
+that is watching, if any.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+_watching: list["SavedActivations"] = []  # the probes whose watch() is open, innermost last
+
+
+def storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(key, bytes) of a tensor's allocation (the key names its storage, on the meta device too); None for
+    one without storage (sparse)."""
+    t = getattr(t, "_local_tensor", t)  # a DTensor holds its shard
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return s._cdata, s.nbytes()
+
+
+class SavedActivations:
+    """Live bytes autograd holds for backward, per storage, and their peak (use :meth:`watch`)."""
+
+    def __init__(self, parameter_storages: set[int] = frozenset()):
+        self.live, self.peak, self.tensors = 0, 0, 0
+        self.parameters = parameter_storages
+        self._count: dict[int, list[int]] = {}  # storage key -> [references, bytes]
+
+    def _pack(self, t: torch.Tensor):
+        found = storage(t)
+        if found is None or found[0] in self.parameters:
+            return t  # a parameter kept as it is (or a view of one): model state, not an activation
+        key, size = found
+        ref = self._count.setdefault(key, [0, size])
+        if ref[0] == 0:
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        ref[0] += 1
+        self.tensors += 1
+        box = _Box(t)
+        weakref.finalize(box, self._release, key)
+        return box
+
+    def _release(self, key: int) -> None:
+        ref = self._count[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self._count[key]
+
+    @staticmethod
+    def _unpack(box):
+        return box.tensor if isinstance(box, _Box) else box
+
+    @contextmanager
+    def watch(self):
+        _watching.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            _watching.remove(self)
+
+
+class _Box:
+    """What autograd keeps in place of a saved tensor: freed exactly when autograd frees the save."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+
+def pack(t: torch.Tensor):
+    """For a ``saved_tensors_hooks`` of one's own: hand ``t`` to the probe watching (if any)."""
+    return _watching[-1]._pack(t) if _watching else t
+
+
+def unpack(saved):
+    return SavedActivations._unpack(saved)
