@@ -267,6 +267,8 @@ class Pipeline(Strategy):
         for s in sorted(self.flavours):
             self.flavours[s].sync_buffers(after_step=False)
         mine = {k: v.detach().cpu().clone() for k, v in self._stage_tensors().items()}
+        if self.ctx.mesh.shape.ep > 1:  # --ep: each rank of a stage's ep group holds some of its experts
+            mine = {k: v for part in self.ctx.mesh.comm("ep").all_gather_objects(mine) for k, v in part.items()}
         whole: dict[str, torch.Tensor] = {}
         for part in self.pp.all_gather_objects(mine):
             whole.update(part)
