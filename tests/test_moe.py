@@ -225,8 +225,9 @@ def test_calc_moe_even_load():
     ["pipeline", "--workers", "2", "--microbatches", "2", "--top-k", "2", "--layers", "4"],
     ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "gpipe", "--top-k", "1",
      "--partition", "1,3"],  # stage 0 holds no MoE layer
+    ["fsdp", "--zero-stage", "1", "--workers", "2", "--ep", "2", "--top-k", "2"],
 ], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2", "pp2",
-        "ep2xpp2-gpipe-no-moe-stage"])
+        "ep2xpp2-gpipe-no-moe-stage", "zero1-ep2"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
@@ -270,11 +271,17 @@ def test_fp32_course_setting(paralab, args):
      "--virtual-stages", "2", "--layers", "4", "--top-k", "1", "--capacity-factor", "1.25"],
     ["ddp", "--workers", "8", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b", "--top-k", "2"],
     ["ddp", "--workers", "8", "--tp", "2", "--ep", "2", "--pp", "2", "--microbatches", "2", "--top-k", "1"],
+    # ZeRO-1 as the flavour: the non-expert optimizer state sharded over dp, the experts' over edp
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--top-k", "1", "--capacity-factor", "1.25"],
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule",
+     "1f1b", "--top-k", "2"],
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--tp", "2", "--top-k", "2"],
 ], ids=["single", "gs-dp2", "ddp-dp2-acc", "torch-ddp-dp2", "ep2-top1", "ep2-top2-cap-acc", "ep2-all-gather",
         "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather",
         "pp2-1f1b-cap", "pp2-zb-h1", "pp2-zb-h2", "pp2-interleaved-cap", "dp2xpp2", "model", "pp2xtp2",
         "ep2xpp2-1f1b-top1-cap", "ep2xpp2-gpipe-top2", "ep2xpp2-all-gather", "ep2xpp2-zb-h1",
-        "ep2xpp2-interleaved-cap", "dp2xep2xpp2", "tp2xep2xpp2"])
+        "ep2xpp2-interleaved-cap", "dp2xep2xpp2", "tp2xep2xpp2", "zero1-edp2xep2", "zero1-ep2xpp2",
+        "zero1-tp2xep2"])
 def test_fp64_lr0_1_20_steps(paralab, args):
     s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
     assert s["check"]["max_weight_dev"] <= 1e-9
@@ -288,6 +295,7 @@ def test_fp64_lr0_1_20_steps(paralab, args):
     (["ddp", "--workers", "2", "--model", "gpt", "--experts", "3", "--ep", "2"], "divisible by --ep 2"),
     (["ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "4"], "--ep 4 must divide"),
     (["torch-ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "2"], "not one"),
+    (["fsdp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "2"], "only --zero-stage 1"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--sequence-parallel"],
      "drop --sequence-parallel"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--ep", "2", "--sequence-parallel"],
@@ -434,3 +442,15 @@ def test_ep2_pp2_reshards_to_and_from_other_layouts(paralab):
                 "--num-batches", "20", "--resume", str(c.out), "--check", fast=False)
     assert "resharded" in d.stdout
     _passed(d)
+
+
+@pytest.mark.slow
+def test_zero1_ep_reshards(paralab):
+    """ZeRO-1 as the flavour under --ep: its shards (over dp for the non-expert parameters, over edp for
+    the experts) put together and cut again: fsdp ZeRO-1 ep 2 (dp 4 = edp 2 x ep 2) -> ddp w4; and fsdp
+    ZeRO-1 ep 2 x pp 2 -> allreduce ep 2 --accumulate 2 (the same split): --check passes from step 0."""
+    _, b = _resharded(paralab, ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2"], ["ddp", "--workers", "4"])
+    _passed(b)
+    _, c = _resharded(paralab, ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--pp", "2",
+                                "--microbatches", "2"], ["allreduce", "--workers", "2", "--ep", "2", "--accumulate", "2"])
+    _passed(c)

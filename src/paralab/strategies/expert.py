@@ -267,6 +267,15 @@ class ExpertReplicas(Replicas):
         self.sparse = (self.inner(_Parameters(self.expert_params), optim_fn, mesh.comm("edp"), ctx)
                        if self.expert_params else None)  # a pipeline stage without a MoE layer has none
         self.parts = [f for f in (self.dense, self.sparse) if f is not None]
+        for unit in module.children():  # its tensors read (a checkpoint): none may be in flight
+            unit.register_state_dict_pre_hook(lambda *_: self.settle())
+
+    def settle(self) -> None:
+        """Wait for what a part's last step left in flight (ZeRO-1's all-gather of the parameters): the
+        parameter sets the parts wrap are never called, so their own forward hooks never fire."""
+        for f in self.parts:
+            if hasattr(f, "settle"):
+                f.settle()
 
     @property
     def optimizer(self):
@@ -278,6 +287,7 @@ class ExpertReplicas(Replicas):
 
     # ------------------------------------------------------------ one step: each phase on both
     def start(self) -> None:
+        self.settle()  # the weights are about to be read by the step's forwards
         for f in self.parts:
             f.start()
 
@@ -296,10 +306,13 @@ class ExpertReplicas(Replicas):
     def finish(self) -> None:
         for f in self.parts:
             f.finish()
-        with torch.no_grad():  # the experts' gradients: mean over edp so far, to the mean over dp
-            for p in self.expert_params:
-                if p.grad is not None:
-                    p.grad.div_(self.ep)
+        if self.sparse is None:
+            return
+        with torch.no_grad():  # the experts' gradients: mean over edp so far, to the mean over dp (those
+            for group in self.sparse.optimizer.param_groups:  # the optimizer steps: ZeRO-1's are its shards)
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(self.ep)
 
     def step(self) -> None:
         for f in self.parts:
@@ -332,11 +345,10 @@ class ExpertReplicas(Replicas):
         return dense, slices
 
     @staticmethod
-    def _renamed(inner, method: str, named, *args):
-        """``inner``'s portable method on a holder of ``named``'s parameters, whose plain names are
-        ``0.params.<k>``; the answer's names mapped back."""
-        holder = {0: _Parameters([p for _, p in named])}
-        out = getattr(inner, method)(*args, holder)
+    def _renamed(inner, states, named):
+        """``inner``'s ``optimizer_portable`` of one parameter set (its unit, as the flavour holds it: the
+        list of ``named``'s parameters, plain names ``0.<k>``), the names mapped back."""
+        out = inner.optimizer_portable(states, {0: nn.ParameterList([p for _, p in named])})
         return {named[int(k.rsplit(".", 1)[1])][0]: v for k, v in out.items()}
 
     @classmethod
@@ -345,12 +357,11 @@ class ExpertReplicas(Replicas):
         groups its files by the keys they hold, those of one ep slice: its edp replicas) -> each
         parameter's whole optimizer state. ``units``: the plain model's (every expert)."""
         dense, slices = cls._split(trainable(units), states[0]["ep"])
-        out = cls._renamed(inner_of(states[0]["dense"]), "optimizer_portable", dense,
-                           [s["dense"] for s in states])
+        out = cls._renamed(inner_of(states[0]["dense"]), [s["dense"] for s in states], dense)
         for rank in sorted({s["ep"]["rank"] for s in states}):
             group = [s["experts"] for s in states if s["ep"]["rank"] == rank]
             if group[0] is not None:
-                out |= cls._renamed(inner_of(group[0]), "optimizer_portable", slices[rank], group)
+                out |= cls._renamed(inner_of(group[0]), group, slices[rank])
         return out
 
     def state_from_portable(self, portable, units: dict) -> dict:
@@ -363,10 +374,10 @@ class ExpertReplicas(Replicas):
                                                                   slices.get(self.ep_comm.rank, []))):
             if flavour is None:
                 continue
-            local = Portable({f"0.params.{k}": portable.tensors[n] for k, (n, _) in enumerate(part)},
-                             {f"0.params.{k}": portable.optimizer[n] for k, (n, _) in enumerate(part)
+            local = Portable({f"0.{k}": portable.tensors[n] for k, (n, _) in enumerate(part)},
+                             {f"0.{k}": portable.optimizer[n] for k, (n, _) in enumerate(part)
                               if n in portable.optimizer})
-            out[key] = flavour.state_from_portable(local, {0: _Parameters([p for _, p in part])})
+            out[key] = flavour.state_from_portable(local, {0: flavour.module.params})
         return out
 
     def summary(self) -> dict:
@@ -398,10 +409,13 @@ class ExpertParallel(Strategy):
         from . import get_strategy, strategy_names
         if cfg.experts == 0:
             raise UsageError(f"--ep {cfg.ep} splits a mixture of experts: add --model gpt --experts E")
-        if cls.flavour_of(get_strategy(cfg.strategy), cfg) is None:
+        named = get_strategy(cfg.strategy)
+        if cls.flavour_of(named, cfg) is None:
             able = [n for n in strategy_names() if cls.flavour_of(get_strategy(n), cfg) is not None]
+            why = (named.why_not_pipelined(cfg) if named.pipeline_replicas(cfg) is None else
+                   "its flavour wraps the whole model for the forward, so it cannot be given a set of parameters")
             raise UsageError(f"--ep needs a data-parallel flavour that averages a set of parameters over a group "
-                             f"({', '.join(able)}); strategy {cfg.strategy!r} is not one")
+                             f"({', '.join(able)}); strategy {cfg.strategy!r} is not one: {why}")
         if cfg.experts % cfg.ep:
             raise UsageError(f"--experts {cfg.experts} must be divisible by --ep {cfg.ep} (each rank holds "
                              "experts / ep of them)")
