@@ -182,7 +182,7 @@ def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
     assert (r.out / "load.png").stat().st_size > 0
 
 
-def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab):
+def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab, capsys):
     """--ep 2 --pp 2 (fp32, the course setting, 1f1b, top-2): --check passes; each MoE layer's load is
     recorded once, by the stage holding it (every token's top-k choices, every step), and the token
     all-to-all of each rank sends its layers' kept rows (fp32: 4 bytes, embed 32)."""
@@ -202,6 +202,12 @@ def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab):
         assert sum(sent[rank]) == sum(sum(layer["counts"]) for layer in rows[(1, rank)]["moe"]) * 32 * 4, rank
     details = s["strategy_details"]
     assert [details[str(rank)]["data_parallel"]["experts_held"] for rank in range(4)] == [[0, 1], [2, 3]] * 2
+    # calc moe: per rank, the bytes of its layers' measured load = recorded = an even load's (dropless top-2)
+    from paralab.cli import main
+    assert main(["calc", "moe", str(r.out)]) == 0
+    table = capsys.readouterr().out.split("predicted (even load)")[1].splitlines()[2:]
+    assert len(table) == 4 and all(len({tuple(line.split("]")[1].split()[i:i + 2]) for i in (0, 2, 4)}) == 1
+                                   for line in table), table
 
 
 def test_calc_moe_even_load():

@@ -9,7 +9,7 @@ RUN --init``). ``paralab export`` turns any strategy's rank files into one
 plain state_dict (each strategy's ``consolidate``).
 
 A checkpoint whose identity differs from the run's only in its layout
-(:data:`LAYOUT_KEYS`: strategy, workers, pp, tp, ZeRO stage, microbatches...)
+(:data:`LAYOUT_KEYS`: strategy, workers, pp, tp, ep, ZeRO stage, microbatches...)
 resumes resharded: every rank reads every old rank file, the old strategy
 makes them one :class:`~paralab.strategies.portable.Portable` (whole tensors
 and optimizer state, plain names; :func:`read_portable`), and the new one
