@@ -353,9 +353,10 @@ class ExpertReplicas(Replicas):
 
     @classmethod
     def optimizer_portable(cls, states: list[dict], units: dict) -> dict[str, dict]:
-        """Offline: the flavour states of the module's dp replicas in dp order (under a pipeline, which
-        groups its files by the keys they hold, those of one ep slice: its edp replicas) -> each
-        parameter's whole optimizer state. ``units``: the plain model's (every expert)."""
+        """Offline: the flavour states of the module's dp replicas in dp order (the model's, or under a
+        pipeline one stage's) -> each parameter's whole optimizer state: the non-expert parameters' from
+        every replica (ZeRO-1 shards them over all), each expert's from the replicas holding it, its edp
+        group in order. ``units``: the plain model's (every expert)."""
         dense, slices = cls._split(trainable(units), states[0]["ep"])
         out = cls._renamed(inner_of(states[0]["dense"]), [s["dense"] for s in states], dense)
         for rank in sorted({s["ep"]["rank"] for s in states}):
