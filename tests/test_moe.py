@@ -232,8 +232,10 @@ def test_calc_moe_even_load():
     ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "gpipe", "--top-k", "1",
      "--partition", "1,3"],  # stage 0 holds no MoE layer
     ["fsdp", "--zero-stage", "1", "--workers", "2", "--ep", "2", "--top-k", "2"],
+    pytest.param(["ddp", "--workers", "8", "--ep", "2", "--pp", "2", "--microbatches", "2", "--top-k", "1"],
+                 marks=pytest.mark.slow),  # dp 4 = edp 2 x ep 2, x pp 2
 ], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2", "pp2",
-        "ep2xpp2-gpipe-no-moe-stage", "zero1-ep2"])
+        "ep2xpp2-gpipe-no-moe-stage", "zero1-ep2", "dp2xep2xpp2"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
@@ -460,3 +462,11 @@ def test_zero1_ep_reshards(paralab):
     _, c = _resharded(paralab, ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--pp", "2",
                                 "--microbatches", "2"], ["allreduce", "--workers", "2", "--ep", "2", "--accumulate", "2"])
     _passed(c)
+
+
+@pytest.mark.slow
+def test_tp_ep_pp_reshards_to_ddp(paralab):
+    """tp 2 x ep 2 x pp 2 on 8 ranks (its tp slices, ep slices and stages) -> ddp w2 --accumulate 2."""
+    _, b = _resharded(paralab, ["ddp", "--workers", "8", "--tp", "2", "--ep", "2", "--pp", "2", "--microbatches", "2"],
+                      ["ddp", "--workers", "2", "--accumulate", "2"])
+    _passed(b)
