@@ -182,6 +182,34 @@ def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
     assert (r.out / "load.png").stat().st_size > 0
 
 
+def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab, capsys):
+    """--ep 2 --pp 2 (fp32, the course setting, 1f1b, top-2): --check passes; each MoE layer's load is
+    recorded once, by the stage holding it (every token's top-k choices, every step), and the token
+    all-to-all of each rank sends its layers' kept rows (fp32: 4 bytes, embed 32)."""
+    r = paralab("train", "ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule",
+                "1f1b", "--top-k", "2", *GPT, *COURSE, fast=False)
+    s = _passed(r)
+    layers = s["moe"]["load"]["layers"]
+    assert len(layers) == 2 and all(sum(layer["tokens_per_expert"]) == 2 * 16 * 16 * 2 for layer in layers)
+    assert all(len(layer["aux_per_step"]) == 2 for layer in layers)
+    rows = {(row["step"], row["rank"]): row for row in r.rows("steps.jsonl")}
+    assert {rows[(1, rank)]["moe"][0]["layer"] for rank in range(4)} == {0, 1}  # stage 0: block 0, stage 1: 1
+    sent: dict = {}
+    for sp in r.rows("spans.jsonl"):
+        if sp["name"] == "moe_dispatch" and sp["step"] == 1:
+            sent.setdefault(sp["rank"], []).append(sp["bytes"])
+    for rank in range(4):  # one dispatch per microbatch; the records sum the step's forwards
+        assert sum(sent[rank]) == sum(sum(layer["counts"]) for layer in rows[(1, rank)]["moe"]) * 32 * 4, rank
+    details = s["strategy_details"]
+    assert [details[str(rank)]["data_parallel"]["experts_held"] for rank in range(4)] == [[0, 1], [2, 3]] * 2
+    # calc moe: per rank, the bytes of its layers' measured load = recorded = an even load's (dropless top-2)
+    from paralab.cli import main
+    assert main(["calc", "moe", str(r.out)]) == 0
+    table = capsys.readouterr().out.split("predicted (even load)")[1].splitlines()[2:]
+    assert len(table) == 4 and all(len({tuple(line.split("]")[1].split()[i:i + 2]) for i in (0, 2, 4)}) == 1
+                                   for line in table), table
+
+
 def test_calc_moe_even_load():
     """Parameters active vs total, and the token all-to-all bytes per rank and step under an even load."""
     from paralab.analysis import moe as m
@@ -201,7 +229,13 @@ def test_calc_moe_even_load():
     ["allreduce", "--workers", "4", "--ep", "4", "--top-k", "1", "--capacity-factor", "1.0"],
     ["ddp", "--workers", "4", "--tp", "2", "--ep", "2", "--top-k", "2"],
     ["pipeline", "--workers", "2", "--microbatches", "2", "--top-k", "2", "--layers", "4"],
-], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2", "pp2"])
+    ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "gpipe", "--top-k", "1",
+     "--partition", "1,3"],  # stage 0 holds no MoE layer
+    ["fsdp", "--zero-stage", "1", "--workers", "2", "--ep", "2", "--top-k", "2"],
+    pytest.param(["ddp", "--workers", "8", "--ep", "2", "--pp", "2", "--microbatches", "2", "--top-k", "1"],
+                 marks=pytest.mark.slow),  # dp 4 = edp 2 x ep 2, x pp 2
+], ids=["single", "torch-ddp", "ep2-top2", "ep2-all-gather-capacity", "dp2xep2", "ep4-capacity", "tp2xep2", "pp2",
+        "ep2xpp2-gpipe-no-moe-stage", "zero1-ep2", "dp2xep2xpp2"])
 def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
@@ -232,9 +266,30 @@ def test_fp32_course_setting(paralab, args):
      "--layers", "4", "--top-k", "2", "--capacity-factor", "1.25"],
     ["model", "--workers", "2", "--layers", "4", "--top-k", "2"],
     ["ddp", "--workers", "4", "--pp", "2", "--tp", "2", "--microbatches", "2", "--top-k", "2"],
+    # --ep with --pp: each stage's experts split over its ep group, its flavour twice (over dp and over edp)
+    ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--top-k", "1",
+     "--layers", "4", "--capacity-factor", "1.25"],
+    ["allreduce", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "gpipe",
+     "--top-k", "2"],
+    ["gather-scatter", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b",
+     "--top-k", "2", "--dispatcher", "all-gather"],
+    ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "4", "--schedule", "zb-h1", "--top-k", "2",
+     "--layers", "4"],
+    ["allreduce", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b",
+     "--virtual-stages", "2", "--layers", "4", "--top-k", "1", "--capacity-factor", "1.25"],
+    ["ddp", "--workers", "8", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b", "--top-k", "2"],
+    ["ddp", "--workers", "8", "--tp", "2", "--ep", "2", "--pp", "2", "--microbatches", "2", "--top-k", "1"],
+    # ZeRO-1 as the flavour: the non-expert optimizer state sharded over dp, the experts' over edp
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--top-k", "1", "--capacity-factor", "1.25"],
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule",
+     "1f1b", "--top-k", "2"],
+    ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--tp", "2", "--top-k", "2"],
 ], ids=["single", "gs-dp2", "ddp-dp2-acc", "torch-ddp-dp2", "ep2-top1", "ep2-top2-cap-acc", "ep2-all-gather",
         "ep4-cap", "dp2xep2-top2", "dp2xep2-cap", "tp2", "dp2xtp2", "tp2xep2-cap", "tp2xep2-all-gather",
-        "pp2-1f1b-cap", "pp2-zb-h1", "pp2-zb-h2", "pp2-interleaved-cap", "dp2xpp2", "model", "pp2xtp2"])
+        "pp2-1f1b-cap", "pp2-zb-h1", "pp2-zb-h2", "pp2-interleaved-cap", "dp2xpp2", "model", "pp2xtp2",
+        "ep2xpp2-1f1b-top1-cap", "ep2xpp2-gpipe-top2", "ep2xpp2-all-gather", "ep2xpp2-zb-h1",
+        "ep2xpp2-interleaved-cap", "dp2xep2xpp2", "tp2xep2xpp2", "zero1-edp2xep2", "zero1-ep2xpp2",
+        "zero1-tp2xep2"])
 def test_fp64_lr0_1_20_steps(paralab, args):
     s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
     assert s["check"]["max_weight_dev"] <= 1e-9
@@ -248,7 +303,7 @@ def test_fp64_lr0_1_20_steps(paralab, args):
     (["ddp", "--workers", "2", "--model", "gpt", "--experts", "3", "--ep", "2"], "divisible by --ep 2"),
     (["ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "4"], "--ep 4 must divide"),
     (["torch-ddp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "2"], "not one"),
-    (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--ep", "2", "--pp", "2"], "not composed"),
+    (["fsdp", "--workers", "2", "--model", "gpt", "--experts", "4", "--ep", "2"], "only --zero-stage 1"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--sequence-parallel"],
      "drop --sequence-parallel"),
     (["ddp", "--workers", "4", "--model", "gpt", "--experts", "4", "--tp", "2", "--ep", "2", "--sequence-parallel"],
@@ -335,3 +390,83 @@ def test_compare_leaves_out_strategies_without_moe(capsys, tmp_path):
     text = out.out + out.err
     assert "fsdp at 2 workers: does not train a mixture of experts" in text
     assert "paralab train ddp --workers 2" in text and "--experts 4" in text
+
+
+# ---------------------------------------------------------------- resuming into another --ep (resharded)
+RESHARD = [*GPT[:-1], "--top-k", "2", "--precision", "fp64", "--lr", "0.1", "--momentum", "0.9"]
+
+
+def _resharded(paralab, first, second, steps=(5, 10), check=True):
+    """Layout ``first`` for steps[0] steps, then ``second`` resumed from it to steps[1] (with --check: the
+    reference replays all the steps from the start, one process, the same split)."""
+    a = paralab("train", *first, *RESHARD, "--num-batches", str(steps[0]), fast=False)
+    assert a.returncode == 0, a.stderr[-2000:]
+    b = paralab("train", *second, *RESHARD, "--num-batches", str(steps[1]), "--resume", str(a.out),
+                *(["--check"] if check else []), fast=False)
+    assert "resharded" in b.stdout, b.stdout[-2000:] + b.stderr[-2000:]
+    return a, b
+
+
+def test_ep2_then_ep1_is_one_process(paralab):
+    """5 steps at ep 2 (each rank 2 of the 4 experts and their momentum), then 5 as plain ddp: --check
+    against one process trained 10 steps passes (fp64, momentum 0.9); and the reverse, ddp then ep 2."""
+    a, b = _resharded(paralab, ["allreduce", "--workers", "2", "--ep", "2"], ["ddp", "--workers", "2"])
+    _passed(b)
+    assert "ep 2" in b.stdout
+    _, c = _resharded(paralab, ["ddp", "--workers", "2"], ["gather-scatter", "--workers", "2", "--ep", "2"])
+    _passed(c)
+
+
+@pytest.mark.slow
+def test_ep_resume_without_the_experts_momentum_fails_the_check(paralab, tmp_path):
+    """The control: the same resume with the experts' optimizer state taken out of the ep 2 checkpoint
+    fails the check, so the test above does see the experts' slices carried."""
+    from paralab.run import checkpoint
+    a = paralab("train", "allreduce", "--workers", "2", "--ep", "2", *RESHARD, "--num-batches", "5", fast=False)
+    assert a.returncode == 0
+    for rank in range(2):
+        saved = checkpoint.load(a.out, rank)
+        saved["state"]["experts"]["optimizer"]["state"] = {}
+        torch.save(saved, tmp_path / "bare.pt")
+        (tmp_path / "bare.pt").replace(a.out / "checkpoint" / f"rank{rank}.pt")
+    b = paralab("train", "ddp", "--workers", "2", *RESHARD, "--num-batches", "10", "--resume", str(a.out),
+                "--check", fast=False)
+    assert "resharded" in b.stdout and b.summary["check"]["result"] == "FAIL", b.stdout[-2000:]
+    assert b.summary["check"]["max_weight_dev"] > 1e3 * 1e-9
+
+
+@pytest.mark.slow
+def test_ep2_pp2_reshards_to_and_from_other_layouts(paralab):
+    """ep 2 x pp 2 (microbatches 2) -> ddp w2 --accumulate 2 (the same split) -> ep 2 x pp 2 (1f1b) -> ep 2
+    --accumulate 2: each resumed run passes --check against one process trained from the start."""
+    _, b = _resharded(paralab, ["ddp", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2"],
+                      ["ddp", "--workers", "2", "--accumulate", "2"])
+    _passed(b)
+    c = paralab("train", "allreduce", "--workers", "4", "--ep", "2", "--pp", "2", "--microbatches", "2",
+                "--schedule", "1f1b", *RESHARD, "--num-batches", "15", "--resume", str(b.out), "--check", fast=False)
+    assert "resharded" in c.stdout
+    _passed(c)
+    d = paralab("train", "allreduce", "--workers", "2", "--ep", "2", "--accumulate", "2", *RESHARD,
+                "--num-batches", "20", "--resume", str(c.out), "--check", fast=False)
+    assert "resharded" in d.stdout
+    _passed(d)
+
+
+@pytest.mark.slow
+def test_zero1_ep_reshards(paralab):
+    """ZeRO-1 as the flavour under --ep: its shards (over dp for the non-expert parameters, over edp for
+    the experts) put together and cut again: fsdp ZeRO-1 ep 2 (dp 4 = edp 2 x ep 2) -> ddp w4; and fsdp
+    ZeRO-1 ep 2 x pp 2 -> allreduce ep 2 --accumulate 2 (the same split): --check passes from step 0."""
+    _, b = _resharded(paralab, ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2"], ["ddp", "--workers", "4"])
+    _passed(b)
+    _, c = _resharded(paralab, ["fsdp", "--zero-stage", "1", "--workers", "4", "--ep", "2", "--pp", "2",
+                                "--microbatches", "2"], ["allreduce", "--workers", "2", "--ep", "2", "--accumulate", "2"])
+    _passed(c)
+
+
+@pytest.mark.slow
+def test_tp_ep_pp_reshards_to_ddp(paralab):
+    """tp 2 x ep 2 x pp 2 on 8 ranks (its tp slices, ep slices and stages) -> ddp w2 --accumulate 2."""
+    _, b = _resharded(paralab, ["ddp", "--workers", "8", "--tp", "2", "--ep", "2", "--pp", "2", "--microbatches", "2"],
+                      ["ddp", "--workers", "2", "--accumulate", "2"])
+    _passed(b)

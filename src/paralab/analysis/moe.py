@@ -70,20 +70,26 @@ def memory_per_rank(params: dict, ep: int, element: int, optimizer: str) -> dict
 
 def load(steps: list[dict]) -> dict | None:
     """Per MoE layer: tokens routed to each expert (every rank and step), dropped choices, the
-    auxiliary loss per step (mean over ranks), the smallest top-k margin; None without records."""
+    auxiliary loss per step (mean over ranks), the smallest top-k margin; None without records. A
+    record names its layer (``layer``: under a pipeline each rank holds some of them); older records
+    are numbered by position."""
     rows = [r for r in steps if r.get("moe")]
     if not rows:
         return None
+    by_layer: dict[int, list[tuple[int, dict]]] = {}
+    for r in rows:
+        for i, rec in enumerate(r["moe"]):
+            by_layer.setdefault(rec.get("layer", i), []).append((r["step"], rec))
     layers = []
-    for i in range(len(rows[0]["moe"])):
-        counts = [sum(c) for c in zip(*(r["moe"][i]["counts"] for r in rows))]
+    for _, recs in sorted(by_layer.items()):
+        counts = [sum(c) for c in zip(*(rec["counts"] for _, rec in recs))]
         by_step: dict[int, list[float]] = {}
-        for r in rows:
-            by_step.setdefault(r["step"], []).append(r["moe"][i]["aux"])
+        for step, rec in recs:
+            by_step.setdefault(step, []).append(rec["aux"])
         layers.append({"tokens_per_expert": counts,
                        "imbalance": max(counts) / (sum(counts) / len(counts)) if sum(counts) else None,
-                       "dropped": sum(r["moe"][i]["dropped"] for r in rows),
+                       "dropped": sum(rec["dropped"] for _, rec in recs),
                        "aux_per_step": [sum(v) / len(v) for _, v in sorted(by_step.items())],
-                       "min_margin": min(r["moe"][i]["min_margin"] for r in rows)})
+                       "min_margin": min(rec["min_margin"] for _, rec in recs)})
     return {"layers": layers, "dropped": sum(layer["dropped"] for layer in layers),
             "min_margin": min(layer["min_margin"] for layer in layers)}

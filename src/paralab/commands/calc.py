@@ -511,7 +511,7 @@ def calc_moe(args) -> int:
                             for layer in row["moe"])
             recorded = sum(sp["bytes"] for sp in spans if sp["rank"] == rank and sp["step"] == measured_steps[0])
             table.append([rank, [sum(layer["counts"]) for layer in row["moe"]], fmt(predicted), fmt(recorded),
-                          fmt(args.layers * v["per_transfer"])])
+                          fmt(len(row["moe"]) * v["per_transfer"])])  # the layers it holds (a stage: some)
         from ..report.page import text_table
         print(text_table(["rank", "kept choices per layer", "predicted (measured load)", "recorded",
                           "predicted (even load)"], table))

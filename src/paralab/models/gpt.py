@@ -159,4 +159,7 @@ def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vo
     model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads, moe) for _ in range(layers)),
                           Head(embed, vocab))
     init_weights(model, layers)
+    for i, block in enumerate(model[1:-1]):
+        if moe:
+            block.mlp.layer = i  # the MoE layer's block index, in its routing records (moe.py)
     return model

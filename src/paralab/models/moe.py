@@ -135,6 +135,7 @@ class MoE(nn.Module):
         self.dispatch = local_dispatch
         self.aux_loss: torch.Tensor | None = None  # the last training forward's, until taken
         self.history: list[dict] = []               # per training forward: counts, dropped, aux, min_margin
+        self.layer = 0  # which block of the model it is (gpt.py numbers them): records name it under a pipeline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -192,10 +193,11 @@ def carry_aux_loss(unit: nn.Module, out: torch.Tensor, weight: float) -> torch.T
     return out if aux is None else _CarryAux.apply(out, aux * weight)
 
 
-def take_history(model: nn.Module) -> list[list[dict]]:
-    """Per MoE layer, its records since the last call (then cleared)."""
+def take_history(model: nn.Module, numbered: bool = False) -> list:
+    """Per MoE layer, its records since the last call (then cleared); ``numbered``: (its block's index,
+    records) pairs, for a module holding some of the model's layers (a pipeline stage)."""
     out = []
     for m in moe_layers(model):
-        out.append(m.history)
+        out.append((m.layer, m.history) if numbered else m.history)
         m.history = []
     return out

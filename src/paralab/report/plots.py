@@ -649,13 +649,15 @@ def moe_load(run: Run) -> dict | None:
     per_step: dict[int, dict] = {}
     for r in rows:
         totals = per_rank.setdefault(r["rank"], [0] * len(r["moe"][0]["counts"]))
-        step = per_step.setdefault(r["step"], {"counts": [None] * len(r["moe"]), "dropped": 0})
-        for i, layer in enumerate(r["moe"]):
+        step = per_step.setdefault(r["step"], {"counts": {}, "dropped": 0})
+        for i, layer in enumerate(r["moe"]):  # by the layer it names (a pipeline stage holds some of them)
             totals[:] = [a + b for a, b in zip(totals, layer["counts"])]
-            step["counts"][i] = [a + b for a, b in zip(step["counts"][i] or [0] * len(layer["counts"]),
-                                                       layer["counts"])]
+            at = layer.get("layer", i)
+            step["counts"][at] = [a + b for a, b in zip(step["counts"].get(at) or [0] * len(layer["counts"]),
+                                                        layer["counts"])]
             step["dropped"] += layer["dropped"]
-    over_time = [(st, max(max(c) / (sum(c) / len(c)) if sum(c) else 1.0 for c in v["counts"]), v["dropped"])
+    over_time = [(st, max(max(c) / (sum(c) / len(c)) if sum(c) else 1.0 for c in v["counts"].values()),
+                  v["dropped"])
                  for st, v in sorted(per_step.items())]
     return {"per_rank": per_rank, "over_time": over_time}
 

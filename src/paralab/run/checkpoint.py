@@ -9,7 +9,7 @@ RUN --init``). ``paralab export`` turns any strategy's rank files into one
 plain state_dict (each strategy's ``consolidate``).
 
 A checkpoint whose identity differs from the run's only in its layout
-(:data:`LAYOUT_KEYS`: strategy, workers, pp, tp, ZeRO stage, microbatches...)
+(:data:`LAYOUT_KEYS`: strategy, workers, pp, tp, ep, ZeRO stage, microbatches...)
 resumes resharded: every rank reads every old rank file, the old strategy
 makes them one :class:`~paralab.strategies.portable.Portable` (whole tensors
 and optimizer state, plain names; :func:`read_portable`), and the new one
@@ -39,6 +39,8 @@ IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
                "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
+# expert parallelism (--ep) only says which ranks hold which experts: resharded too (expert.py)
+LAYOUT_KEYS += ("ep",)
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)
@@ -143,7 +145,7 @@ def describe(ident: dict) -> str:
     from ..strategies import get_strategy
     options = {f.name for o in get_strategy(ident["strategy"]).options for f in dataclasses.fields(o)}
     what = ident["strategy"] + (f" (ZeRO-{ident['zero_stage']})" if "zero_stage" in options else "")
-    dims = [f"{k} {ident[k]}" for k in ("pp", "tp") if ident.get(k, 1) > 1]
+    dims = [f"{k} {ident[k]}" for k in ("pp", "tp", "ep") if ident.get(k, 1) > 1]
     return f"{what} on {ident['world']} rank(s)" + (f", {' x '.join(dims)}" if dims else "")
 
 

@@ -300,9 +300,10 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
 
 def composed(cfg: RunConfig, shape) -> str:
     """What wraps what in a composed run, for the start-up line."""
-    what = "the tp-sharded model" if shape.pp == 1 else \
+    what = f"the {'tp-sharded ' if shape.tp > 1 else ''}model" if shape.pp == 1 else \
         f"each of the {shape.pp} {'tp-sharded ' if shape.tp > 1 else ''}stages"
-    return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour"
+    twice = " twice: over dp, and for its experts (split over ep) over edp" if shape.ep > 1 else ""
+    return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour{twice}"
 
 
 def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, list]:

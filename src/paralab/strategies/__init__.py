@@ -71,9 +71,13 @@ def plan(cfg, world: int):
     if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
         from .expert import ExpertParallel
         shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
+        inner = ExpertParallel
+        if shape.pp > 1:  # each stage's flavour is the named one twice, over dp and over edp
+            from .expert import ExpertReplicas
+            inner, kwargs = Pipeline, {"replicas_cls": ExpertReplicas.over(kwargs["replicas_cls"])}
         if shape.tp > 1:
-            return shape, TensorParallel, {"inner_cls": ExpertParallel, "inner_kwargs": kwargs}
-        return shape, ExpertParallel, kwargs
+            return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
+        return shape, inner, kwargs
     shape = cls.mesh_shape(cfg, world)
     if issubclass(cls, (Pipeline, TensorParallel)):  # the pure forms (they build what they wrap themselves)
         if shape.tp > 1 and not issubclass(cls, TensorParallel):

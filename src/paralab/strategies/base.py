@@ -95,12 +95,13 @@ def moe_record(model: nn.Module) -> list | None:
     """Per MoE layer, what its router decided this step over this rank's forwards (None: no MoE):
     tokens routed to each expert (kept choices), dropped choices, the load-balancing loss (mean over
     the forwards), the smallest top-k margin, and where the experts are split the tokens each of this
-    rank's experts received (``received``)."""
+    rank's experts received (``received``); ``layer``: the layer's block index (a pipeline stage holds
+    some of them)."""
     out = []
-    for forwards in take_history(model):
+    for layer, forwards in take_history(model, numbered=True):
         if not forwards:
             continue
-        rec = {"counts": [sum(c) for c in zip(*(f["counts"] for f in forwards))],
+        rec = {"layer": layer, "counts": [sum(c) for c in zip(*(f["counts"] for f in forwards))],
                "dropped": sum(f["dropped"] for f in forwards),
                "aux": sum(f["aux"] for f in forwards) / len(forwards),
                "min_margin": min(f["min_margin"] for f in forwards)}

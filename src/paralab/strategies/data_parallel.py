@@ -34,7 +34,11 @@ class AccumulateOptions:
 
 def flavour_of(state: dict) -> type[Replicas]:
     """The flavour class that reads a saved flavour state: ZeRO-1's holds shards, every other flavour
-    the whole optimizer state (read alike)."""
+    the whole optimizer state (read alike); under --ep a stage's (or the model's) two flavours, over its
+    non-expert parameters and its experts, are one state (``expert.py``)."""
+    if "ep" in state and "dense" in state:
+        from .expert import ExpertReplicas
+        return ExpertReplicas
     if "zero1" in state:
         from .fsdp.zero1 import ZeroOneReplicas
         return ZeroOneReplicas

@@ -267,6 +267,8 @@ class Pipeline(Strategy):
         for s in sorted(self.flavours):
             self.flavours[s].sync_buffers(after_step=False)
         mine = {k: v.detach().cpu().clone() for k, v in self._stage_tensors().items()}
+        if self.ctx.mesh.shape.ep > 1:  # --ep: each rank of a stage's ep group holds some of its experts
+            mine = {k: v for part in self.ctx.mesh.comm("ep").all_gather_objects(mine) for k, v in part.items()}
         whole: dict[str, torch.Tensor] = {}
         for part in self.pp.all_gather_objects(mine):
             whole.update(part)
@@ -307,18 +309,18 @@ class Pipeline(Strategy):
     def portable(cls, states, model):
         """Offline: the tensors as :meth:`consolidate`; the optimizer state stage by stage, from the
         flavour states of the stage's dp replicas in dp order (the ranks whose files hold the same
-        keys, in rank order: the mesh puts dp inside pp). A rank's stages are those whose units'
-        keys its file holds; with several, its flavours are those of its stages with parameters, in
-        stage order."""
+        units, in rank order: the mesh puts dp inside pp; under --ep each holds some of their experts).
+        A rank's stages are those whose units' keys its file holds; with several, its flavours are
+        those of its stages with parameters, in stage order."""
         tensors = cls.consolidate(states, model)
         ranges = [tuple(r) for r in states[0]["ranges"]]
         replicas: dict[tuple, list[dict]] = {}
         for state in states:
-            replicas.setdefault(tuple(sorted(state["stage"])), []).append(state)
+            replicas.setdefault(tuple(sorted({int(k.split(".", 1)[0]) for k in state["stage"]})), []).append(state)
         optimizer: dict[str, dict] = {}
-        for keys, group in replicas.items():
+        for units_held, group in replicas.items():
             units_of = {s: {i: model[i] for i in range(a, b)} for s, (a, b) in enumerate(ranges)}
-            held = [s for s, units in units_of.items() if any(n in keys for n, _ in trainable(units))]
+            held = [s for s, units in units_of.items() if trainable(units) and any(i in units_held for i in units)]
             for k, s in enumerate(held):
                 flavour_states = [g if "flavours" not in g else g["flavours"][k] for g in group]
                 optimizer |= flavour_of(flavour_states[0]).optimizer_portable(flavour_states, units_of[s])
