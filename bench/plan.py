@@ -1,6 +1,7 @@
-"""paralab plan against real runs: predict, then run a spread of gpt layouts over the emulated network.
+"""paralab plan against real runs: predict, then run a spread of layouts over the emulated network.
 
-``python bench/plan.py [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 6]``
+``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 6]``
+``python bench/plan.py --memory-only [--model vgg11]``: memory only (no network, 2 steps a run)
 
 For each link rate: the cluster is ``this-machine`` (its calibration: the
 matmul rate, a real unit's rate with the workers running at once, a unit's
@@ -14,11 +15,16 @@ loopback in one namespace takes a tenth of that.
 evenly over that ranking and each a different dp x tp x pp / ZeRO / schedule,
 are then trained with ``paralab train ... --network RATE`` on synthetic text,
 and each one's measured step (the median of the slowest rank's steps after
-``--warmup``) is set beside its prediction. Per rate: every row's relative
-error, the median and worst absolute error, the Spearman rank correlation of
-predicted and measured order, and whether the predicted best is among the two
-fastest measured. Memory is not compared: on a CPU paralab records no
-allocator peak (docs/architecture.md, "Timing").
+``--warmup``) is set beside its prediction, and so is its peak memory per
+device: the busiest rank's model states (fsdp's ledger where it keeps one,
+else what the rank measured it holds, ``run/held.py``) plus the peak of its
+saved activations (``training/saved.py``), against the plan's model states
+plus activations, with what paralab's own gpt keeps (``activations=
+"paralab"``). Each pipeline run is given the plan's cut (``--partition``).
+Per rate: every row's relative error of step time and of memory, their
+median and worst absolute error, the Spearman rank correlation of predicted
+and measured order, and whether the predicted best is among the two fastest
+measured.
 
 Writes ``bench/results/plan.json`` (with the CPU named from ``lscpu``) and
 prints a table per rate. Runs take about 10 s each on a 2-core VM; run it under
@@ -37,7 +43,7 @@ from common import RESULTS, SRC, cpu_name, paralab_train, step_seconds, write_re
 
 sys.path.insert(0, str(SRC))
 
-from paralab.analysis.plan import Setting, gpt_workload, make_plan  # noqa: E402
+from paralab.analysis.plan import Setting, cnn_workload, gpt_workload, make_plan  # noqa: E402
 from paralab.analysis.plan.calibrate import calibration, this_machine  # noqa: E402
 from paralab.run.network import parse  # noqa: E402
 
@@ -91,25 +97,71 @@ def emulated_link(path: Path, rate: str, workers: int) -> tuple[float, float] | 
     return 2 * (workers - 1) / workers * 8 / slope / 1e9, intercept / (2 * (workers - 1))
 
 
-def run_layout(pred, args, rate: str, out: Path) -> dict:
+def model_args(args) -> list[str]:
+    if args.model == "gpt":
+        return ["--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads",
+                str(args.heads), "--context", str(args.context), "--dataset", "synthetic-text"]
+    return ["--model", args.model, "--width", str(args.width), "--dataset", "synthetic"]
+
+
+def partition(work, lay) -> list[str]:
+    """The plan's cut as ``--partition`` counts, so the run's stages are the ones predicted."""
+    if lay.pp == 1 or lay.virtual > 1:
+        return []
+    return ["--partition", ",".join(str(hi - lo) for lo, hi in work.cut(lay.pp))]
+
+
+def measured_memory(summary: dict) -> tuple[float, dict] | None:
+    """The busiest rank's model states plus saved-activation peak, and its parts."""
+    best = None
+    for rank, det in (summary.get("strategy_details") or {}).items():
+        held = det.get("held") if isinstance(det, dict) else None
+        if not held:
+            continue
+        ledger = ((det.get("memory") or {}).get("measured") or {}).get("peak_bytes")
+        states = sum(ledger.values()) + held["model_states_bytes"]["other"] if ledger else \
+            held["model_states_total_bytes"]
+        total = states + held["saved_activations_peak_bytes"]
+        parts = {"rank": int(rank), "model_states": states, "activations": held["saved_activations_peak_bytes"],
+                 "states_from": "fsdp's ledger + other held" if ledger else "held"}
+        if best is None or total > best[0]:
+            best = (total, parts)
+    return best
+
+
+def run_layout(pred, work, args, rate: str | None, out: Path) -> dict:
     words = shlex.split(pred.layout.command(args.workers))[2:]  # drop "paralab train"
-    argv = [*words, "--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads",
-            str(args.heads), "--context", str(args.context), "--batch-size", str(args.global_batch),
-            "--num-batches", str(args.steps), "--warmup", str(args.warmup), "--dataset", "synthetic-text",
-            "--network", rate, "--eval-batches", "1", "--no-progress", "--log-every", str(args.steps)]
+    argv = [*words, *partition(work, pred.layout), *model_args(args), "--batch-size", str(args.global_batch),
+            "--num-batches", str(args.steps), "--warmup", str(args.warmup), "--eval-batches", "1", "--no-progress",
+            "--log-every", str(args.steps), *(["--network", rate] if rate else [])]
     p = paralab_train(argv, out)
     row = {"layout": pred.layout.label(), "command": "paralab train " + " ".join(argv),
-           "predicted_s": pred.step, "predicted": pred.to_dict()}
+           "predicted_s": pred.step, "predicted_memory": pred.memory, "predicted": pred.to_dict()}
     if p.returncode != 0:
         return row | {"failed": p.stderr[-1500:]}
     import json
-    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    measured = statistics.median(step_seconds(rows, args.warmup))
-    return row | {"measured_s": measured, "error": (pred.step - measured) / measured}
+    memory = measured_memory(json.loads((out / "summary.json").read_text()))
+    if memory:
+        row |= {"measured_memory": memory[0], "measured_memory_parts": memory[1],
+                "memory_error": (pred.memory - memory[0]) / memory[0]}
+    if rate:
+        rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+        measured = statistics.median(step_seconds(rows, args.warmup))
+        row |= {"measured_s": measured, "error": (pred.step - measured) / measured}
+    return row
+
+
+def errors_of(rows: list[dict], key: str) -> dict:
+    errors = [abs(r[key]) for r in rows if key in r]
+    return {"median": statistics.median(errors) if errors else None, "worst": max(errors) if errors else None}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", choices=("gpt", "vgg11"))
+    p.add_argument("--width", type=float, default=0.25, help="the CNN's width")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compare memory only: no network, 2 steps a run (memory does not depend on the link)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--layouts", type=int, default=6)
@@ -120,28 +172,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "plan.json"))
+    p.add_argument("--out", default=None, help="default bench/results/plan[-memory][-MODEL].json")
     p.add_argument("--link-from", default=str(RESULTS / "network.json"),
                    help="bench/network.py's result on the same links: the link's bandwidth and per-step latency "
                         "fitted to its all-reduce times ('' to use the rate and the loopback latency)")
     args = p.parse_args(argv)
+    if args.memory_only:
+        args.steps, args.warmup, args.rates = 2, 1, "none"
+    name = "plan" + ("-memory" if args.memory_only else "") + ("" if args.model == "gpt" else f"-{args.model}")
+    args.out = args.out or str(RESULTS / f"{name}.json")
     cal, where = calibration("fp32", workers=args.workers)
-    work = gpt_workload(args.layers, args.embed, args.heads, args.context, 256)
+    work = gpt_workload(args.layers, args.embed, args.heads, args.context, 256, activations="paralab") \
+        if args.model == "gpt" else cnn_workload(args.model, args.width)
     setting = Setting(args.global_batch, "fp32", "sgd-momentum")  # paralab train's default optimizer
     result = {"machine": cpu_name(), "calibration": cal, "calibration_from": where, "settings": vars(args),
               "rates": {}}
     for rate in args.rates.split(","):
-        gbps = parse(rate).gbps
+        rate = None if rate == "none" else rate
         base = this_machine(cal, args.workers, where)
         import dataclasses
-        fitted = emulated_link(Path(args.link_from), rate, args.workers) if args.link_from else None
+        gbps = parse(rate).gbps if rate else base.intra_gbps
+        fitted = emulated_link(Path(args.link_from), rate, args.workers) if args.link_from and rate else None
         if fitted:
             link_gbps, latency = fitted
             link = f"fitted to {args.link_from}: {link_gbps:.3g} Gb/s, {latency * 1e6:.0f} us a ring step"
         else:
             link_gbps, latency = gbps, base.intra_latency_us * 1e-6
             link = f"the rate, and this-machine's loopback latency {latency * 1e6:.0f} us"
-        print(f"bench plan: {rate}: link {link}", flush=True)
+        print(f"bench plan: {rate or 'no network'}: link {link}", flush=True)
         cluster = dataclasses.replace(base, intra_gbps=link_gbps, inter_gbps=link_gbps,
                                       intra_latency_us=latency * 1e6, inter_latency_us=latency * 1e6)
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
@@ -150,31 +208,36 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         with tempfile.TemporaryDirectory(prefix="paralab-bench-plan-") as tmp:
             for i, pred in enumerate(chosen):
-                print(f"bench plan: {rate} {pred.layout.label()} ({i + 1}/{len(chosen)}) ...", flush=True)
-                rows.append(run_layout(pred, args, rate, Path(tmp) / f"run{i}"))
+                print(f"bench plan: {rate or 'memory'} {pred.layout.label()} ({i + 1}/{len(chosen)}) ...", flush=True)
+                rows.append(run_layout(pred, work, args, rate, Path(tmp) / f"run{i}"))
         ok = [r for r in rows if "measured_s" in r]
-        errors = [abs(r["error"]) for r in ok]
         fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
         best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
-        summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "measured": len(ok), "failed": len(rows) - len(ok),
-                   "median_abs_error": statistics.median(errors) if errors else None,
-                   "worst_abs_error": max(errors) if errors else None,
-                   "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]),
+        step_err, mem_err = errors_of(rows, "error"), errors_of(rows, "memory_error")
+        summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "measured": len(ok),
+                   "failed": sum(1 for r in rows if "failed" in r),
+                   "median_abs_error": step_err["median"], "worst_abs_error": step_err["worst"],
+                   "memory_median_abs_error": mem_err["median"], "memory_worst_abs_error": mem_err["worst"],
+                   "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if ok else None,
                    "predicted_best_among_two_fastest": best in fastest if best else None}
-        result["rates"][rate] = summary
-        print(f"\n{rate} ({gbps:g} Gb/s):")
-        print(f"  {'layout':<40}{'predicted':>12}{'measured':>12}{'error':>9}")
+        result["rates"][rate or "none"] = summary
+        print(f"\n{rate or 'memory'}:")
+        print(f"  {'layout':<40}{'predicted':>12}{'measured':>12}{'error':>9}{'pred MB':>10}{'meas MB':>10}{'error':>9}")
         for r in rows:
-            if "measured_s" in r:
-                print(f"  {r['layout']:<40}{r['predicted_s'] * 1e3:>10.1f}ms{r['measured_s'] * 1e3:>10.1f}ms"
-                      f"{100 * r['error']:>8.1f}%")
-            else:
-                print(f"  {r['layout']:<40}{r['predicted_s'] * 1e3:>10.1f}ms      failed: "
-                      + r["failed"].strip().splitlines()[-1][:60])
-        if errors:
-            print(f"  median |error| {100 * summary['median_abs_error']:.1f} %, worst {100 * summary['worst_abs_error']:.1f} %,"
-                  f" Spearman {summary['spearman']:.2f}, predicted best among the two fastest: "
-                  f"{summary['predicted_best_among_two_fastest']}")
+            if "failed" in r:
+                print(f"  {r['layout']:<40} failed: " + r["failed"].strip().splitlines()[-1][:60])
+                continue
+            time_cols = (f"{r['predicted_s'] * 1e3:>10.1f}ms{r['measured_s'] * 1e3:>10.1f}ms{100 * r['error']:>8.1f}%"
+                         if "measured_s" in r else f"{'':>12}{'':>12}{'':>9}")
+            mem_cols = (f"{r['predicted_memory'] / 1e6:>10.2f}{r['measured_memory'] / 1e6:>10.2f}"
+                        f"{100 * r['memory_error']:>8.1f}%" if "measured_memory" in r else "")
+            print(f"  {r['layout']:<40}{time_cols}{mem_cols}")
+        if ok:
+            print(f"  step time: median |error| {100 * summary['median_abs_error']:.1f} %, worst "
+                  f"{100 * summary['worst_abs_error']:.1f} %, Spearman {summary['spearman']:.2f}, predicted best "
+                  f"among the two fastest: {summary['predicted_best_among_two_fastest']}")
+        if mem_err["median"] is not None:
+            print(f"  memory: median |error| {100 * mem_err['median']:.1f} %, worst {100 * mem_err['worst']:.1f} %")
     path = write_result(args.out, result)
     print(f"\nwrote {path}")
     return 0

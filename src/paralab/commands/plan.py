@@ -59,6 +59,10 @@ class PlanOptions:
     microbatch: int = option(None, "pin the samples per microbatch", type=int, positive=True)
     recompute: str = option(None, "pin recomputation (planned from formulas only)", type=str,
                             choices=("none", "selective", "full"))
+    activations: str = option("auto", "what a gpt block keeps for backward: paralab (paralab's gpt: no dropout, a "
+                                      "fused attention), published (Korthikanti et al.'s Megatron block, for "
+                                      "comparing with papers), auto (paralab on this-machine, else published)",
+                              choices=("auto", "paralab", "published"))
     top: int = option(10, "rows to show", positive=True)
     json: bool = option(False, "print the plan as JSON (for scripts)")
     report: str = option(None, "also write the plan's page to this new directory: plan.json, report.html, "
@@ -131,7 +135,9 @@ def _workload(args):
     if args.model == "gpt":
         if args.embed % args.heads:
             raise UsageError(f"--embed {args.embed} must be divisible by --heads {args.heads}")
-        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab)
+        activations = args.activations if args.activations != "auto" else (
+            "paralab" if args.cluster == "this-machine" else "published")
+        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations)
     if args.tp not in (None, 1):
         raise UsageError(f"--tp {args.tp}: tensor parallelism is planned for the gpt only; leave out --tp")
     return cnn_workload(args.model, args.width)

@@ -211,6 +211,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             states = memory_per_worker(stage_params[r], d, lay.zero, setting.optimizer, setting.precision,
                                        unit_parameters=unit_max if lay.zero else None,
                                        step_in_backward=lay.zero >= 2, model_parallel=t).peak
+        if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
+            states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
     memory, states, activations, r_mem = max(mem_by_rank)
     step = pipe + dp_exposed + optimizer
@@ -222,7 +224,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         notes.append("recomputation is planned from formulas: paralab has no recomputation strategy yet")
     return Prediction(lay, step, compute, tp_comm, bubble, pp_comm, dp_exposed, dp_total, optimizer, memory,
                       {"model_states": states, "activations": activations, "rank": r_mem,
-                       "model_states_formula": est.total_formula.formula},
+                       "model_states_formula": est.total_formula.formula + (" + ddp's gradient buckets (Psi)"
+                                                                            if lay.zero == 0 else "")},
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
                       mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes)
 

@@ -16,9 +16,9 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   published for 16-bit activations and scaled by the element size.
   Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
   first, the head on the last (the cut must divide the blocks).
-- :func:`cnn_workload`: a course CNN built on the meta device (no memory):
-  each leaf module's output is what it keeps for backward, convolutions and
-  linears are its FLOPs. Tensor parallelism is not planned for CNNs; any
+- :func:`cnn_workload`: a course CNN run on the meta device (no memory):
+  what each unit keeps for backward is counted by the saved-tensor probe,
+  convolutions and linears are its FLOPs. Tensor parallelism is not planned for CNNs; any
   number of stages up to the units is a cut (balanced on FLOPs).
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Workload:
     tokens_per_sample: int            # s for the gpt, 1 for an image
     kind: str                         # "gpt" or "cnn"
     shape: dict = field(default_factory=dict)  # the gpt's L, h, a, s, V
+    activations: str = "published"   # the gpt's: Korthikanti's block ("published") or paralab's ("paralab")
 
     @property
     def parameters(self) -> int:
@@ -85,6 +86,11 @@ class Workload:
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
         blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
+        if self.activations == "paralab" and recompute == "none":
+            kept = blocks * paralab_block_elements(b, s, h, a, tp, sp)
+            if hi == len(self.units):  # final LayerNorm's input, output and statistics; the loss's logits
+                kept += s * b * ((1 / tp + 1 if sp else 2) * h + V / tp + (2 / tp if sp else 2))
+            return kept * e
         per_block = activation_memory(b, s, h, a, tp, sp, recompute).value
         total = blocks * per_block
         if lo == 0:  # the embedding's output (its dropout mask, as published)
@@ -107,11 +113,24 @@ class Workload:
         if self.kind == "gpt":
             sh = self.shape
             return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}: "
-                    f"{self.parameters:,} parameters")
+                    f"{self.parameters:,} parameters, activations as {self.activations}")
         return f"{self.name}: {self.parameters:,} parameters in {len(self.units)} units"
 
 
-def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int) -> Workload:
+def paralab_block_elements(b: int, s: int, h: int, a: int, t: int, sp: bool) -> float:
+    """Elements one block of paralab's gpt keeps for backward, per tp rank (measured by
+    ``training/saved.py``'s probe in tests/test_plan.py). Per token: both LayerNorms' inputs and
+    outputs (replicated, or under sequence parallelism their inputs split and the gathered outputs that
+    the column-parallel projections keep), q, k, v and the attention's output, the MLP's 4h input to GELU
+    and its output (split over tp); and per token and LayerNorm its mean and 1/std, per head the
+    attention's log-sum-exp."""
+    wide = 2 + 14 / t if sp else 4 + 12 / t
+    narrow = (4 / t if sp else 4) + a / t
+    return s * b * (h * wide + narrow)
+
+
+def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
+                 activations: str = "published") -> Workload:
     from ...models.gpt import parameter_counts
     L, h, s, V = layers, embed, context, vocab
     c = parameter_counts(L, h, s, V)
@@ -119,36 +138,44 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int) 
     units = [Unit("embedding", c["tokens"] + c["positions"], 0.0, s * h)]
     units += [Unit("block", block, 2.0 * block * s + 4.0 * s * s * h, s * h) for _ in range(L)]
     units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
-    return Workload("gpt", units, s, "gpt", dict(layers=L, embed=h, heads=heads, context=s, vocab=V))
+    return Workload("gpt", units, s, "gpt", dict(layers=L, embed=h, heads=heads, context=s, vocab=V), activations)
 
 
 def cnn_workload(name: str, width: float = 1.0) -> Workload:
-    """A course CNN counted on the meta device: per unit, parameters, forward FLOPs, kept elements."""
+    """A course CNN run on the meta device (nothing allocated): per unit, parameters, forward FLOPs, and
+    what it keeps for backward, counted by the saved-tensor probe (``training/saved.py``) as the bytes
+    autograd holds after the unit, less those before it, in fp32 elements (a max-pool's int64 indices
+    count as two)."""
     import torch
     import torch.nn as nn
 
     from ...models import build_model
+    from ...training.saved import SavedActivations
     with torch.device("meta"):
         model = build_model(name, width=width)
         x = torch.empty(1, 3, 32, 32)
-    units = []
-    for unit in model:
-        flops, kept = 0.0, 0.0
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    probe = SavedActivations(parameters)
+    units, outputs = [], []
+    with probe.watch():
+        for unit in model:
+            flops, before = 0.0, probe.live
 
-        def hook(mod, inp, out):
-            nonlocal flops, kept
-            kept += out.numel()
-            if isinstance(mod, nn.Conv2d):
-                k = mod.weight.shape[1] * mod.weight.shape[2] * mod.weight.shape[3]
-                flops += 2.0 * k * out.numel()
-            elif isinstance(mod, nn.Linear):
-                flops += 2.0 * mod.in_features * out.numel()
-        leaves = [m for m in unit.modules() if not list(m.children())]
-        handles = [m.register_forward_hook(hook) for m in leaves]
-        x = unit(x)
-        for hd in handles:
-            hd.remove()
-        kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
-            "linear" if any(isinstance(m, nn.Linear) for m in leaves) else "other"
-        units.append(Unit(kind, sum(p.numel() for p in unit.parameters()), flops, x.numel(), kept))
+            def hook(mod, inp, out):
+                nonlocal flops
+                if isinstance(mod, nn.Conv2d):
+                    k = mod.weight.shape[1] * mod.weight.shape[2] * mod.weight.shape[3]
+                    flops += 2.0 * k * out.numel()
+                elif isinstance(mod, nn.Linear):
+                    flops += 2.0 * mod.in_features * out.numel()
+            leaves = [m for m in unit.modules() if not list(m.children())]
+            handles = [m.register_forward_hook(hook) for m in leaves]
+            x = unit(x)
+            outputs.append(x)  # alive until the end, so nothing the probe counted is let go
+            for hd in handles:
+                hd.remove()
+            kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
+                "linear" if any(isinstance(m, nn.Linear) for m in leaves) else "other"
+            units.append(Unit(kind, sum(p.numel() for p in unit.parameters()), flops, x.numel(),
+                              (probe.live - before) / 4))
     return Workload(name, units, 1, "cnn", dict(width=width))

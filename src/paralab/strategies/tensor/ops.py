@@ -68,7 +68,9 @@ def _gather_seq(x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:
     shard = x.transpose(0, 1).contiguous()  # the gathered dimension outermost: [t, B, D]
     out = shard.new_empty((shard.shape[0] * comm.world,) + tuple(shard.shape[1:]))
     comm.all_gather_into(out, shard, name=name)
-    return out.transpose(0, 1)
+    # contiguous once here: each consumer (the q, k, v and fc projections) would otherwise copy the
+    # transposed view to flatten it, and autograd would keep every copy for backward
+    return out.transpose(0, 1).contiguous()
 
 
 def _scatter_seq(x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:
