@@ -62,12 +62,28 @@ def plan(cfg, world: int):
     """(mesh shape, the class that runs, its extra keyword arguments) for ``cfg`` on ``world`` ranks.
 
     Raises UsageError where the layout cannot work (the strategy's own
-    ``mesh_shape`` says why).
+    ``mesh_shape`` says why). Under ``--cp C`` context parallelism wraps the
+    layout :func:`inner_plan` gives (``context/strategy.py``).
     """
+    shape, cls, kwargs = inner_plan(cfg, world)
+    cp = getattr(cfg, "cp", 1)
+    if cp > 1 and shape.cp != cp:  # a pure form lays out its own mesh, with no cp in it
+        raise UsageError(f"strategy {cfg.strategy!r} does not compose with --cp {cp}: name a data-parallel "
+                         f"flavour, e.g. 'paralab train allreduce --workers {world} --cp {cp} --model gpt'")
+    if cp > 1:
+        from .context import ContextParallel
+        return shape, ContextParallel, {"inner_cls": cls, "inner_kwargs": kwargs}
+    return shape, cls, kwargs
+
+
+def inner_plan(cfg, world: int):
+    """:func:`plan` without context parallelism's wrapper (what it wraps)."""
     from .data_parallel import DataParallel
     from .pipeline import Pipeline
     from .tensor import TensorParallel
     cls = get_strategy(cfg.strategy)
+    if getattr(cfg, "ep", 1) > 1 and getattr(cfg, "cp", 1) > 1:
+        raise UsageError("--cp with --ep (a mixture of experts) is not composed: drop one of them")
     if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
         from .expert import ExpertParallel
         shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
@@ -88,6 +104,8 @@ def plan(cfg, world: int):
         if shape.pp == 1:
             inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
         return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
+    if shape.cp > 1 and shape.pp == 1:  # the flavour wraps the model whose attention sees the cp group
+        inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
     return shape, inner, kwargs
 
 
