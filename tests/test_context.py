@@ -4,6 +4,8 @@ import json
 import pytest
 import torch
 
+from conftest import run_paralab
+
 from paralab.cli import main
 from paralab.mesh import MeshShape
 from paralab.strategies.context.layout import Layout
@@ -52,9 +54,21 @@ def _passed(r):
 @pytest.mark.parametrize("method", ["ring", "all-to-all"])
 @pytest.mark.parametrize("setting", [FP64, COURSE], ids=["fp64-lr0.1-momentum-20", "fp32-course"])
 def test_cp2_passes_check(paralab, method, setting):
-    shape = _passed(paralab("train", "allreduce", "--workers", "2", "--cp", "2", "--cp-method", method,
-                            *GPT, *setting, fast=False))
-    assert shape == {"pp": 1, "dp": 1, "cp": 2, "tp": 1}
+    r = paralab("train", "allreduce", "--workers", "2", "--cp", "2", "--cp-method", method, *GPT, *setting,
+                fast=False)
+    assert _passed(r) == {"pp": 1, "dp": 1, "cp": 2, "tp": 1}
+    _calc_matches(r, 3 if method == "ring" else 8)
+
+
+def _calc_matches(r, kinds):
+    """calc cp RUN: every cp message recorded per step equals the cost model's count and bytes, byte for byte."""
+    calc = run_paralab("calc", "cp", str(r.out))
+    assert calc.returncode == 0, calc.stderr
+    rows = [line.split() for line in calc.stdout.splitlines() if line.startswith("  cp_")]
+    assert len(rows) == kinds + 1, calc.stdout  # + the loss all-reduce
+    for row in rows:
+        name, predicted, measured = row[0], " ".join(row[1:5]), " ".join(row[5:9])
+        assert predicted == measured, (name, calc.stdout)
 
 
 @pytest.mark.slow
@@ -77,7 +91,9 @@ def test_cp4_passes_check(paralab, method, setting, balance):
     (["ddp", "--workers", "8", "--cp", "2", "--tp", "2"], {"pp": 1, "dp": 2, "cp": 2, "tp": 2}),
 ], ids=["dp2xcp2", "cp2xtp2", "cp2xtp2-a2a", "cp2xpp2", "dp2xcp2xtp2"])
 def test_compositions_pass_check_in_fp64(paralab, args, shape):
-    assert _passed(paralab("train", *args, *GPT, *FP64, fast=False)) == shape
+    r = paralab("train", *args, *GPT, *FP64, fast=False)
+    assert _passed(r) == shape
+    _calc_matches(r, 8 if "all-to-all" in args else 3)
 
 
 def refused(capsys, tmp_path, *argv):
