@@ -120,3 +120,27 @@ SMALL = ["--model", "gpt", "--layers", "1", "--embed", "32", "--heads", "4", "--
 ], ids=["cnn", "heads", "context", "workers", "pure-tp", "sequence-parallel"])
 def test_bad_layouts_are_refused(capsys, tmp_path, argv, message):
     assert message in refused(capsys, tmp_path, *argv)
+
+
+def test_pure_cp_is_a_strategy_over_all_workers(paralab):
+    r = paralab("train", "cp", "--workers", "2", *GPT, *COURSE, fast=False)
+    assert _passed(r) == {"pp": 1, "dp": 1, "cp": 2, "tp": 1}
+
+
+def test_torch_cp_is_refused_on_cpu_with_the_reason(capsys, tmp_path):
+    err = refused(capsys, tmp_path, "torch-cp", "--workers", "2", *SMALL, "--device", "cpu")
+    assert "_scaled_dot_product_flash_attention_for_cpu" in err and "paralab train cp" in err
+
+
+def test_torch_cp_still_cannot_run_on_cpu():
+    """The reason torch-cp is refused, tried on this PyTorch (one gloo rank, in a fresh process): when a release
+    runs it, this fails, and torch-cp should be written."""
+    import multiprocessing
+    import socket
+    from paralab.strategies.torch_cp import cpu_probe
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        error = pool.apply(cpu_probe, (port,))
+    assert error and "_scaled_dot_product_flash_attention_for_cpu" in error, error

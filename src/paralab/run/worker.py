@@ -290,9 +290,13 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
 
 def composed(cfg: RunConfig, shape) -> str:
     """What wraps what in a composed run, for the start-up line."""
-    what = "the tp-sharded model" if shape.pp == 1 else \
+    what = ("the tp-sharded model" if shape.tp > 1 else "the model") if shape.pp == 1 else \
         f"each of the {shape.pp} {'tp-sharded ' if shape.tp > 1 else ''}stages"
-    return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour"
+    out = f"{what} wrapped in {cfg.strategy}'s data-parallel flavour"
+    if shape.cp > 1:  # context parallelism (strategies/context/)
+        out += (f", over dp x cp; each sample's sequence split over cp {shape.cp} "
+                f"({cfg.cp_method} attention, {'balanced' if cfg.cp_balance else 'contiguous'} chunks)")
+    return out
 
 
 def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, list]:

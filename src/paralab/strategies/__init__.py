@@ -27,6 +27,8 @@ REGISTRY = {
     "torch-pipeline": "paralab.strategies.torch_pipeline:TorchPipeline",
     "tp": "paralab.strategies.tensor:TensorParallel",
     "torch-tp": "paralab.strategies.torch_tp:TorchTP",
+    "cp": "paralab.strategies.context:ContextParallel",
+    "torch-cp": "paralab.strategies.torch_cp:TorchCP",
 }
 
 
@@ -70,7 +72,7 @@ def plan(cfg, world: int):
     if cp > 1 and shape.cp != cp:  # a pure form lays out its own mesh, with no cp in it
         raise UsageError(f"strategy {cfg.strategy!r} does not compose with --cp {cp}: name a data-parallel "
                          f"flavour, e.g. 'paralab train allreduce --workers {world} --cp {cp} --model gpt'")
-    if cp > 1:
+    if shape.cp > 1:
         from .context import ContextParallel
         return shape, ContextParallel, {"inner_cls": cls, "inner_kwargs": kwargs}
     return shape, cls, kwargs

@@ -22,6 +22,11 @@ the reported loss is averaged over cp by one small all-reduce (what one
 process reports). Dividing by C twice, or not at all, is the classic bug;
 ``--check`` catches either.
 
+``paralab train cp --workers C --model gpt`` is pure context parallelism (cp =
+workers / (pp x tp), gradients averaged by one all-reduce per parameter);
+``paralab train ddp --workers 4 --cp 2 --model gpt`` is dp 2 x cp 2, the
+named flavour averaging over dp x cp.
+
 Composition (``strategies.plan``): :class:`ContextParallel` is the outermost
 wrapper; inside it the layout runs as without cp (the flavour, a pipeline,
 tensor parallelism), its units passed through :meth:`ContextParallelism.shard`
@@ -40,9 +45,11 @@ import torch
 import torch.nn as nn
 
 from ...errors import UsageError
-from ...models.gpt import Block, Embedding
+from ...mesh import MeshShape
+from ...models.gpt import Block
 from ...options import option
-from ..base import StepResult, Strategy
+from ..allreduce import AllReduceReplicas
+from ..base import Strategy
 from .layout import Layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
@@ -111,6 +118,8 @@ class _GradientMesh:
 class ContextParallel(Strategy):
     name = "cp"
     options = (ContextOptions,)
+    #: the pure form (``paralab train cp``): dp 1, every rank reads the whole batch (its tokens of it)
+    data_parallel = False
 
     def __init__(self, ctx, model_fn, optim_fn, inner_cls, inner_kwargs=None):
         super().__init__(ctx, model_fn, optim_fn)
@@ -124,12 +133,29 @@ class ContextParallel(Strategy):
 
     # ------------------------------------------------------------ declarations
     @classmethod
+    def pipeline_replicas(cls, cfg):
+        """The pure form's flavour: one all-reduce per parameter, over the cp (and dp) ranks."""
+        return AllReduceReplicas
+
+    @classmethod
+    def mesh_shape(cls, cfg, world: int) -> MeshShape:
+        """The pure form: cp takes the workers ``--pp`` and ``--tp`` leave (at least 2)."""
+        rest = world // (cfg.pp * cfg.tp) if world % (cfg.pp * cfg.tp) == 0 else 0
+        if cfg.cp not in (1, rest) or rest < 2:
+            raise UsageError(f"strategy 'cp' is pure context parallelism over the workers left by --pp and --tp "
+                             f"(here {world} / ({cfg.pp} x {cfg.tp})), at least 2; for data x context parallelism "
+                             f"name the data-parallel flavour, e.g. 'paralab train allreduce --workers {world} "
+                             f"--cp {cfg.cp if cfg.cp > 1 else 2} --model gpt'")
+        return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp, cp=rest)
+
+    @classmethod
     def validate(cls, cfg, world: int) -> None:
         """What context parallelism needs of the model and the other options; then the inner layout's own
         checks, on the mesh without cp."""
         from ...models import MODALITY
         from .. import inner_plan
-        cp = cfg.cp
+        shape, inner, _ = inner_plan(cfg, world)
+        cp = shape.cp
         if MODALITY[cfg.model] != "text":
             raise UsageError(f"--cp {cp} splits a transformer's sequence; --model {cfg.model} has none: use "
                              "--model gpt (or drop --cp)")
@@ -145,7 +171,6 @@ class ContextParallel(Strategy):
             raise UsageError(f"--cp-method all-to-all gives each cp rank whole heads: the {cfg.heads} heads"
                              f"{f' / tp {tp}' if tp > 1 else ''} must divide by cp {cp}; change --heads or --cp, "
                              "or use --cp-method ring")
-        inner = inner_plan(cfg, world)[1]
         if inner is not cls:
             inner.validate(cfg, world // cp)
 
