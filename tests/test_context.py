@@ -144,3 +144,18 @@ def test_torch_cp_still_cannot_run_on_cpu():
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         error = pool.apply(cpu_probe, (port,))
     assert error and "_scaled_dot_product_flash_attention_for_cpu" in error, error
+
+
+@pytest.mark.slow
+def test_resume_from_cp_into_another_layout(paralab, tmp_path):
+    """A cp checkpoint (every cp rank holds the whole state) resumes resharded into cp x tp with Ulysses, and the
+    resumed run still passes --check; export puts the cp run's files together."""
+    common = [*GPT[:-1], "--precision", "fp64", "--checkpoint-every", "5"]
+    a = paralab("train", "cp", "--workers", "2", *common, "--num-batches", "5", out=tmp_path / "a", fast=False)
+    assert a.returncode == 0, a.stderr
+    b = paralab("train", "allreduce", "--workers", "4", "--cp", "2", "--tp", "2", "--cp-method", "all-to-all",
+                *common, "--num-batches", "10", "--resume", str(a.out), "--check", out=tmp_path / "b", fast=False)
+    assert b.returncode == 0, b.stdout + b.stderr
+    assert "resharded" in b.stdout and b.summary["check"]["result"] == "PASS", b.stdout
+    export = run_paralab("export", str(a.out), "-o", str(tmp_path / "m.pt"))
+    assert export.returncode == 0, export.stderr

@@ -503,6 +503,13 @@ def calc_cp(args) -> int:
     _print(comm)
     print("per microbatch:  " + ", ".join(f"{k} {calls} x ({fmt(size)})" for k, (calls, size) in
                                         comm.parts["messages"].items()))
+    from ..analysis.tensor import activation_total
+    whole = activation_total(b, s, h, args.heads, L, t, False, "selective")
+    mine = activation_total(b, s // C, h, args.heads, L, t, False, "selective")
+    print(f"activation memory per rank without attention scores (Korthikanti et al. 2022 Table 2, 16-bit, as "
+          f"published; neither cp method keeps scores: the ring saves q, k, v, out and the log-sum-exp, Ulysses' "
+          f"attention is fused): {fmt(whole.value)} on one rank, {fmt(mine.value)} with cp {C} (s / C = {s // C} "
+          f"tokens)")
     for balanced in (True, False):
         work = causal_work(s, C, balanced)
         print(f"causal attention scores per cp rank, {'balanced' if balanced else 'contiguous'}: "

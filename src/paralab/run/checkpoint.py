@@ -39,6 +39,7 @@ IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
                "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
+LAYOUT_KEYS += ("cp", "cp_method", "cp_balance")  # context parallelism: every cp rank holds the whole state
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)
