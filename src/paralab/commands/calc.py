@@ -27,6 +27,7 @@ examples:
   paralab calc bubble --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages 2
   paralab calc comm --model vgg11 --workers 4 --batch-size 256
   paralab calc moe --experts 8 --top-k 2 --ep 4 --tokens 2048
+  paralab calc cp --cp 4 --context 4096 --embed 768 --heads 12 --layers 12 --batch-size 1
   paralab calc run runs/ddp-w2-20250101-120000 --bandwidth 10
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@
 ``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
 data-parallel flavour around each part (stage the model first, then shard
 each stage's units over tp, then wrap them for data parallelism); under
-``--ep N``, expert parallelism with the named flavour (``expert.py``).
+``--ep N``, expert parallelism with the named flavour (``expert.py``); under
+``--cp C``, context parallelism around all of it (``context/``).
 """
 from __future__ import annotations
 
