@@ -537,7 +537,15 @@ def cp_run_table(run, comm) -> None:
     print(f"\n{run.path}: context parallelism per step ({len(steps)} measured), {micro} microbatch(es), "
           f"recorded on rank(s) {', '.join(map(str, stage_ranks))} (cp 0 of each stage):")
     print(f"  {'message':<28}{'predicted':>22}{'measured':>22}")
-    rows = {k: (calls * micro, size * micro) for k, (calls, size) in comm.parts["messages"].items()}
+    # a zero-bubble schedule splits each backward in two (I, then W), and both walk back through the attention
+    # core, so its backward messages happen twice (the records say so: backward_input spans)
+    split = 2 if any(sp["name"] == "backward_input" for sp in run.spans if sp["category"] == "compute") else 1
+    if split > 1:
+        print("  (the backward is split in two, I and W, as zero-bubble schedules do: each part runs the attention "
+              "backward, so its messages are counted twice)")
+    rows = {k: (calls * micro * (split if k.endswith("_backward") else 1),
+                size * micro * (split if k.endswith("_backward") else 1))
+            for k, (calls, size) in comm.parts["messages"].items()}
     rows["cp_loss_all_reduce"] = (1, e)  # on the stage that has the loss
     for k, (calls, size) in rows.items():
         got = [sp for sp in spans if sp["name"] == k and sp["step"] in steps]
