@@ -199,8 +199,9 @@ class Strategy:
                              f"{cls.why_not_pipelined(cfg)}; for pure tensor parallelism use 'paralab train tp'")
         cp = getattr(cfg, "cp", 1)
         if cp > 1 and cls.pipeline_replicas(cfg) is None:
-            raise UsageError(f"strategy {cls.name!r} cannot be composed with context parallelism (--cp {cp}): "
-                             f"{cls.why_not_pipelined(cfg)}")
+            raise UsageError(f"strategy {cls.name!r} cannot be composed with context parallelism (--cp {cp}): it "
+                             "has no data-parallel flavour (the one --pp and --tp compose with) to average the "
+                             "gradients over dp x cp; name a strategy that has one")
         return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp, cp=cp)
 
     @classmethod
