@@ -91,7 +91,9 @@ def test_cp4_passes_check(paralab, method, setting, balance):
     (["allreduce", "--workers", "4", "--cp", "2", "--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"],
      {"pp": 2, "dp": 1, "cp": 2, "tp": 1}),  # a split backward: the attention backward runs in I and in W
     (["ddp", "--workers", "8", "--cp", "2", "--tp", "2"], {"pp": 1, "dp": 2, "cp": 2, "tp": 2}),
-], ids=["dp2xcp2", "cp2xtp2", "cp2xtp2-a2a", "cp2xpp2", "cp2xpp2-zbh1", "dp2xcp2xtp2"])
+    (["ddp", "--workers", "8", "--cp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b",
+      "--cp-method", "all-to-all"], {"pp": 2, "dp": 1, "cp": 2, "tp": 2}),
+], ids=["dp2xcp2", "cp2xtp2", "cp2xtp2-a2a", "cp2xpp2", "cp2xpp2-zbh1", "dp2xcp2xtp2", "pp2xcp2xtp2-a2a"])
 def test_compositions_pass_check_in_fp64(paralab, args, shape):
     r = paralab("train", *args, *GPT, *FP64, fast=False)
     assert _passed(r) == shape
