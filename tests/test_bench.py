@@ -84,3 +84,12 @@ def test_moe_bench(tmp_path):
     assert best["ep2-a2a"]["dispatch_bytes_per_step"] == best["ep2-a2a"]["dispatch_bytes_predicted"] > 0
     assert best["ep2-skew3"]["rank_load_imbalance"] > best["ep2-a2a"]["rank_load_imbalance"]
 
+
+
+@pytest.mark.slow  # about 30 s: four variants, two of them on 2 workers
+def test_context_bench(tmp_path):
+    d = bench(tmp_path, "context", "--embed", "32", "--context", "32", "--batch-size", "4", "--steps", "3",
+              "--warmup", "1", "--repeats", "1")
+    assert set(d["best"]) == {"single", "cp2-ring", "cp2-ring-contiguous", "cp2-a2a"}
+    assert set(d["best"]["cp2-ring"]["attention_s_per_rank"]) == {"0", "1"}  # each cp rank's attention was timed
+    assert "cp2_ring_balanced_over_contiguous" in d["ratios"]

@@ -30,6 +30,7 @@ ALLOWED = {
     ("analysis/memory.py", "ddp"): "the cost model's label for ZeRO stage 0 (DDP's layout of model states)",
     ("commands/partition.py", "model"): "a key of the JSON `paralab partition --json` prints (the model's name)",
     ("commands/calc.py", "tp"): "`calc tp`'s own --tp option and the mesh dimension it reads, not the strategy",
+    ("commands/calc.py", "cp"): "`calc cp`'s own --cp option and the mesh dimension it reads, not the strategy",
     ("commands/plan.py", "tp"): "a pin: `paralab plan --tp`, the mesh dimension, not the strategy",
     ("commands/plan.py", "model"): "a key of the JSON `paralab plan --json` prints (the model's description)",
     ("analysis/plan/layouts.py", "tp"): "the --tp pin's key, the mesh dimension, not the strategy",

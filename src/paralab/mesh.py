@@ -28,6 +28,16 @@ there, each member holding a different slice of the experts), and an
 experts, over which the experts' gradients are averaged. Every rank still
 reads its own data shard: ep ranks are data-parallel replicas too, so the
 non-expert parameters are averaged over the whole dp group.
+
+Context parallelism (``--cp C``, ``strategies/context/``) adds a fourth grid
+dimension between dp and tp, only when C > 1: ``pp x dp x cp x tp``,
+``rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index``.
+Its ``cp`` group holds the sequence slices of the same samples (the ring or
+the all-to-all of every attention layer runs there: chattier than dp's one
+gradient exchange per step, lighter than tp's collectives around every
+matmul, so between them, as torchtitan orders it). Its ``dpcp`` group (the
+ranks that differ in dp or cp) is where gradients are averaged: every cp rank
+holds the whole model and the same number of tokens of its samples.
 """
 from __future__ import annotations
 
@@ -39,6 +49,7 @@ from .options import option
 
 DIMS = ("pp", "dp", "tp")  # outermost first
 EXPERT_DIMS = ("ep", "edp")  # dp subdivided under --ep: experts split over ep, replicated over edp
+CONTEXT_DIMS = ("cp", "dpcp")  # under --cp: the sequence split over cp; gradients averaged over dp x cp
 
 
 @dataclass
@@ -54,6 +65,9 @@ class MeshOptions:
                         "many data-parallel replicas, tokens sent to them by all-to-all; a divisor of dp (e.g. "
                         "'allreduce --workers 4 --ep 2 --model gpt --experts 4' is dp 4 = 2 x ep 2)", minimum=1,
                      identity=True)
+    cp: int = option(1, "context parallelism (the gpt): each sample's sequence split over this many ranks, "
+                        "attention by a ring or all-to-all (--cp-method); dp = workers / (pp x cp x tp) (e.g. "
+                        "'allreduce --workers 4 --cp 2 --model gpt' is dp 2 x cp 2)", minimum=1, identity=True)
 
 
 @dataclass(frozen=True)
@@ -62,36 +76,44 @@ class MeshShape:
     dp: int = 1
     tp: int = 1
     ep: int = 1  # a divisor of dp (see the module docstring)
+    cp: int = 1  # context parallelism: a grid dimension between dp and tp when > 1
 
     @classmethod
-    def for_world(cls, world: int, pp: int = 1, tp: int = 1, ep: int = 1) -> "MeshShape":
-        """The shape with ``dp = world / (pp * tp)``; UsageError if that is not a whole number."""
-        for name, size in (("pp", pp), ("tp", tp), ("ep", ep)):
+    def for_world(cls, world: int, pp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1) -> "MeshShape":
+        """The shape with ``dp = world / (pp * cp * tp)``; UsageError if that is not a whole number."""
+        for name, size in (("pp", pp), ("tp", tp), ("ep", ep), ("cp", cp)):
             if size < 1:
                 raise UsageError(f"--{name} must be positive (got {size})")
-        if world % (pp * tp):
-            raise UsageError(f"{world} worker(s) cannot form a mesh with pp {pp} x tp {tp}: the workers must be a "
-                             f"multiple of {pp * tp} (data parallelism takes the rest)")
-        dp = world // (pp * tp)
+        if world % (pp * cp * tp):
+            grid = f"pp {pp} x cp {cp} x tp {tp}" if cp > 1 else f"pp {pp} x tp {tp}"
+            raise UsageError(f"{world} worker(s) cannot form a mesh with {grid}: the workers must be a "
+                             f"multiple of {pp * cp * tp} (data parallelism takes the rest)")
+        dp = world // (pp * cp * tp)
         if dp % ep:
             raise UsageError(f"--ep {ep} must divide the {dp} data-parallel replicas (workers / (pp x tp)): "
                              f"change --ep or --workers")
-        return cls(pp=pp, dp=dp, tp=tp, ep=ep)
+        return cls(pp=pp, dp=dp, tp=tp, ep=ep, cp=cp)
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    def grid(self) -> tuple[str, ...]:
+        """The grid's dimensions, outermost first: pp, dp, (cp,) tp."""
+        return ("pp", "dp", "cp", "tp") if self.cp > 1 else DIMS
 
     def size(self, dim: str) -> int:
+        if dim == "dpcp":
+            return self.dp * self.cp
         return self.dp // self.ep if dim == "edp" else getattr(self, dim)
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (and under --ep along ep and edp: its dp index split)."""
         coords = {}
-        for dim in reversed(DIMS):  # innermost varies fastest
+        for dim in reversed(self.grid()):  # innermost varies fastest
             coords[dim] = rank % self.size(dim)
             rank //= self.size(dim)
-        out = {dim: coords[dim] for dim in DIMS}
+        out = {dim: coords[dim] for dim in self.grid()}
         if self.ep > 1:
             out |= {"ep": out["dp"] % self.ep, "edp": out["dp"] // self.ep}
         return out
@@ -100,15 +122,17 @@ class MeshShape:
         if "ep" in coords or "edp" in coords:
             coords = coords | {"dp": coords.get("edp", 0) * self.ep + coords.get("ep", 0)}
         r = 0
-        for dim in DIMS:
+        for dim in self.grid():
             r = r * self.size(dim) + coords.get(dim, 0)
         return r
 
     def group_of(self, rank: int, dim: str) -> list[int]:
         """The global ranks of ``rank``'s group along ``dim``, ordered by their index in it."""
         c = self.coords(rank)
+        if dim == "dpcp":  # dp-major, cp within
+            return [self.rank(**(c | {"dp": d, "cp": k})) for d in range(self.dp) for k in range(self.cp)]
         if dim == "dp":  # ep, edp follow from dp
-            c = {k: v for k, v in c.items() if k in DIMS}
+            c = {k: v for k, v in c.items() if k in self.grid()}
         elif dim in EXPERT_DIMS:
             c = {k: v for k, v in c.items() if k != "dp"}
         return [self.rank(**(c | {dim: i})) for i in range(self.size(dim))]
@@ -124,16 +148,18 @@ class MeshShape:
         return out
 
     def dims(self) -> tuple[str, ...]:
-        """The dimensions with a group of their own: pp, dp, tp, and under --ep, ep and edp."""
-        return DIMS + (EXPERT_DIMS if self.ep > 1 else ())
+        """The dimensions with a group of their own: pp, dp, tp, under --ep ep and edp, under --cp cp and dpcp."""
+        return DIMS + (EXPERT_DIMS if self.ep > 1 else ()) + (CONTEXT_DIMS if self.cp > 1 else ())
 
     def describe(self) -> str:
         return " x ".join(f"{dim} {self.size(dim)}" + (f" (edp {self.size('edp')} x ep {self.ep})"
-                                                         if dim == "dp" and self.ep > 1 else "") for dim in DIMS)
+                                                         if dim == "dp" and self.ep > 1 else "")
+                          for dim in self.grid())
 
     def to_dict(self) -> dict:
-        out = {"shape": {dim: self.size(dim) for dim in DIMS}, "order": list(DIMS),
-               "layout": "rank = (pp_index * dp + dp_index) * tp + tp_index"}
+        out = {"shape": {dim: self.size(dim) for dim in self.grid()}, "order": list(self.grid()),
+               "layout": "rank = (pp_index * dp + dp_index) * tp + tp_index" if self.cp == 1 else
+               "rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index"}
         if self.ep > 1:
             out["shape"] |= {"ep": self.ep, "edp": self.size("edp")}
             out["layout"] += "; dp_index = edp_index * ep + ep_index"

@@ -7,6 +7,8 @@
               zb-h2 | interleaved-1f1b [--virtual-stages v]: that schedule's formulas and source;
               --forward-ms/--backward-ms [--weight-ms]: its step time and bubble at those times
   tp          tensor parallelism on the gpt: collectives, activation memory (by recomputation), FLOPs, MFU
+  cp          context parallelism on the gpt: ring or all-to-all messages, causal work per rank (a run's
+              recorded messages and attention time per rank beside them)
   moe         a mixture-of-experts gpt: parameters and FLOPs active vs total, expert parallelism's all-to-all
               bytes (an even load, or a run's measured one) and model-state memory per rank
   comm        model/pipeline traffic at the partition boundaries (the real partition)
@@ -25,6 +27,7 @@ examples:
   paralab calc bubble --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages 2
   paralab calc comm --model vgg11 --workers 4 --batch-size 256
   paralab calc moe --experts 8 --top-k 2 --ep 4 --tokens 2048
+  paralab calc cp --cp 4 --context 4096 --embed 768 --heads 12 --layers 12 --batch-size 1
   paralab calc run runs/ddp-w2-20250101-120000 --bandwidth 10
 """
 from __future__ import annotations
@@ -131,6 +134,21 @@ def add_arguments(p) -> None:
                    help="peak FLOP/s for MFU (default with RUN: this machine's measured fp32 matmul rate per "
                         "core, times the run's workers; stated as such)")
     q.set_defaults(calc=calc_tp)
+
+    q = sub.add_parser("cp", help="context parallelism on the gpt: ring / all-to-all messages, work per rank",
+                       description="Per microbatch: every context-parallel message (sends, or all-to-alls, and "
+                                   "bytes) of ring attention or Ulysses, and the causal attention work per cp rank "
+                                   "with and without load balancing. With RUN: the shape from the run, the "
+                                   "messages it recorded per step beside the prediction, and each cp rank's "
+                                   "measured attention time.")
+    q.add_argument("run", nargs="?", help="a run directory of --model gpt with --cp (optional)")
+    add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
+    q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
+    q.add_argument("--cp", type=int, default=2)
+    q.add_argument("--tp", type=int, default=1)
+    q.add_argument("--cp-method", default="ring", choices=("ring", "all-to-all"))
+    q.add_argument("--precision", default="fp32", choices=("fp32", "fp64"))
+    q.set_defaults(calc=calc_cp)
 
     q = sub.add_parser("moe", help="a mixture-of-experts gpt: active vs total, all-to-all bytes, memory per rank",
                        description="Parameters and training FLOPs per token, active (top-k experts) vs total; "
@@ -460,6 +478,89 @@ def calc_tp(args) -> int:
     return 0
 
 
+def calc_cp(args) -> int:
+    from ..analysis.context import causal_work, cp_communication
+    from ..analysis.cost import fmt_bytes as fmt
+    run = None
+    if args.run:
+        from ..analysis.runs import load_run
+        run = load_run(args.run)
+        shape = run.config.get("mesh", {}).get("shape", {})
+        if run.config.get("model") != "gpt" or shape.get("cp", 1) < 2:
+            raise UsageError(f"{args.run} is not a --model gpt run with --cp: nothing to compare")
+        for k in ("layers", "embed", "heads", "context", "cp_method", "precision"):
+            setattr(args, k, run.config[k])
+        args.cp, args.tp = shape["cp"], shape["tp"]
+        _, args.batch_size = _tp_microbatches(run)
+    for name in ("layers", "embed", "heads", "context", "batch_size", "cp", "tp"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.embed % args.heads or args.heads % args.tp or args.context % args.cp:
+        raise UsageError("--embed must be divisible by --heads, --heads by --tp, --context by --cp")
+    b, s, h, L, C, t = args.batch_size, args.context, args.embed, args.layers, args.cp, args.tp
+    e = 8 if args.precision == "fp64" else 4
+    comm = cp_communication(b, s, h, L, C, args.cp_method, t, e)
+    print(f"gpt: L={L} h={h} a={args.heads} s={s}; b={b} sequences per microbatch, cp {C}" +
+          (f" x tp {t}" if t > 1 else "") + f", {args.cp_method}, {args.precision}\n")
+    _print(comm)
+    print("per microbatch:  " + ", ".join(f"{k} {calls} x ({fmt(size)})" for k, (calls, size) in
+                                        comm.parts["messages"].items()))
+    from ..analysis.tensor import activation_total
+    whole = activation_total(b, s, h, args.heads, L, t, False, "selective")
+    mine = activation_total(b, s // C, h, args.heads, L, t, False, "selective")
+    print(f"activation memory per rank without attention scores (Korthikanti et al. 2022 Table 2, 16-bit, as "
+          f"published; neither cp method keeps scores: the ring saves q, k, v, out and the log-sum-exp, Ulysses' "
+          f"attention is fused): {fmt(whole.value)} on one rank, {fmt(mine.value)} with cp {C} (s / C = {s // C} "
+          f"tokens)")
+    for balanced in (True, False):
+        work = causal_work(s, C, balanced)
+        print(f"causal attention scores per cp rank, {'balanced' if balanced else 'contiguous'}: "
+              + ", ".join(f"{w:,}" for w in work) + f" (max / mean {max(work) * C / sum(work):.2f})")
+    if run is not None:
+        cp_run_table(run, comm)
+    return 0
+
+
+def cp_run_table(run, comm) -> None:
+    """A gpt run with --cp: each cp message it recorded per measured step (dp 0, cp 0, tp 0 of every stage,
+    sends only: each has its receive) beside the cost model's, and each cp rank's attention time."""
+    from ..analysis.timeline import measured_steps
+    c, shape = run.config, run.config["mesh"]["shape"]
+    micro, _ = _tp_microbatches(run)
+    per_stage = shape["dp"] * shape["cp"] * shape["tp"]
+    stage_ranks = [p * per_stage for p in range(shape["pp"])]
+    spans = [sp for sp in run.spans if sp["rank"] in stage_ranks and sp["category"] == "comm"
+             and sp["step"] >= 0 and sp.get("args", {}).get("op") != "recv" and not sp["name"].startswith("wait:")]
+    steps = measured_steps(sorted({sp["step"] for sp in spans}), int(c.get("warmup", 1)))
+    if not steps:
+        raise UsageError(f"{run.path} has no measured step (all within --warmup)")
+    e = 8 if c["precision"] == "fp64" else 4
+    print(f"\n{run.path}: context parallelism per step ({len(steps)} measured), {micro} microbatch(es), "
+          f"recorded on rank(s) {', '.join(map(str, stage_ranks))} (cp 0 of each stage):")
+    print(f"  {'message':<28}{'predicted':>22}{'measured':>22}")
+    # a zero-bubble schedule splits each backward in two (I, then W), and both walk back through the attention
+    # core, so its backward messages happen twice (the records say so: backward_input spans)
+    split = 2 if any(sp["name"] == "backward_input" for sp in run.spans if sp["category"] == "compute") else 1
+    if split > 1:
+        print("  (the backward is split in two, I and W, as zero-bubble schedules do: each part runs the attention "
+              "backward, so its messages are counted twice)")
+    rows = {k: (calls * micro * (split if k.endswith("_backward") else 1),
+                size * micro * (split if k.endswith("_backward") else 1))
+            for k, (calls, size) in comm.parts["messages"].items()}
+    rows["cp_loss_all_reduce"] = (1, e)  # on the stage that has the loss
+    for k, (calls, size) in rows.items():
+        got = [sp for sp in spans if sp["name"] == k and sp["step"] in steps]
+        predicted = f"{calls} x, {size:,} B"  # exact: byte for byte
+        measured = f"{len(got) / len(steps):g} x, {sum(sp['bytes'] for sp in got) / len(steps):,.0f} B"
+        print(f"  {k:<28}{predicted:>22}{measured:>22}")
+    cp_ranks = [k * shape["tp"] for k in range(shape["cp"])]  # stage 0, dp 0, tp 0
+    layout = "balanced" if c.get("cp_balance", True) else "contiguous"
+    print(f"\nattention compute per step (forward + backward), cp ranks of stage 0 ({layout} layout):")
+    for rank in cp_ranks:
+        t = sum(sp["t1"] - sp["t0"] for sp in run.spans if sp["rank"] == rank and sp["category"] == "compute"
+                and sp["name"] in ("attention", "attention_backward") and sp["step"] in steps) / len(steps)
+        print(f"  rank {rank}: {t * 1e3:.3f} ms")
+
+
 def calc_moe(args) -> int:
     from types import SimpleNamespace
 
@@ -538,9 +639,11 @@ def tp_run_table(run, peak_tflops: float | None = None) -> None:
     from ..analysis.timeline import measured_steps
     c, shape = run.config, run.config["mesh"]["shape"]
     (micro, b), s = _tp_microbatches(run), c["context"]
-    comm = tp_communication(b, s, c["embed"], c["layers"], shape["tp"], c["sequence_parallel"])
+    cp = shape.get("cp", 1)  # under --cp a rank's tp collectives carry its s / cp tokens
+    e = 8 if c.get("precision") == "fp64" else 4
+    comm = tp_communication(b, s // cp, c["embed"], c["layers"], shape["tp"], c["sequence_parallel"], e)
     # one rank per pipeline stage (dp 0, tp 0): each tp collective happens on exactly one stage
-    stage_ranks = [p * shape["dp"] * shape["tp"] for p in range(shape["pp"])]
+    stage_ranks = [p * shape["dp"] * cp * shape["tp"] for p in range(shape["pp"])]
     spans = [sp for sp in run.spans if sp["rank"] in stage_ranks and sp["category"] == "comm"]
     steps = measured_steps(sorted({sp["step"] for sp in spans if sp["step"] >= 0}), int(c.get("warmup", 1)))
     if not steps:
@@ -704,6 +807,12 @@ def calc_run(args) -> int:
         print()
     if is_tp_gpt_run(r):  # tensor parallelism: its collectives beside the cost model's
         tp_run_table(r)
+        print()
+    if r.config.get("model") == "gpt" and r.config.get("mesh", {}).get("shape", {}).get("cp", 1) > 1:
+        from ..analysis.context import cp_communication  # context parallelism: its messages, the same way
+        c, shape = r.config, r.config["mesh"]["shape"]
+        cp_run_table(r, cp_communication(_tp_microbatches(r)[1], c["context"], c["embed"], c["layers"], shape["cp"],
+                                         c["cp_method"], shape["tp"], 8 if c["precision"] == "fp64" else 4))
         print()
     bubbles, pipe = r.bubbles, r.pipeline
     if bubbles and pipe:  # ranks that are pipeline stages and measured their idle share

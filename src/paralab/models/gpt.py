@@ -46,6 +46,9 @@ class GPTOptions:
 
 
 class Embedding(nn.Module):
+    #: the global position of each token this module is given (context parallelism: a rank's chunks); None: 0..T-1
+    position_ids: torch.Tensor | None = None
+
     def __init__(self, vocab: int, embed: int, context: int):
         super().__init__()
         self.tokens = nn.Embedding(vocab, embed)
@@ -58,11 +61,19 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        return self.tokens(idx) + self.positions(torch.arange(t, device=idx.device))
+        where = torch.arange(t) if self.position_ids is None else self.position_ids
+        return self.tokens(idx) + self.positions(where.to(idx.device))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, T, d]`` queries, keys, values -> causal attention's output, same shape."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
     """Causal multi-head self-attention; ``heads`` heads of ``embed / heads`` features each."""
+    #: the attention core (context parallelism puts its ring or all-to-all here: strategies/context/)
+    core = staticmethod(causal_attention)
 
     def __init__(self, embed: int, heads: int):
         super().__init__()
@@ -76,7 +87,7 @@ class Attention(nn.Module):
         def split(h):  # [B, T, heads * d] -> [B, heads, T, d]
             return h.view(b, t, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        out = self.core(split(self.q(x)), split(self.k(x)), split(self.v(x)))
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -41,6 +41,7 @@ LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "vi
                "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
 # expert parallelism (--ep) only says which ranks hold which experts: resharded too (expert.py)
 LAYOUT_KEYS += ("ep",)
+LAYOUT_KEYS += ("cp", "cp_method", "cp_balance")  # context parallelism: every cp rank holds the whole state
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)

@@ -303,7 +303,11 @@ def composed(cfg: RunConfig, shape) -> str:
     what = f"the {'tp-sharded ' if shape.tp > 1 else ''}model" if shape.pp == 1 else \
         f"each of the {shape.pp} {'tp-sharded ' if shape.tp > 1 else ''}stages"
     twice = " twice: over dp, and for its experts (split over ep) over edp" if shape.ep > 1 else ""
-    return f"{what} wrapped in {cfg.strategy}'s data-parallel flavour{twice}"
+    out = f"{what} wrapped in {cfg.strategy}'s data-parallel flavour{twice}"
+    if shape.cp > 1:  # context parallelism (strategies/context/)
+        out += (f", over dp x cp; each sample's sequence split over cp {shape.cp} "
+                f"({cfg.cp_method} attention, {'balanced' if cfg.cp_balance else 'contiguous'} chunks)")
+    return out
 
 
 def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, list]:

@@ -4,7 +4,8 @@
 ``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
 data-parallel flavour around each part (stage the model first, then shard
 each stage's units over tp, then wrap them for data parallelism); under
-``--ep N``, expert parallelism with the named flavour (``expert.py``).
+``--ep N``, expert parallelism with the named flavour (``expert.py``); under
+``--cp C``, context parallelism around all of it (``context/``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ REGISTRY = {
     "torch-pipeline": "paralab.strategies.torch_pipeline:TorchPipeline",
     "tp": "paralab.strategies.tensor:TensorParallel",
     "torch-tp": "paralab.strategies.torch_tp:TorchTP",
+    "cp": "paralab.strategies.context:ContextParallel",
+    "torch-cp": "paralab.strategies.torch_cp:TorchCP",
 }
 
 
@@ -62,12 +65,28 @@ def plan(cfg, world: int):
     """(mesh shape, the class that runs, its extra keyword arguments) for ``cfg`` on ``world`` ranks.
 
     Raises UsageError where the layout cannot work (the strategy's own
-    ``mesh_shape`` says why).
+    ``mesh_shape`` says why). Under ``--cp C`` context parallelism wraps the
+    layout :func:`inner_plan` gives (``context/strategy.py``).
     """
+    shape, cls, kwargs = inner_plan(cfg, world)
+    cp = getattr(cfg, "cp", 1)
+    if cp > 1 and shape.cp != cp:  # a pure form lays out its own mesh, with no cp in it
+        raise UsageError(f"strategy {cfg.strategy!r} does not compose with --cp {cp}: name a data-parallel "
+                         f"flavour, e.g. 'paralab train allreduce --workers {world} --cp {cp} --model gpt'")
+    if shape.cp > 1:
+        from .context import ContextParallel
+        return shape, ContextParallel, {"inner_cls": cls, "inner_kwargs": kwargs}
+    return shape, cls, kwargs
+
+
+def inner_plan(cfg, world: int):
+    """:func:`plan` without context parallelism's wrapper (what it wraps)."""
     from .data_parallel import DataParallel
     from .pipeline import Pipeline
     from .tensor import TensorParallel
     cls = get_strategy(cfg.strategy)
+    if getattr(cfg, "ep", 1) > 1 and getattr(cfg, "cp", 1) > 1:
+        raise UsageError("--cp with --ep (a mixture of experts) is not composed: drop one of them")
     if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
         from .expert import ExpertParallel
         shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
@@ -92,6 +111,8 @@ def plan(cfg, world: int):
         if shape.pp == 1:
             inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
         return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
+    if shape.cp > 1 and shape.pp == 1:  # the flavour wraps the model whose attention sees the cp group
+        inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
     return shape, inner, kwargs
 
 

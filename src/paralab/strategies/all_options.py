@@ -15,6 +15,7 @@ from ..mesh import MeshOptions
 from ..models.gpt import GPTOptions
 from ..models.moe import MoEOptions
 from .compression import CompressOptions
+from .context import ContextOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
 from .expert import ExpertOptions
@@ -25,7 +26,8 @@ from .tensor.strategy import TensorOptions
 
 #: in the order the command line lists them
 OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
-                  FSDPOptions, DataParallelOptions, ExpertOptions, GPTOptions, MoEOptions)
+                  FSDPOptions, DataParallelOptions, ExpertOptions, GPTOptions, MoEOptions,
+                  ContextOptions)
 
 
 @dataclass

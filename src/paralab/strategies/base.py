@@ -58,6 +58,7 @@ class Context:
     mesh: Mesh | None = None     # the rank grid; None: one dimension, dp over the whole world
     batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
     tp: object = None            # tensor parallelism (strategies/tensor): None, or what shards the units held
+    cp: object = None            # context parallelism (strategies/context): None, or what splits the sequence
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss: tensor parallelism's where it splits the logits, else the plain one."""
@@ -65,12 +66,14 @@ class Context:
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """The units (keyed by their index in the whole model) as this rank holds them: under
-        tensor parallelism its slice of each, else themselves."""
-        return self.tp.shard(units) if self.tp is not None else units
+        tensor parallelism its slice of each; under context parallelism with its sequence's attention."""
+        units = self.tp.shard(units) if self.tp is not None else units
+        return self.cp.shard(units) if self.cp is not None else units
 
     def activation_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample shape of the tensor entering unit ``index`` (a pipeline's stage boundary)."""
-        return self.tp.activation_shape(index, shape) if self.tp is not None else tuple(shape)
+        shape = self.tp.activation_shape(index, shape) if self.tp is not None else tuple(shape)
+        return self.cp.activation_shape(index, shape) if self.cp is not None else shape
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,7 +198,12 @@ class Strategy:
         if cfg.tp > 1 and cls.pipeline_replicas(cfg) is None:
             raise UsageError(f"strategy {cls.name!r} cannot be composed with tensor parallelism (--tp {cfg.tp}): "
                              f"{cls.why_not_pipelined(cfg)}; for pure tensor parallelism use 'paralab train tp'")
-        return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp)
+        cp = getattr(cfg, "cp", 1)
+        if cp > 1 and cls.pipeline_replicas(cfg) is None:
+            raise UsageError(f"strategy {cls.name!r} cannot be composed with context parallelism (--cp {cp}): it "
+                             "has no data-parallel flavour (the one --pp and --tp compose with) to average the "
+                             "gradients over dp x cp; name a strategy that has one")
+        return MeshShape.for_world(world, pp=cfg.pp, tp=cfg.tp, cp=cp)
 
     @classmethod
     def check_limit(cls, cfg) -> str | None:

@@ -57,7 +57,7 @@ class DataParallel(Strategy):
         self.replicas_cls = replicas_cls or self.replicas_cls
         self.microbatches = ctx.options.accumulate
         model = model_fn()
-        if ctx.tp is not None:  # tensor parallelism: this rank's slice of every unit
+        if ctx.tp is not None or ctx.cp is not None:  # tensor parallelism: this rank's slice of every unit
             model = nn.Sequential(*ctx.shard(dict(enumerate(model))).values())
         self.model = model.to(ctx.device)
         dp_comm = ctx.mesh.comm("dp") if ctx.mesh is not None else ctx.comm

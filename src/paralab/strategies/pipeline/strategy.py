@@ -205,9 +205,10 @@ class Pipeline(Strategy):
         return len(self.ranges) - 1 in self.stages
 
     def check_input(self, x: torch.Tensor) -> None:
-        if tuple(x.shape[1:]) != tuple(self.unit_shapes[0]):
+        expected = tuple(self.ctx.activation_shape(0, self.unit_shapes[0]))  # under --cp: this rank's tokens
+        if tuple(x.shape[1:]) != expected:
             raise RuntimeError(f"{self.name}: inputs of shape {tuple(x.shape[1:])} per sample, but the stage "
-                               f"boundaries were sized for {tuple(self.unit_shapes[0])}")
+                               f"boundaries were sized for {expected}")
 
     # ------------------------------------------------------------ the step
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...models.gpt import MLP, Attention, Block, Embedding, Head
+from ...models.gpt import MLP, Attention, Block, Embedding, Head, causal_attention
 from ...models.moe import MoE
 from .group import TPGroup
 
@@ -83,6 +83,7 @@ class TPEmbedding(nn.Module):
         self.tokens = nn.Embedding(self.local_vocab, plain.tokens.embedding_dim)
         self.tokens.weight = nn.Parameter(tp.shard(plain.tokens.weight, 0))
         self.positions = plain.positions
+        self.position_ids = plain.position_ids  # context parallelism's global positions, if set
 
     def forward(self, idx):
         local = idx - self.start
@@ -90,6 +91,8 @@ class TPEmbedding(nn.Module):
         partial = self.tokens(local.clamp(0, self.local_vocab - 1)) * mine.unsqueeze(-1).to(self.tokens.weight.dtype)
         h = self.tp.leave(partial)  # the sum over ranks: each token's row came from exactly one
         t = h.shape[1]
+        if self.position_ids is not None:  # context parallelism (sequence parallelism is refused with it)
+            return h + self.tp.replicated(self.positions.weight)[self.position_ids.to(idx.device)]
         first = self.tp.rank * t if self.tp.sequence_parallel else 0  # this rank's positions
         return h + self.tp.replicated(self.positions.weight)[first:first + t]
 
@@ -103,6 +106,7 @@ class TPAttention(nn.Module):
         if plain.heads % tp.size:
             raise ValueError(f"{plain.heads} heads do not divide over tp {tp.size}")
         self.tp, self.heads = tp, plain.heads // tp.size  # this rank's heads
+        self.core = plain.core  # the attention core (context parallelism's, if set)
         self.q, self.k, self.v = column(tp, plain.q), column(tp, plain.k), column(tp, plain.v)
         self.proj = row(tp, plain.proj)
 
@@ -113,7 +117,7 @@ class TPAttention(nn.Module):
         def split(z):  # [B, T, local heads * d] -> [B, local heads, T, d]
             return z.view(b, t, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
+        out = self.core(split(self.q(h)), split(self.k(h)), split(self.v(h)))
         partial = F.linear(out.transpose(1, 2).reshape(b, t, -1), self.proj.weight)
         return self.tp.leave(partial) + self.tp.replicated(self.proj.bias)
 

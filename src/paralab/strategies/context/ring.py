@@ -1,0 +1,136 @@
+"""Ring attention: causal attention over a sequence split across the ``cp`` group.
+
+Each rank holds the queries, keys and values of its own tokens
+(``layout.py``: two chunks, or one). Attention of its queries over the whole
+sequence is computed one source rank at a time: the keys and values travel
+around the ring (rank ``r`` sends to ``r+1`` and receives from ``r-1``), so
+after ``C-1`` rotations every rank has seen every other rank's K/V, one
+block at a time, and never holds more than two blocks.
+
+Each block gives a partial result: for query chunk ``a`` and key chunk ``b``
+(global chunk indices) ``o_ab = softmax(q_a k_b^T / sqrt(d)) v_b`` and the
+rows' log-sum-exp ``l_ab``. Partial results merge exactly: with
+``l = log(e^l1 + e^l2)``, ``o = o1 e^(l1-l) + o2 e^(l2-l)``. Causality works
+on chunks: ``b < a`` is a whole block, ``b == a`` the causal triangle,
+``b > a`` is skipped (no work, no wasted time). With the balanced layout
+every rank has the same number of whole blocks, which is the point.
+
+Backward (:class:`RingAttention`, a custom autograd function, Liu et al.
+2023's scheme): the saved final log-sum-exp gives each block's
+probabilities again, ``p = exp(s - l)``; ``dq`` stays home, ``dk``/``dv`` of
+a source's block are accumulated in a buffer that travels with its K/V.
+K/V go around ``C-1`` times again; the dK/dV buffer ``C`` times (the last
+hop brings each one home). Every message is one packed tensor (K and V, or
+dK and dV): per attention layer, forward ``C-1`` sends of ``2 B H t d``
+numbers per rank, backward ``C-1`` of K/V and ``C`` of dK/dV, the same
+size (``t = T / C``; ``paralab calc`` predicts them). The next message is
+in flight while the current block is computed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import Layout
+
+NEG_INF = float("-inf")
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``q k^T / sqrt(d)`` of one query chunk and one key chunk; the upper triangle masked when causal."""
+    s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), NEG_INF)
+    return s
+
+
+def _pairs(layout: Layout, rank: int, source: int):
+    """(local query slice, source key slice, causal) for every block rank ``rank`` computes with
+    ``source``'s keys: key chunk before the query chunk, or the same chunk (causal)."""
+    c = layout.chunk
+    for i, a in enumerate(layout.chunks_of(rank)):
+        for j, b in enumerate(layout.chunks_of(source)):
+            if b <= a:
+                yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), b == a
+
+
+def _rotate(comm, t: torch.Tensor, name: str):
+    """Send ``t`` to the next rank, receive the previous rank's into a new buffer: (buffer, pending ops)."""
+    buf = torch.empty_like(t)
+    nxt, prev = (comm.rank + 1) % comm.world, (comm.rank - 1) % comm.world
+    return buf, [comm.isend(t, nxt, name=name), comm.irecv(buf, prev, name=name)]
+
+
+def _finish(ops) -> None:
+    for op in ops:
+        op.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over every rank's keys and values (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, layout: Layout, recorder):
+        rank, world = comm.rank, comm.world
+        out = torch.zeros_like(q)
+        lse = q.new_full(q.shape[:-1], NEG_INF)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(world):
+            source = (rank - step) % world
+            ops = []
+            if step < world - 1:  # the next block on its way while this one is computed
+                nxt, ops = _rotate(comm, kv, "cp_ring_kv")
+            with recorder.span("compute", "attention", cp_source=source):
+                for qs, ks, causal in _pairs(layout, rank, source):
+                    s = _scores(q[..., qs, :], kv[0][..., ks, :], causal)
+                    l_blk = torch.logsumexp(s, dim=-1)
+                    o_blk = torch.exp(s - l_blk.unsqueeze(-1)) @ kv[1][..., ks, :]
+                    l_old = lse[..., qs]
+                    l_new = torch.logaddexp(l_old, l_blk)
+                    out[..., qs, :] = (out[..., qs, :] * torch.exp(l_old - l_new).unsqueeze(-1)
+                                       + o_blk * torch.exp(l_blk - l_new).unsqueeze(-1))
+                    lse[..., qs] = l_new
+            if ops:
+                _finish(ops)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.layout, ctx.recorder = comm, layout, recorder
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, layout, recorder = ctx.comm, ctx.layout, ctx.recorder
+        rank, world = comm.rank, comm.world
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)  # rowsum(dO * O): the softmax's backward term
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros_like(kv)  # the source's dK, dV, travelling with its K, V
+        for step in range(world):
+            source = (rank - step) % world
+            kv_ops = []
+            if step < world - 1:
+                kv_next, kv_ops = _rotate(comm, kv, "cp_ring_kv_backward")
+            with recorder.span("compute", "attention_backward", cp_source=source):
+                for qs, ks, causal in _pairs(layout, rank, source):
+                    kb, vb, do = kv[0][..., ks, :], kv[1][..., ks, :], grad_out[..., qs, :]
+                    p = torch.exp(_scores(q[..., qs, :], kb, causal) - lse[..., qs].unsqueeze(-1))
+                    dkv[1][..., ks, :] += p.transpose(-2, -1) @ do
+                    ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs].unsqueeze(-1))
+                    dq[..., qs, :] += ds @ kb * scale
+                    dkv[0][..., ks, :] += ds.transpose(-2, -1) @ q[..., qs, :] * scale
+            dkv_next, dkv_ops = _rotate(comm, dkv, "cp_ring_dkv_backward")  # C hops: the last one brings it home
+            _finish(kv_ops + dkv_ops)
+            dkv = dkv_next
+            if kv_ops:
+                kv = kv_next
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+def ring_attention(q, k, v, comm, layout: Layout, recorder) -> torch.Tensor:
+    """``[B, H, t, d]`` queries, keys, values of this rank's tokens -> its attention output, same shape."""
+    return RingAttention.apply(q, k, v, comm, layout, recorder)
