@@ -20,7 +20,7 @@ strategies as a :class:`~paralab.comm.Comm` whose ranks are group-local.
 Its ``tp`` group holds the shards of every layer (``strategies/tensor/``):
 the collectives inside each layer's forward and backward run there.
 
-Expert parallelism (``--ep E``, ``strategies/expert.py``) subdivides dp: the
+Expert parallelism (``--ep E``, ``strategies/expert/``) subdivides dp: the
 dp index is ``edp_index * ep + ep_index``, so an ``ep`` group is ``ep``
 consecutive replicas (neighbours: the all-to-all of every MoE layer runs
 there, each member holding a different slice of the experts), and an

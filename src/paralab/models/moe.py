@@ -26,7 +26,7 @@ K-th and the (K+1)-th probability it decided on (``min_margin``), the deviation
 a run would need before any choice could flip.
 
 How the experts are reached is the *dispatcher*: here, all on this rank
-(:func:`local_dispatch`); under expert parallelism (``strategies/expert.py``)
+(:func:`local_dispatch`); under expert parallelism (``strategies/expert/``)
 the experts are split over ranks and the tokens travel to them.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
                "accumulate", "compress", "powersgd_rank", "powersgd_start_iter", "zero_stage")
-# expert parallelism (--ep) only says which ranks hold which experts: resharded too (expert.py)
+# expert parallelism (--ep) only says which ranks hold which experts: resharded too (strategies/expert/)
 LAYOUT_KEYS += ("ep",)
 LAYOUT_KEYS += ("cp", "cp_method", "cp_balance")  # context parallelism: every cp rank holds the whole state
 

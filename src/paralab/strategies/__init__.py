@@ -4,7 +4,7 @@
 ``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
 data-parallel flavour around each part (stage the model first, then shard
 each stage's units over tp, then wrap them for data parallelism); under
-``--ep N``, expert parallelism with the named flavour (``expert.py``); under
+``--ep N``, expert parallelism with the named flavour (``strategies/expert/``); under
 ``--cp C``, context parallelism around all of it (``context/``).
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def inner_plan(cfg, world: int):
     cls = get_strategy(cfg.strategy)
     if getattr(cfg, "ep", 1) > 1 and getattr(cfg, "cp", 1) > 1:
         raise UsageError("--cp with --ep (a mixture of experts) is not composed: drop one of them")
-    if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (expert.py)
+    if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (strategies/expert/)
         from .expert import ExpertParallel
         shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
         inner = ExpertParallel

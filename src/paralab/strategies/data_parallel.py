@@ -35,7 +35,7 @@ class AccumulateOptions:
 def flavour_of(state: dict) -> type[Replicas]:
     """The flavour class that reads a saved flavour state: ZeRO-1's holds shards, every other flavour
     the whole optimizer state (read alike); under --ep a stage's (or the model's) two flavours, over its
-    non-expert parameters and its experts, are one state (``expert.py``)."""
+    non-expert parameters and its experts, are one state (``strategies/expert/``)."""
     if "ep" in state and "dense" in state:
         from .expert import ExpertReplicas
         return ExpertReplicas
