@@ -42,11 +42,11 @@ def test_every_layout_divides_the_model_the_workers_and_the_batch():
     layouts = enumerate_layouts(w, workers, batch, devices_per_node=8)
     assert len(layouts) > 100
     for lay in layouts:
-        assert lay.dp * lay.tp * lay.pp == workers
+        assert lay.dp * lay.cp * lay.tp * lay.pp == workers
         assert SMALL["heads"] % lay.tp == 0 and SMALL["layers"] % (lay.pp * lay.virtual) == 0
         assert batch % lay.dp == 0 and lay.microbatch * lay.microbatches == batch // lay.dp
         if lay.zero >= 2:
-            assert lay.pp == lay.tp == 1  # paralab's fsdp at ZeRO-2/3 composes with neither
+            assert lay.pp == lay.tp == lay.cp == 1  # paralab's fsdp at ZeRO-2/3 composes with none
         if lay.pp == 1:
             assert lay.schedule is None
         elif spec_of(lay.schedule).virtual:
@@ -267,3 +267,36 @@ def test_paralab_gpt_activations_under_tensor_parallelism(tmp_path, sp):
     for rank in ("0", "1"):
         measured = details[rank]["held"]["saved_activations_peak_bytes"]
         assert abs(measured - predicted) <= 0.01 * predicted, (rank, measured, predicted)
+
+
+def test_context_parallel_layouts_and_their_cost():
+    import dataclasses
+
+    from paralab.analysis.context import cp_messages
+    from paralab.run.config import RunConfig
+    w = gpt_workload(4, 128, 4, 64, 256, activations="paralab")
+    lays = enumerate_layouts(w, 8, 16, 8)
+    cps = [x for x in lays if x.cp > 1]
+    assert {x.cp for x in cps} == {2, 4, 8} and not any(x.sp or x.zero > 1 for x in cps)
+    assert {x.cp for x in cps if x.cp_method == "all-to-all" and x.tp == 1} == {2, 4}  # 4 heads: not 8
+    assert all((4 // x.tp) % x.cp == 0 for x in cps if x.cp_method == "all-to-all")
+    assert not [x for x in enumerate_layouts(cnn_workload("vgg11", 0.25), 8, 16, 8) if x.cp > 1]
+    assert not [x for x in enumerate_layouts(gpt_workload(4, 128, 4, 60, 256), 8, 16, 8) if x.cp == 4]  # 60 % 8
+    lay = next(x for x in cps if x.cp == 2 and x.tp == 1 and x.pp == 1 and x.cp_method == "all-to-all")
+    words = lay.command(8).split()[2:]
+    cfg = RunConfig.from_argv(words + ["--model", "gpt"])
+    assert (cfg.cp, cfg.cp_method, cfg.workers) == (2, "all-to-all", 8)
+    # Ulysses is synchronous: every all-to-all's bytes cross the link; the ring hides behind attention
+    slow = dataclasses.replace(H100, intra_gbps=1.0, inter_gbps=1.0, intra_latency_us=0, inter_latency_us=0)
+    setting = Setting(16, "fp32", "sgd-momentum")
+    got = predict(w, lay, slow, setting)
+    msgs = cp_messages(lay.microbatch, 64, 128, 4, 2, "all-to-all", 1, 4)
+    wire = sum(size for _, size in msgs.values()) / 2  # half of each rank's tensor leaves it at cp 2
+    assert got.cp_comm == pytest.approx(lay.microbatches * wire / (1e9 / 8))
+    # at 2048 tokens a block's attention outlasts its ring messages over NVLink: all hidden
+    long, ring = gpt_workload(4, 128, 4, 2048, 256), dataclasses.replace(lay, cp_method="ring")
+    fast = dataclasses.replace(H100, intra_latency_us=0, inter_latency_us=0)
+    assert predict(long, ring, fast, setting).cp_comm == 0.0 < predict(long, ring, slow, setting).cp_comm
+    # each cp rank keeps the activations of its s / cp tokens
+    one = dataclasses.replace(lay, cp=1, dp=8)
+    assert got.memory_parts["activations"] == pytest.approx(predict(w, one, H100, setting).memory_parts["activations"] / 2)

@@ -3,7 +3,8 @@
 For a model (any gpt shape, or a course CNN), a global batch and a cluster (a
 preset, a JSON/TOML file, or this-machine, measured here in seconds and
 cached), paralab plan enumerates the layouts that divide the model and the
-workers (dp x tp x pp; ZeRO stage 0-3; sequence parallelism; pipeline
+workers (dp x cp x tp x pp; ZeRO stage 0-3; sequence parallelism; ring or
+all-to-all context parallelism; pipeline
 schedule, microbatches and virtual stages; recomputation none/selective/full,
 planned from formulas: paralab has no recomputation strategy yet), predicts
 each one's step time (compute; tensor-parallel, pipeline and data-parallel
@@ -57,6 +58,9 @@ class PlanOptions:
     zero: int = option(None, "pin the ZeRO stage (0 = ddp)", type=int, choices=(0, 1, 2, 3))
     schedule: str = option(None, "pin the pipeline schedule", type=str, choices=SCHEDULES)
     microbatch: int = option(None, "pin the samples per microbatch", type=int, positive=True)
+    cp: int = option(None, "pin context parallelism (the gpt's sequence split over this many ranks)", type=int,
+                     positive=True)
+    cp_method: str = option(None, "pin the context-parallel method", type=str, choices=("ring", "all-to-all"))
     recompute: str = option(None, "pin recomputation (planned from formulas only)", type=str,
                             choices=("none", "selective", "full"))
     activations: str = option("auto", "what a gpt block keeps for backward: paralab (paralab's gpt: no dropout, a "
@@ -73,7 +77,7 @@ class PlanOptions:
     recalibrate: bool = option(False, "this-machine: measure again even if a calibration is cached")
 
 
-PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute")
+PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method")
 
 
 def add_arguments(p) -> None:
@@ -173,11 +177,11 @@ def show(plan, where: str) -> None:
           f"{len(plan.ranked)}, their bubbles from the schedule simulator (times in ms per step):\n")
     rows = []
     for i, x in enumerate(plan.ranked, 1):
-        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.bubble), _ms(x.pp_comm),
+        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.cp_comm), _ms(x.bubble), _ms(x.pp_comm),
                      _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}", f"{100 * x.mfu:.1f}",
                      f"{x.tokens_per_s:.4g}"])
     per = "tokens/s" if plan.work.kind == "gpt" else "samples/s"
-    print(text_table(["#", "layout", "step", "compute", "tp comm", "bubble", "pp comm", "dp comm", "optim",
+    print(text_table(["#", "layout", "step", "compute", "tp comm", "cp comm", "bubble", "pp comm", "dp comm", "optim",
                       "mem GB", "MFU %", per], rows))
     best = plan.ranked[0]
     if len(plan.ranked) > 1:
@@ -185,7 +189,7 @@ def show(plan, where: str) -> None:
     print(f"\nrun the first: {best.layout.command(plan.workers)}"
           + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
     print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "
-          "overlapped); bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
+          "overlapped); cp comm = context-parallel messages left exposed; bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
           "communication left exposed; mem = peak per device (model states + activations). docs/plan.md")
 
 

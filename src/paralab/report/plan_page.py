@@ -16,7 +16,7 @@ from .page import Report
 from .plots import WORKER_COLORS, _plt, _save
 
 #: the step's terms, in the order they are drawn, and their column names
-TERMS = (("compute", "compute"), ("tp_comm", "tp comm"), ("bubble", "bubble"), ("pp_comm", "pp comm"),
+TERMS = (("compute", "compute"), ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("bubble", "bubble"), ("pp_comm", "pp comm"),
          ("dp_comm", "dp comm"), ("optimizer", "optimizer"))
 
 

@@ -1,4 +1,4 @@
-"""The layouts a planner considers: dp x tp x pp with everything each dimension adds.
+"""The layouts a planner considers: dp x cp x tp x pp with everything each dimension adds.
 
 A :class:`Layout` is one way to run the model on the workers, as paralab
 composes it (``docs/architecture.md``): ``pp`` stages (a ``schedule`` of the
@@ -6,7 +6,11 @@ registry, ``virtual`` stages per rank for the interleaved one), each sharded
 over ``tp`` (with or without sequence parallelism), each wrapped for data
 parallelism over ``dp`` at a ZeRO ``zero`` stage (0 = ddp's buckets; 1-3 =
 paralab's fsdp; under ``--pp`` or ``--tp`` only 0 and 1 compose); a step is
-``microbatches`` microbatches of ``microbatch`` samples per replica;
+``microbatches`` microbatches of ``microbatch`` samples per replica; the
+gpt's sequence may be split over ``cp`` ranks (``cp_method`` ring or
+all-to-all; the context divides into 2 cp chunks, Ulysses's heads per tp
+rank by cp; no sequence parallelism and ZeRO 0-1 beside it, as paralab's
+``cp`` composes);
 ``recompute`` is none, selective or full (planned from formulas: paralab has
 no recomputation strategy yet).
 
@@ -38,9 +42,13 @@ class Layout:
     microbatch: int = 1      # samples per microbatch (b)
     microbatches: int = 1    # per step and replica (m)
     recompute: str = "none"
+    cp: int = 1              # context parallelism: each sequence split over cp ranks (the gpt's)
+    cp_method: str = "ring"  # ring | all-to-all (Ulysses)
 
     def label(self) -> str:
         parts = [f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp} {'ring' if self.cp_method == 'ring' else 'a2a'}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
         if self.pp > 1:
@@ -65,6 +73,8 @@ class Layout:
             words.append(f"--zero-stage {self.zero}")
         if self.tp > 1:
             words.append(f"--tp {self.tp}" + (" --sequence-parallel" if self.sp else ""))
+        if self.cp > 1:
+            words.append(f"--cp {self.cp} --cp-method {self.cp_method}")
         if self.pp > 1:
             words.append(f"--pp {self.pp} --schedule {self.schedule} --microbatches {self.microbatches}")
             if self.virtual > 1:
@@ -106,18 +116,16 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
     for tp in pick("tp", tps):
         if tp not in work.tp_options():
             continue
-        for pp in pick("pp", divisors(workers // tp) if workers % tp == 0 else []):
-            if workers % (tp * pp):
-                continue
-            dp = workers // (tp * pp)
+        for pp, cp, method in _pp_cp(work, workers, tp, fixed):
+            dp = workers // (tp * pp * cp)
             if fixed.get("dp") is not None and fixed["dp"] != dp or global_batch % dp:
                 continue
             if isinstance(work.cut(pp), str):
                 continue
             per_replica = global_batch // dp
-            zeros = [0, 1] if (pp > 1 or tp > 1) else [0, 1, 2, 3]
-            for zero in pick("zero", zeros if dp > 1 else [0]):
-                for sp in pick("sp", [False, True] if tp > 1 else [False]):
+            zeros = [0, 1] if (pp > 1 or tp > 1 or cp > 1) else [0, 1, 2, 3]
+            for zero in pick("zero", zeros if dp * cp > 1 else [0]):
+                for sp in pick("sp", [False, True] if tp > 1 and cp == 1 else [False]):
                     for schedule, v in _schedules(work, pp, fixed):
                         for b in pick("microbatch", microbatch_sizes(per_replica)):
                             if per_replica % b:
@@ -128,7 +136,28 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
                             if schedule and layout_problem(schedule, pp, m, v):
                                 continue
                             for rc in recompute:
-                                out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc))
+                                out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc, cp, method))
+    return out
+
+
+def _pp_cp(work: Workload, workers: int, tp: int, fixed: dict) -> list[tuple[int, int, str]]:
+    """(pp, cp, cp method) dividing the workers over tp: cp for the gpt only, its balanced chunks dividing
+    the context (2 cp of them), Ulysses's heads per rank (a / tp) too."""
+    out = []
+    if workers % tp:
+        return out
+    for pp in ([fixed["pp"]] if fixed.get("pp") is not None else divisors(workers // tp)):
+        if (workers // tp) % pp:
+            continue
+        cps = [1]
+        if work.kind == "gpt":
+            cps = [c for c in divisors(workers // (tp * pp)) if work.shape["context"] % (2 * c) == 0]
+        for cp in ([fixed["cp"]] if fixed.get("cp") is not None else cps):
+            if cp not in cps:
+                continue
+            methods = ["ring"] if cp == 1 else ["ring"] + (
+                ["all-to-all"] if (work.shape["heads"] // tp) % cp == 0 else [])
+            out += [(pp, cp, m) for m in methods if fixed.get("cp_method") in (None, m) or cp == 1]
     return out
 
 

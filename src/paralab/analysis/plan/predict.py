@@ -11,6 +11,11 @@ Per step on the busiest device (all times in seconds):
   (``b s h e`` bytes, ring over the tp group; sequence parallelism's
   all-gather + reduce-scatter move the same bytes), one more at each end;
   full recomputation repeats the forward's two. Added to the stage's times.
+- **context parallelism** (``cp`` ranks each hold ``s / cp`` tokens: the
+  compute, the activations and the tp and pp messages divide by cp): the
+  messages of ``analysis/context.py``; the ring's sends go out while the
+  block's attention computes, so only what outlasts it is exposed;
+  Ulysses's all-to-alls are synchronous. Gradients are averaged over dp x cp.
 - **pipeline**: the schedule is run by the simulator
   (``strategies/pipeline/simulate.py``) on these per-stage times, with each
   boundary transfer (``b s h e`` bytes, ``/ tp`` under sequence parallelism)
@@ -87,9 +92,10 @@ class Prediction:
     tokens_per_s: float = 0.0
     samples_per_s: float = 0.0
     notes: list = field(default_factory=list)
+    cp_comm: float = 0.0      # context-parallel messages left exposed (the ring's hidden behind attention)
 
     def to_dict(self) -> dict:
-        keys = ("step", "compute", "tp_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
+        keys = ("step", "compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
                 "fits", "simulated", "mfu", "tokens_per_s", "samples_per_s")
         return {"layout": self.layout.to_dict(), **{k: getattr(self, k) for k in keys},
                 "memory_parts": self.memory_parts, "notes": self.notes}
@@ -113,40 +119,45 @@ def stage_of_rank(layout: Layout) -> list[list[int]]:
 def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True) -> Prediction:
     e, rate = setting.element, cluster.rate(setting.dtype)
     t, p, v, d, b, m = lay.tp, lay.pp, lay.virtual, lay.dp, lay.microbatch, lay.microbatches
+    C = lay.cp  # the gradients are averaged over dp x cp (the dpcp group)
     stages = work.cut(p * v)
     if isinstance(stages, str):
         raise ValueError(stages)
     tp_link = cluster.link(t)
-    dp_link = cluster.link(t * d)
-    pp_link = cluster.link(t * d * p)
+    cp_link = cluster.link(t * C)
+    dp_link = cluster.link(t * C * d)
+    pp_link = cluster.link(t * C * d * p)
     notes = []
     # ---------------------------------------------------------------- per-stage times
-    fwd, bwd, tpc = [], [], []
+    fwd, bwd, tpc, cpc = [], [], [], []  # tpc: a stage's tp and cp communication per microbatch; cpc: the cp part
     s_tok = work.tokens_per_sample
-    act_msg = b * s_tok * work.shape.get("embed", 0) * e
+    act_msg = b * s_tok * work.shape.get("embed", 0) * e / C  # a rank's tokens
     overhead = cluster.unit_overhead_us * 1e-6
     for lo, hi in stages:
-        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / t / rate + overhead * (hi - lo)
-        extra = work.recompute_flops(lo, hi, b, lay.recompute) / t / rate
+        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / (t * C) / rate + overhead * (hi - lo)
+        extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
+        blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
         comm = 0.0
         if t > 1:
-            blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
             ends = (lo == 0) + (hi == len(work.units))
             per = ring(act_msg, t, tp_link)
             comm = (4 * blocks + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
+        cp = blocks * cp_exposed(work, lay, b, e, cp_link, rate) if C > 1 else 0.0
         fwd.append(f)
         bwd.append(2 * f + extra)
-        tpc.append(comm)
+        tpc.append(comm + cp)
+        cpc.append(cp)
     ranks = stage_of_rank(lay)
     busy = [sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in held) for held in ranks]
     r_max = max(range(p), key=lambda r: busy[r])
     compute = sum(m * (fwd[s] + bwd[s]) for s in ranks[r_max])
-    tp_comm = sum(m * tpc[s] for s in ranks[r_max])
+    cp_comm = sum(m * cpc[s] for s in ranks[r_max])
+    tp_comm = sum(m * tpc[s] for s in ranks[r_max]) - cp_comm
     # ---------------------------------------------------------------- pipeline
     bubble = pp_comm = 0.0
     simulated = False
     if p > 1:
-        boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1)
+        boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1) / C
         gbps, lat = pp_link
         transfer = boundary / (gbps * 1e9 / 8) + lat
         F = [fwd[s] + tpc[s] / 2 for s in range(p * v)]
@@ -174,33 +185,34 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
     first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
     units_with_params = sum(1 for s in ranks[r_max] for i in range(*stages[s]) if work.units[i].parameters)
-    if d > 1:
+    if d * C > 1:
+        d_all = d * C  # the ranks that average each gradient
         if lay.zero == 0:
             # ddp closes its first bucket at 1 MiB, the others at --bucket-mb; the last one launched (the first
             # units' gradients) cannot overlap anything
             buckets = 1 + math.ceil(max(grad_bytes - FIRST_BUCKET, 0) / BUCKET_BYTES)
-            dp_total = ring(grad_bytes, d, dp_link, calls=buckets)
+            dp_total = ring(grad_bytes, d_all, dp_link, calls=buckets)
             dp_exposed = max(dp_total - last_backward, dp_total / buckets)
         else:
-            rs = ring(grad_bytes, d, dp_link, half=True, calls=units_with_params)
-            ag = ring(local * e, d, dp_link, half=True, calls=units_with_params)
+            rs = ring(grad_bytes, d_all, dp_link, half=True, calls=units_with_params)
+            ag = ring(local * e, d_all, dp_link, half=True, calls=units_with_params)
             if lay.zero == 3:
                 dp_total = 2 * ag + rs
                 dp_exposed = rs + max(ag - first_forward, 0.0) + max(ag - last_backward, 0.0)
             else:
                 dp_total = rs + ag
-                hidden_gather = lay.zero == 2 or (p == 1 and t == 1)  # fsdp's asynchronous all-gather
+                hidden_gather = lay.zero == 2 or (p == 1 and t == 1 and C == 1)  # fsdp's asynchronous all-gather
                 dp_exposed = rs + (max(ag - first_forward, 0.0) if hidden_gather else ag)
     # ---------------------------------------------------------------- memory and optimizer
     unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
-    est = memory_per_worker(stage_params[r_max], d, lay.zero, setting.optimizer, setting.precision,
+    est = memory_per_worker(stage_params[r_max], d * C, lay.zero, setting.optimizer, setting.precision,
                             unit_parameters=unit_max if lay.zero else None,
                             step_in_backward=lay.zero >= 2, model_parallel=t)
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
     for r, held in enumerate(ranks):
-        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / len(held)
+        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / len(held) / C
         acts.append(per_mb * alive[r])
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
@@ -208,7 +220,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         if stage_params[r] == stage_params[r_max]:
             states = est.peak
         else:
-            states = memory_per_worker(stage_params[r], d, lay.zero, setting.optimizer, setting.precision,
+            states = memory_per_worker(stage_params[r], d * C, lay.zero, setting.optimizer, setting.precision,
                                        unit_parameters=unit_max if lay.zero else None,
                                        step_in_backward=lay.zero >= 2, model_parallel=t).peak
         if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
@@ -218,7 +230,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     step = pipe + dp_exposed + optimizer
     gb = setting.global_batch
     tokens = gb * work.tokens_per_sample
-    workers = d * t * p
+    workers = d * t * p * C
     mfu = gb * work.model_flops_per_sample() / step / (workers * cluster.peak(setting.dtype))
     if lay.recompute != "none":
         notes.append("recomputation is planned from formulas: paralab has no recomputation strategy yet")
@@ -227,7 +239,24 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                        "model_states_formula": est.total_formula.formula + (" + ddp's gradient buckets (Psi)"
                                                                             if lay.zero == 0 else "")},
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
-                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes)
+                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm)
+
+
+def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], rate: float) -> float:
+    """One block's context-parallel communication left exposed per microbatch (forward + backward), from
+    ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
+    hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous."""
+    from ..context import cp_messages
+    sh, C = work.shape, lay.cp
+    msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e)
+    gbps, lat = link
+    if lay.cp_method == "ring":
+        sends = sum(n for n, _ in msgs.values())
+        kv = next(iter(msgs.values()))[1] / max(next(iter(msgs.values()))[0], 1)
+        attention = 3 * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / rate  # forward + backward
+        return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0)
+    return sum(calls * ((C - 1) / C * size / calls / (gbps * 1e9 / 8) + (C - 1) * lat)
+               for calls, size in msgs.values())
 
 
 @lru_cache(maxsize=64)

@@ -58,7 +58,8 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
     return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest)
 
 
-TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"), ("bubble", "pipeline bubble"),
+TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),
+         ("cp_comm", "context-parallel communication"), ("bubble", "pipeline bubble"),
          ("pp_comm", "pipeline transfers"), ("dp_comm", "exposed data-parallel communication"),
          ("optimizer", "optimizer step"))
 
