@@ -76,8 +76,12 @@ class Attention(nn.Module):
         def split(h):  # [B, T, heads * d] -> [B, heads, T, d]
             return h.view(b, t, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        out = self.core(split(self.q(x)), split(self.k(x)), split(self.v(x)))
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core (QK^T, softmax, times V): what ``--recompute selective`` recomputes."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..mesh import MeshOptions
 from ..models.gpt import GPTOptions
 from ..models.moe import MoEOptions
+from ..training.recompute import RecomputeOptions
 from .compression import CompressOptions
 from .data_parallel import AccumulateOptions
 from .ddp import BucketOptions
@@ -26,6 +27,7 @@ from .tensor.strategy import TensorOptions
 #: in the order the command line lists them
 OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
                   FSDPOptions, DataParallelOptions, ExpertOptions, GPTOptions, MoEOptions)
+OPTION_CLASSES += (RecomputeOptions,)  # activation recomputation (training/recompute.py)
 
 
 @dataclass

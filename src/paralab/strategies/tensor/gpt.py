@@ -97,6 +97,7 @@ class TPEmbedding(nn.Module):
 class TPAttention(nn.Module):
     split = {"q.weight": 0, "q.bias": 0, "k.weight": 0, "k.bias": 0, "v.weight": 0, "v.bias": 0,
              "proj.weight": 1}
+    core = Attention.core  # on this rank's heads (what --recompute selective recomputes)
 
     def __init__(self, tp: TPGroup, plain: Attention):
         super().__init__()
@@ -113,7 +114,7 @@ class TPAttention(nn.Module):
         def split(z):  # [B, T, local heads * d] -> [B, local heads, T, d]
             return z.view(b, t, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
+        out = self.core(split(self.q(h)), split(self.k(h)), split(self.v(h)))
         partial = F.linear(out.transpose(1, 2).reshape(b, t, -1), self.proj.weight)
         return self.tp.leave(partial) + self.tp.replicated(self.proj.bias)
 
