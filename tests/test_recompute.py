@@ -212,3 +212,13 @@ def test_unknown_mode_refused():
 def test_bad_recompute_exits_2(paralab, args, message):
     r = paralab("train", "ddp", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_plan_command_carries_recompute():
+    from paralab.analysis.plan.layouts import Layout
+    from paralab.run.config import RunConfig
+    for rc in ("none", "selective", "full"):
+        command = Layout(dp=2, tp=1, pp=1, microbatch=4, microbatches=1, recompute=rc).command(2)
+        assert ("--recompute" in command) == (rc != "none")
+        words = command.split()[2:]  # what `paralab train` reads back
+        assert RunConfig.from_argv(words).recompute == rc

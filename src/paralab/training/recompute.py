@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -55,16 +56,22 @@ class RecomputeOptions:
                             choices=MODES)
 
 
-#: saved-bytes meters (``measure_saved``) open now: a recomputed piece reports what it keeps to them
-_meters: list = []
+def _identity(t):
+    return t
 
 
 class _Piece:
-    """One call of a recomputed function: its kept inputs, the tensors it kept, and their recomputed twins."""
+    """One call of a recomputed function: its inputs and the tensors it kept (both through the hooks
+    outside it, if any: a pipeline stage's byte count, ``measure_saved``), and the recomputed twins."""
 
     def __init__(self, fn, module: nn.Module, args: tuple):
-        self.fn, self.module, self.args = fn, module, args
-        self.kept: dict[int, torch.Tensor] = {}
+        self.fn, self.module = fn, module
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (_identity, _identity)
+        # what exists before the piece runs: its inputs and its module's buffers (parameters are leaves)
+        self.outside = {id(a) for a in args if isinstance(a, torch.Tensor)} | {id(b) for b in module.buffers()}
+        self.args = [(True, self.outer_pack(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args]
+        self.kept: set[int] = set()
         self.again: dict[int, torch.Tensor] = {}
         self.count = 0
         self.cpu_rng = torch.get_rng_state()
@@ -72,26 +79,19 @@ class _Piece:
         self.cuda_rng = torch.cuda.get_rng_state() if self.cuda else None
         device = "cuda" if self.cuda else "cpu"
         self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        # what exists before the piece runs: its inputs and its module's buffers (parameters are leaves)
-        self.outside = {id(a) for a in args if isinstance(a, torch.Tensor)} | {id(b) for b in module.buffers()}
-        for m in _meters:
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    m.add(a)
 
     def pack(self, t: torch.Tensor):
         n = self.count
         self.count += 1
         if (t.is_leaf and t.requires_grad) or id(t) in self.outside:  # not computed here: keep it
-            self.kept[n] = t
-            for m in _meters:
-                m.add(t)
-        return self, n
+            self.kept.add(n)
+            return self, n, self.outer_pack(t)
+        return self, n, None
 
     def recompute(self) -> None:
         buffers = [b.detach().clone() for b in self.module.buffers()]
-        args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                     for a in self.args)
+        args = [self.outer_unpack(a) if is_tensor else a for is_tensor, a in self.args]
+        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
         twins: list[torch.Tensor] = []
         device, enabled, dtype = self.autocast
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else [],
@@ -116,9 +116,9 @@ def _never(_):
 
 
 def _unpack(packed):
-    piece, n = packed
+    piece, n, outer = packed
     if n in piece.kept:
-        return piece.kept[n]
+        return piece.outer_unpack(outer)
     if n not in piece.again:  # first use, or used again after being handed out (a zero-bubble W after I)
         piece.recompute()
     return piece.again.pop(n)
@@ -184,40 +184,24 @@ def factory(model_fn, mode: str):
     return make
 
 
-class _Meter:
-    """Bytes of distinct storages saved for backward."""
-
-    def __init__(self):
-        self.storages: dict = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            self.storages[(s.data_ptr(), t.device)] = s.nbytes()
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
 @contextmanager
 def measure_saved(parameters=()):
-    """The bytes autograd keeps for backward inside the block (distinct storages; a recomputed piece
-    reports its kept inputs); ``parameters`` (their storages) are left out. Yields the meter."""
-    meter = _Meter()
+    """The bytes autograd keeps for backward inside the block: distinct storages, ``parameters``' left
+    out (a recomputed piece passes what it keeps through these hooks). Yields an object whose
+    ``bytes`` is the count, read after the block."""
     skip = {p.untyped_storage().data_ptr() for p in parameters}
+    meter = SimpleNamespace(bytes=0, storages={})
 
     def pack(t):
-        meter.add(t)
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in skip:
+            st = t.untyped_storage()
+            meter.storages[(st.data_ptr(), t.device)] = st.nbytes()
         return t
-    _meters.append(meter)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
             yield meter
     finally:
-        _meters.remove(meter)
-        for key in [k for k in meter.storages if k[0] in skip]:
-            del meter.storages[key]
+        meter.bytes = sum(meter.storages.values())
 
 
 __all__ = ["MODES", "RecomputeOptions", "apply", "factory", "measure_saved", "run"]

@@ -7,8 +7,8 @@ over ``tp`` (with or without sequence parallelism), each wrapped for data
 parallelism over ``dp`` at a ZeRO ``zero`` stage (0 = ddp's buckets; 1-3 =
 paralab's fsdp; under ``--pp`` or ``--tp`` only 0 and 1 compose); a step is
 ``microbatches`` microbatches of ``microbatch`` samples per replica;
-``recompute`` is none, selective or full (planned from formulas: paralab has
-no recomputation strategy yet).
+``recompute`` is none, selective or full (``--recompute``; planned from
+Korthikanti et al.'s formulas, see docs/recompute.md for what paralab's gpt keeps).
 
 :func:`enumerate_layouts` yields every layout that divides the model and the
 workers (fitting in memory is the predictor's question). Tensor parallelism
@@ -59,7 +59,7 @@ class Layout:
         return f"fsdp --zero-stage {self.zero}"
 
     def command(self, workers: int) -> str:
-        """The `paralab train` flags of this layout (recomputation has no flag yet)."""
+        """The `paralab train` flags of this layout."""
         words = [f"paralab train {'ddp' if self.zero == 0 else 'fsdp'} --workers {workers}"]
         if self.zero:
             words.append(f"--zero-stage {self.zero}")
@@ -71,6 +71,8 @@ class Layout:
                 words.append(f"--virtual-stages {self.virtual}")
         elif self.microbatches > 1:
             words.append(f"--accumulate {self.microbatches}")
+        if self.recompute != "none":
+            words.append(f"--recompute {self.recompute}")
         return " ".join(words)
 
     def to_dict(self) -> dict:
