@@ -84,3 +84,14 @@ def test_moe_bench(tmp_path):
     assert best["ep2-a2a"]["dispatch_bytes_per_step"] == best["ep2-a2a"]["dispatch_bytes_predicted"] > 0
     assert best["ep2-skew3"]["rank_load_imbalance"] > best["ep2-a2a"]["rank_load_imbalance"]
 
+
+
+@pytest.mark.slow  # about 20 s at toy sizes; CI runs the slow suite
+def test_recompute_bench(tmp_path):
+    d = bench(tmp_path, "recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",
+              "--gpt-batch", "4", "--vgg-batch", "8", "--steps", "3", "--warmup", "1", "--repeats", "1")
+    rows = d["rows"]
+    assert set(rows) == {f"{m}-{r}" for m in ("gpt", "vgg11") for r in ("none", "selective", "full")}
+    for m in ("gpt", "vgg11"):  # exact byte counts: full keeps least, then selective
+        assert rows[f"{m}-full"]["saved_bytes"] < rows[f"{m}-selective"]["saved_bytes"] < rows[f"{m}-none"]["saved_bytes"]
+    assert all(r["saved_bytes"] == r["formula_bytes"] for k, r in rows.items() if k.startswith("gpt"))
