@@ -84,7 +84,7 @@ def saved_bytes(name: str, mode: str, args) -> int:
         m = build_model(name, width=args.width)
         x, y = torch.randn(args.vgg_batch, 3, 32, 32), torch.randint(0, 10, (args.vgg_batch,))
     recompute.apply(m, mode)
-    with recompute.measure_saved(m.parameters()) as meter:
+    with recompute.measure_saved(m) as meter:
         cross_entropy(m(x), y)
     return meter.bytes
 

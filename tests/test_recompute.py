@@ -179,7 +179,7 @@ def test_saved_bytes_match_the_formula(mode, dtype):
     """What autograd keeps (distinct storages, parameters left out) equals ``gpt_saved_bytes``,
     the formula ``calc tp`` prints, byte for byte."""
     m, (x, y) = model("gpt", dtype, mode), batch("gpt")
-    with recompute.measure_saved(m.parameters()) as meter:
+    with recompute.measure_saved(m) as meter:
         cross_entropy(m(x), y)
     assert meter.bytes == gpt_saved_bytes(B, S, H, A, L, mode, dtype.itemsize).value
 
@@ -188,7 +188,7 @@ def test_full_keeps_less_than_selective_less_than_none():
     kept = {}
     for mode in recompute.MODES:
         m, (x, y) = model("vgg11", mode=mode), batch("vgg11")
-        with recompute.measure_saved(m.parameters()) as meter:
+        with recompute.measure_saved(m) as meter:
             cross_entropy(m(x), y)
         kept[mode] = meter.bytes
     assert kept["full"] < kept["selective"] < kept["none"]
@@ -222,3 +222,23 @@ def test_plan_command_carries_recompute():
         assert ("--recompute" in command) == (rc != "none")
         words = command.split()[2:]  # what `paralab train` reads back
         assert RunConfig.from_argv(words).recompute == rc
+
+
+@pytest.mark.parametrize("name", ["gpt", "vgg11"])
+def test_full_keeps_what_pytorchs_checkpoint_keeps(name):
+    """PyTorch's built-in (``torch.utils.checkpoint``, non-reentrant, around each unit) beside ours: the same
+    saved bytes and the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+    x, y = batch(name)
+    ours, theirs = model(name, mode="full"), model(name)
+    with recompute.measure_saved(ours) as a:
+        loss_a = cross_entropy(ours(x), y)
+    with recompute.measure_saved(theirs) as b:
+        h = x
+        for unit in theirs:
+            h = checkpoint(unit, h, use_reentrant=False)
+        loss_b = cross_entropy(h, y)
+    loss_a.backward()
+    loss_b.backward()
+    assert a.bytes == b.bytes
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))

@@ -185,11 +185,12 @@ def factory(model_fn, mode: str):
 
 
 @contextmanager
-def measure_saved(parameters=()):
-    """The bytes autograd keeps for backward inside the block: distinct storages, ``parameters``' left
-    out (a recomputed piece passes what it keeps through these hooks). Yields an object whose
-    ``bytes`` is the count, read after the block."""
-    skip = {p.untyped_storage().data_ptr() for p in parameters}
+def measure_saved(model: nn.Module | None = None):
+    """The bytes autograd keeps for backward inside the block: distinct storages, ``model``'s parameters
+    and buffers left out (they are held anyway; a recomputed piece passes what it keeps through these
+    hooks). Yields an object whose ``bytes`` is the count, read after the block."""
+    held = [] if model is None else [*model.parameters(), *model.buffers()]
+    skip = {t.untyped_storage().data_ptr() for t in held}
     meter = SimpleNamespace(bytes=0, storages={})
 
     def pack(t):
