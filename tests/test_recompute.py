@@ -242,3 +242,17 @@ def test_full_keeps_what_pytorchs_checkpoint_keeps(name):
     loss_b.backward()
     assert a.bytes == b.bytes
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_pipeline_forwards_whose_backward_comes_next_keep_everything():
+    """The executor's ``backward_next``: 1F1B's and ZB-H1's last stage (each F then its B or I) skip the
+    recompute; GPipe (backward in microbatch order: F3 is followed by B0) and a first stage never do."""
+    from paralab.strategies.pipeline.executor import backward_next
+    from paralab.strategies.pipeline.schedules import build_schedule
+
+    def skipped(name, rank, p=2, m=4):
+        acts = list(build_schedule(name, p, m)[rank])
+        return sorted(acts[n].microbatch for n in backward_next(acts))
+    assert skipped("1f1b", 1) == [0, 1, 2, 3] and skipped("1f1b", 0) == []
+    assert skipped("gpipe", 1) == [] and skipped("gpipe", 0) == []
+    assert skipped("zb-h1", 1) == [0, 1, 2, 3]

@@ -115,3 +115,19 @@ def slow_summaries(tmp_path_factory):
 @pytest.mark.parametrize("name", [f"{n}-{m}" for n, _, _, m in _jobs(JOBS1 + JOBS2 + JOBS4, False)])
 def test_recompute_check_passes_every_strategy(slow_summaries, name):
     _assert_pass(slow_summaries[name])
+
+
+def test_pipeline_records_what_recompute_frees(paralab):
+    """A 1F1B pipeline's recorded peak of saved bytes (the stage's saved_tensors_hooks, which a recomputed
+    unit passes what it keeps through): the first stage keeps far less under --recompute full; the last
+    stage, whose every forward is followed by its backward, does not recompute and keeps the same."""
+    peaks = {}
+    for mode in ("none", "full"):
+        r = paralab("train", "pipeline", "--workers", "2", "--schedule", "1f1b", "--microbatches", "4", "--model",
+                    "gpt", "--layers", "2", "--embed", "32", "--context", "16", "--dataset", "synthetic-text",
+                    "--batch-size", "16", "--num-batches", "2", "--recompute", mode)
+        assert r.returncode == 0, r.stderr
+        details = r.summary["strategy_details"]
+        peaks[mode] = [details[str(k)]["peak_activation_bytes"] for k in range(2)]
+    assert peaks["full"][0] * 5 < peaks["none"][0]
+    assert peaks["full"][1] == peaks["none"][1] > 0

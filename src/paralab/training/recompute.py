@@ -124,10 +124,26 @@ def _unpack(packed):
     return piece.again.pop(n)
 
 
+#: forwards inside ``suspended()`` keep everything (depth of nesting)
+_suspended = 0
+
+
+@contextmanager
+def suspended():
+    """No recomputation inside: for a forward whose backward comes next (a pipeline stage's microbatch
+    whose B directly follows its F), where keeping everything costs no memory and saves the recompute."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
 def run(fn, module: nn.Module, *args):
     """``fn(*args)``, keeping for backward only what ``fn`` did not compute; ``module``'s buffers are
     restored after each recompute (BatchNorm statistics)."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or _suspended:
         return fn(*args)
     piece = _Piece(fn, module, args)
     with torch.autograd.graph.saved_tensors_hooks(piece.pack, _unpack):
@@ -205,4 +221,4 @@ def measure_saved(model: nn.Module | None = None):
         meter.bytes = sum(meter.storages.values())
 
 
-__all__ = ["MODES", "RecomputeOptions", "apply", "factory", "measure_saved", "run"]
+__all__ = ["MODES", "RecomputeOptions", "apply", "factory", "measure_saved", "run", "suspended"]
