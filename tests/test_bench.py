@@ -93,5 +93,6 @@ def test_recompute_bench(tmp_path):
     rows = d["rows"]
     assert set(rows) == {f"{m}-{r}" for m in ("gpt", "vgg11") for r in ("none", "selective", "full")}
     for m in ("gpt", "vgg11"):  # exact byte counts: full keeps least, then selective
-        assert rows[f"{m}-full"]["saved_bytes"] < rows[f"{m}-selective"]["saved_bytes"] < rows[f"{m}-none"]["saved_bytes"]
+        kept = [rows[f"{m}-{r}"]["saved_bytes"] for r in ("full", "selective", "none")]
+        assert kept == sorted(set(kept))
     assert all(r["saved_bytes"] == r["formula_bytes"] for k, r in rows.items() if k.startswith("gpt"))

@@ -129,7 +129,7 @@ def test_zero_bubble_split_input_then_weight():
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _sdpa_cpu(query, key, value, *args, out_shape=None, **kwargs) -> int:  # the fused CPU kernel the counter does not know
+def _sdpa_cpu(query, key, value, *args, out_shape=None, **kwargs) -> int:  # the fused CPU kernel, unknown
     return flop_counter.sdpa_flop_count(query, key, value)
 
 

@@ -76,7 +76,8 @@ def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
 
 def run_jobs(root: Path, world: int, jobs: list) -> dict:
     root.mkdir(parents=True)
-    configs = [job_config(root / f"{name}-{mode}", strategy, world, extra, mode) for name, strategy, extra, mode in jobs]
+    configs = [job_config(root / f"{name}-{mode}", strategy, world, extra, mode)
+               for name, strategy, extra, mode in jobs]
     spawn(_rank_main, (world, configs, str(root)), world)
     return {Path(c.out).name: json.loads(Path(c.out, "summary.json").read_text()) for c in configs}
 
