@@ -13,6 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("allreduce", "dp", "pipeline", "fsdp", "mesh", "tp", "schedules", "startup", "moe")
 BENCHMARKS += ("context",)  # bench/context.py: cp on the gpt
+BENCHMARKS += ("recompute",)  # bench/recompute.py: time against saved activations
 
 
 def main(argv: list[str]) -> int:

@@ -93,3 +93,15 @@ def test_context_bench(tmp_path):
     assert set(d["best"]) == {"single", "cp2-ring", "cp2-ring-contiguous", "cp2-a2a"}
     assert set(d["best"]["cp2-ring"]["attention_s_per_rank"]) == {"0", "1"}  # each cp rank's attention was timed
     assert "cp2_ring_balanced_over_contiguous" in d["ratios"]
+
+
+@pytest.mark.slow  # about 20 s at toy sizes; CI runs the slow suite
+def test_recompute_bench(tmp_path):
+    d = bench(tmp_path, "recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",
+              "--gpt-batch", "4", "--vgg-batch", "8", "--steps", "3", "--warmup", "1", "--repeats", "1")
+    rows = d["rows"]
+    assert set(rows) == {f"{m}-{r}" for m in ("gpt", "vgg11") for r in ("none", "selective", "full")}
+    for m in ("gpt", "vgg11"):  # exact byte counts: full keeps least, then selective
+        kept = [rows[f"{m}-{r}"]["saved_bytes"] for r in ("full", "selective", "none")]
+        assert kept == sorted(set(kept))
+    assert all(r["saved_bytes"] == r["formula_bytes"] for k, r in rows.items() if k.startswith("gpt"))

@@ -119,6 +119,31 @@ def activation_total(b: int, s: int, h: int, a: int, layers: int, t: int, sequen
                         "the loss, divided by t as published (with sequence parallelism)")
 
 
+def gpt_saved_bytes(b: int, s: int, h: int, a: int, layers: int, recompute: str = "none", e: int = 4,
+                    vocab: int = 256) -> Formula:
+    """What paralab's own gpt keeps for backward on one process (no tensor parallelism), counted by
+    ``saved_tensors_hooks`` in tests/test_recompute.py: Korthikanti et al.'s 16 s b h activations per
+    block without their dropout masks, in ``e``-byte elements, with the fused CPU attention's log-sum-exp
+    (``a s b``) in place of the ``5 a s^2 b`` scores, and the LayerNorms' means and reciprocal deviations
+    (``4 s b``). Ends: the token ids and positions (int64), the head's LayerNorm (input and statistics)
+    and output-layer input, the loss's log-softmax (``s b V``), targets and weight."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} (got {recompute!r})")
+    sb, sbh = s * b, s * b * h
+    if recompute == "full":  # each unit keeps its input: the ids, every block's input, the head's input
+        block, f = e * sbh, "e s b h"
+        ends = 8 * 2 * sb + e * (sbh + sb * vocab + 1)
+    else:
+        block = e * (16 * sbh + 4 * sb + (a * sb if recompute == "none" else 0))
+        f = "e (16 s b h + 4 s b" + (" + a s b)" if recompute == "none" else ")")
+        ends = 8 * (2 * sb + s) + e * (2 * sbh + 2 * sb + sb * vocab + 1)
+    return Formula(f"bytes paralab's gpt keeps for backward, {recompute} recomputation (measured by the tests)",
+                   f"L x {f} + ends", f"{layers} x {g(block)} + {g(ends)}", layers * block + ends, "B",
+                   parts={"per_block": block, "blocks": layers * block, "ends": ends},
+                   note="fp32 (e=4) or fp64 (e=8), no dropout; selective drops the attention core's log-sum-exp "
+                        "(its output is kept as the projection's input): the fused kernel keeps no a s^2 b scores")
+
+
 def flops_per_token(parameters: int, layers: int, h: int, s: int, what: str = "") -> Formula:
     """``6 N + 12 L h s`` (Kaplan et al. 2020; Narayanan et al. 2021): N the parameters that multiply a
     matrix; ``what`` says what N counts."""

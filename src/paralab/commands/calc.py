@@ -473,6 +473,14 @@ def calc_tp(args) -> int:
                      [[r, fmt(f.parts["per_block"]), fmt(f.parts["blocks"]), fmt(f.parts["ends"]), fmt(f.value)]
                       for r, f in zip(RECOMPUTE, totals)]))
     print(f"  {totals[-1].formula}; 16-bit activations with dropout masks, as published")
+    if t == 1:  # paralab's own gpt (--recompute; training/recompute.py), as the tests measure it
+        from ..analysis.tensor import gpt_saved_bytes
+        ours = [gpt_saved_bytes(b, s, h, a, L, r, 4, V) for r in RECOMPUTE]
+        print("\nparalab's gpt (--recompute), fp32, one process: what autograd keeps (saved_tensors_hooks):")
+        print(text_table(["recompute", "per block", f"x {L} blocks", "+ embedding, head, loss", "total"],
+                         [[r, fmt(f.parts["per_block"]), fmt(f.parts["blocks"]), fmt(f.parts["ends"]), fmt(f.value)]
+                          for r, f in zip(RECOMPUTE, ours)]))
+        print("  none/selective per block: e (16 s b h + 4 s b [+ a s b]); full: e s b h (its input only)")
     if run is not None:
         tp_run_table(run, args.peak_tflops)
     return 0

@@ -72,8 +72,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Causal multi-head self-attention; ``heads`` heads of ``embed / heads`` features each."""
-    #: the attention core (context parallelism puts its ring or all-to-all here: strategies/context/)
-    core = staticmethod(causal_attention)
+    #: the attention itself, which :meth:`core` calls (context parallelism puts its ring or all-to-all
+    #: here, per instance: strategies/context/)
+    attend = staticmethod(causal_attention)
 
     def __init__(self, embed: int, heads: int):
         super().__init__()
@@ -89,6 +90,10 @@ class Attention(nn.Module):
 
         out = self.core(split(self.q(x)), split(self.k(x)), split(self.v(x)))
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core (QK^T, softmax, times V): what ``--recompute selective`` recomputes."""
+        return self.attend(q, k, v)
 
 
 class MLP(nn.Module):

@@ -205,6 +205,10 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
                 raise UsageError(f"--embed {self.embed} must be divisible by --heads {self.heads} "
                                  "(each head gets embed / heads features)")
         check_moe(self, MODALITY[self.model])
+        if self.recompute != "none" and self.experts:  # activation recomputation (training/recompute.py)
+            raise UsageError(f"--recompute {self.recompute} with --experts: a mixture of experts records its "
+                             "routing and load-balancing loss in each forward, which a recompute would repeat; "
+                             "drop one of them")
         if self.check and self.precision == "bf16":
             raise UsageError("--check compares fp32 or fp64 arithmetic with a reference; autocast's bf16 "
                              "rounding is not replayed: drop --precision bf16 (or use fp64 for an exact check)")

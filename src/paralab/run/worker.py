@@ -31,6 +31,7 @@ from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
+from ..training import recompute
 from ..training.lr_schedule import lr_at, set_lr
 from ..training.saved import SavedActivations
 from ..mesh import Mesh
@@ -280,7 +281,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
                   batch_size=cfg.global_batch())
-    strategy = strategy_cls(ctx, model_fn, optim_fn, **composition)
+    # the strategy's units recompute as --recompute says; the reference (model_fn) does not
+    strategy = strategy_cls(ctx, recompute.factory(model_fn, cfg.recompute), optim_fn, **composition)
     replicas, replica = strategy.replicas()
     global_batch = cfg.global_batch()
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..mesh import MeshOptions
 from ..models.gpt import GPTOptions
 from ..models.moe import MoEOptions
+from ..training.recompute import RecomputeOptions
 from .compression import CompressOptions
 from .context import ContextOptions
 from .data_parallel import AccumulateOptions
@@ -28,6 +29,7 @@ from .tensor.strategy import TensorOptions
 OPTION_CLASSES = (MeshOptions, PipelineOptions, TensorOptions, AccumulateOptions, BucketOptions, CompressOptions,
                   FSDPOptions, DataParallelOptions, ExpertOptions, GPTOptions, MoEOptions,
                   ContextOptions)
+OPTION_CLASSES += (RecomputeOptions,)  # activation recomputation (training/recompute.py)
 
 
 @dataclass

@@ -11,8 +11,8 @@ gpt's sequence may be split over ``cp`` ranks (``cp_method`` ring or
 all-to-all; the context divides into 2 cp chunks, Ulysses's heads per tp
 rank by cp; no sequence parallelism and ZeRO 0-1 beside it, as paralab's
 ``cp`` composes);
-``recompute`` is none, selective or full (planned from formulas: paralab has
-no recomputation strategy yet).
+``recompute`` is none, selective or full (``--recompute``; planned from
+Korthikanti et al.'s formulas, see docs/recompute.md for what paralab's gpt keeps).
 
 :func:`enumerate_layouts` yields every layout that divides the model and the
 workers (fitting in memory is the predictor's question). Tensor parallelism
@@ -67,7 +67,7 @@ class Layout:
         return f"fsdp --zero-stage {self.zero}"
 
     def command(self, workers: int) -> str:
-        """The `paralab train` flags of this layout (recomputation has no flag yet)."""
+        """The `paralab train` flags of this layout."""
         words = [f"paralab train {'ddp' if self.zero == 0 else 'fsdp'} --workers {workers}"]
         if self.zero:
             words.append(f"--zero-stage {self.zero}")
@@ -81,6 +81,8 @@ class Layout:
                 words.append(f"--virtual-stages {self.virtual}")
         elif self.microbatches > 1:
             words.append(f"--accumulate {self.microbatches}")
+        if self.recompute != "none":
+            words.append(f"--recompute {self.recompute}")
         return " ".join(words)
 
     def to_dict(self) -> dict:

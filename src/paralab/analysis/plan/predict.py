@@ -232,8 +232,6 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     tokens = gb * work.tokens_per_sample
     workers = d * t * p * C
     mfu = gb * work.model_flops_per_sample() / step / (workers * cluster.peak(setting.dtype))
-    if lay.recompute != "none":
-        notes.append("recomputation is planned from formulas: paralab has no recomputation strategy yet")
     return Prediction(lay, step, compute, tp_comm, bubble, pp_comm, dp_exposed, dp_total, optimizer, memory,
                       {"model_states": states, "activations": activations, "rank": r_mem,
                        "model_states_formula": est.total_formula.formula + (" + ddp's gradient buckets (Psi)"

@@ -80,7 +80,7 @@ class ContextParallelism:
         """The embedding told its tokens' global positions, every attention given the cp core."""
         for unit in units.values():
             if isinstance(unit, Block):
-                unit.attn.core = self.core
+                unit.attn.attend = self.core  # inside Attention.core, so --recompute selective still wraps it
             elif isinstance(getattr(unit, "positions", None), nn.Embedding):  # the embedding, or its tp twin
                 unit.position_ids = self.positions
         return units

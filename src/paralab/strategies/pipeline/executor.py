@@ -16,6 +16,9 @@ For each action of ``actions.Action``:
 - ``send_act`` / ``send_grad``: post an ``isend`` and go on; every send is
   waited for at the end of the step (``comm`` spans ``wait:send_*``).
 
+Under ``--recompute``, a forward whose backward is the rank's next compute
+(``backward_next``) keeps everything: a recompute would free nothing.
+
 A rank may hold several stages (``interleaved-1f1b``); a tensor passed
 between two stages of the same rank is handed over in memory. Each stage's
 last action that completes its weight gradients runs inside
@@ -37,7 +40,21 @@ from contextlib import nullcontext
 
 import torch
 
+from ...training import recompute
 from .actions import Action, Kind, message_of
+
+
+def backward_next(actions: list[Action]) -> set[int]:
+    """The forwards (positions in ``actions``) whose next compute on this rank is the same microbatch's
+    backward (B or I) on the same stage: every microbatch of the last stage under 1F1B or ZB-H1 (GPipe
+    runs backward in microbatch order, so none). Recomputing them would free nothing
+    (``training/recompute.py``)."""
+    compute = [(n, a) for n, a in enumerate(actions) if a.kind is Kind.FORWARD or a.kind in BACKWARDS]
+    return {n for (n, a), (_, b) in zip(compute, compute[1:]) if a.kind is Kind.FORWARD
+            and b.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and (b.stage, b.microbatch) == (a.stage, a.microbatch)}
+
+
+BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
 
 class Executor:
@@ -60,6 +77,7 @@ class Executor:
         completes = {a.stage: n for n, a in enumerate(actions) if a.kind.completes_weights}
         finals = {n: s for s, n in completes.items()}
         split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.BACKWARD_INPUT}  # I and W, not B
+        straight = backward_next(actions)  # --recompute: a forward whose backward comes next keeps everything
         received: dict[tuple, torch.Tensor] = {}   # messages in, by (channel, consuming stage, mb)
         held: dict[tuple, torch.Tensor] = {}       # produced here: to send, or for a stage of this rank
         losses: dict[int, torch.Tensor] = {}       # weighted microbatch losses (last stage)
@@ -104,7 +122,8 @@ class Executor:
                 st = stages[s]
                 xs, ys, weight = chunks[i]
                 inp = xs if st.first else incoming("act", s, i)
-                with self.rec.span("compute", "forward", mb=i, stage=s):
+                with self.rec.span("compute", "forward", mb=i, stage=s), \
+                        recompute.suspended() if n in straight else nullcontext():
                     out = st.forward(i, inp, split=(s, i) in split, weight=weight)
                     if st.last:
                         with self.autocast():
@@ -115,7 +134,7 @@ class Executor:
             elif a.kind.is_send:
                 t = held.pop(message_of(a)).contiguous()
                 sends.append((self.comm.isend(t, a.peer, name=a.kind.value), t))
-            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            elif a.kind in BACKWARDS:
                 st = stages[s]
                 with last_backward(s) if n in finals else nullcontext():
                     with self.rec.span("compute", a.kind.value, mb=i, stage=s):

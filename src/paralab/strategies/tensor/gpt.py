@@ -100,13 +100,14 @@ class TPEmbedding(nn.Module):
 class TPAttention(nn.Module):
     split = {"q.weight": 0, "q.bias": 0, "k.weight": 0, "k.bias": 0, "v.weight": 0, "v.bias": 0,
              "proj.weight": 1}
+    core = Attention.core  # on this rank's heads (what --recompute selective recomputes)
 
     def __init__(self, tp: TPGroup, plain: Attention):
         super().__init__()
         if plain.heads % tp.size:
             raise ValueError(f"{plain.heads} heads do not divide over tp {tp.size}")
         self.tp, self.heads = tp, plain.heads // tp.size  # this rank's heads
-        self.core = plain.core  # the attention core (context parallelism's, if set)
+        self.attend = plain.attend  # the attention itself (context parallelism's, if set)
         self.q, self.k, self.v = column(tp, plain.q), column(tp, plain.k), column(tp, plain.v)
         self.proj = row(tp, plain.proj)
 

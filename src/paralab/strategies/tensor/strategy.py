@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import UsageError
+from ...training import recompute
 from ...training.losses import cross_entropy
 from ...mesh import MeshShape
 from ...options import option
@@ -61,9 +62,11 @@ class TensorOptions:
 class TensorParallelism:
     """The ``tp`` dimension of one rank: how the units it holds are sharded, and undone."""
 
-    def __init__(self, comm, sequence_parallel: bool, model: nn.Sequential):
-        """``model``: a freshly built whole model, to learn which units exist and how each is split."""
+    def __init__(self, comm, sequence_parallel: bool, model: nn.Sequential, recompute: str = "none"):
+        """``model``: a freshly built whole model, to learn which units exist and how each is split;
+        ``recompute``: what the sharded twins recompute (``training/recompute.py``), as the plain units did."""
         self.group = TPGroup(comm, sequence_parallel)
+        self.recompute = recompute
         self.comm = comm
         self.transformer = isinstance(model[0], tp_gpt.Embedding)
         if sequence_parallel and not self.transformer:
@@ -81,8 +84,10 @@ class TensorParallelism:
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """Each unit (keyed by its index in the whole model) replaced by this rank's sharded twin."""
         if self.transformer:
-            return {i: tp_gpt.shard_unit(self.group, u) for i, u in units.items()}
-        return {i: tp_vgg.shard_unit(self.group, i, u, self.roles) for i, u in units.items()}
+            twins = {i: tp_gpt.shard_unit(self.group, u) for i, u in units.items()}
+        else:
+            twins = {i: tp_vgg.shard_unit(self.group, i, u, self.roles) for i, u in units.items()}
+        return recompute.apply(twins, self.recompute)
 
     def activation_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample shape entering unit ``index`` (``len(model)``: the output) once sharded."""
@@ -121,7 +126,8 @@ class TensorParallel(Strategy):
 
     def __init__(self, ctx, model_fn, optim_fn, inner_cls=None, inner_kwargs=None):
         super().__init__(ctx, model_fn, optim_fn)
-        self.tp = TensorParallelism(ctx.mesh.comm("tp"), ctx.options.sequence_parallel, model_fn())
+        self.tp = TensorParallelism(ctx.mesh.comm("tp"), ctx.options.sequence_parallel, model_fn(),
+                                    ctx.options.recompute)
         if inner_cls is None:  # pure tp: one data-parallel replica, or a pipeline of tp stages
             from ..pipeline import Pipeline
             inner_cls = Pipeline if ctx.mesh.size("pp") > 1 else DataParallel
