@@ -300,3 +300,22 @@ def test_context_parallel_layouts_and_their_cost():
     # each cp rank keeps the activations of its s / cp tokens
     one = dataclasses.replace(lay, cp=1, dp=8)
     assert got.memory_parts["activations"] == pytest.approx(predict(w, one, H100, setting).memory_parts["activations"] / 2)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_paralab_gpt_activations_recomputed(recompute):
+    """What --recompute keeps of paralab's gpt blocks (training/recompute.py), against the planner's count."""
+    import torch
+
+    from paralab.analysis.plan.workload import paralab_block_elements
+    from paralab.models import build_model
+    from paralab.training import recompute as rc
+    b, s, h, a = 2, 32, 64, 4
+    model = rc.apply(build_model("gpt", layers=2, embed=h, heads=a, context=s), recompute)
+    x = model[0](torch.zeros(b, s, dtype=torch.long)).detach().requires_grad_()
+    with rc.measure_saved(model) as meter:
+        model[2](model[1](x)).sum()
+    work = gpt_workload(2, h, a, s, 256, activations="paralab")
+    counted = 4 * 2 * paralab_block_elements(b, s, h, a, 1, False, recompute)
+    assert meter.bytes == counted == work.activation_bytes(1, 3, b, 1, False, recompute, 4)
+    assert counted < 4 * 2 * paralab_block_elements(b, s, h, a, 1, False)

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from ..options import option
+from .saved import SavedActivations, storage
 
 MODES = ("none", "selective", "full")
 
@@ -202,23 +203,18 @@ def factory(model_fn, mode: str):
 
 @contextmanager
 def measure_saved(model: nn.Module | None = None):
-    """The bytes autograd keeps for backward inside the block: distinct storages, ``model``'s parameters
-    and buffers left out (they are held anyway; a recomputed piece passes what it keeps through these
-    hooks). Yields an object whose ``bytes`` is the count, read after the block."""
+    """The bytes autograd keeps for backward inside the block (``saved.SavedActivations``: distinct
+    storages at their peak), ``model``'s parameters and buffers left out (they are held anyway; a
+    recomputed piece passes what it keeps through these hooks). Yields an object whose ``bytes`` is the
+    count, read after the block."""
     held = [] if model is None else [*model.parameters(), *model.buffers()]
-    skip = {t.untyped_storage().data_ptr() for t in held}
-    meter = SimpleNamespace(bytes=0, storages={})
-
-    def pack(t):
-        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in skip:
-            st = t.untyped_storage()
-            meter.storages[(st.data_ptr(), t.device)] = st.nbytes()
-        return t
+    probe = SavedActivations({storage(t)[0] for t in held})
+    meter = SimpleNamespace(bytes=0)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        with probe.watch():
             yield meter
     finally:
-        meter.bytes = sum(meter.storages.values())
+        meter.bytes = probe.peak
 
 
 __all__ = ["MODES", "RecomputeOptions", "apply", "factory", "measure_saved", "run", "suspended"]

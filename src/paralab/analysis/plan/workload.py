@@ -86,8 +86,8 @@ class Workload:
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
         blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
-        if self.activations == "paralab" and recompute == "none":
-            kept = blocks * paralab_block_elements(b, s, h, a, tp, sp)
+        if self.activations == "paralab":
+            kept = blocks * paralab_block_elements(b, s, h, a, tp, sp, recompute)
             if hi == len(self.units):  # final LayerNorm's input, output and statistics; the loss's logits
                 kept += s * b * ((1 / tp + 1 if sp else 2) * h + V / tp + (2 / tp if sp else 2))
             return kept * e
@@ -117,15 +117,19 @@ class Workload:
         return f"{self.name}: {self.parameters:,} parameters in {len(self.units)} units"
 
 
-def paralab_block_elements(b: int, s: int, h: int, a: int, t: int, sp: bool) -> float:
+def paralab_block_elements(b: int, s: int, h: int, a: int, t: int, sp: bool, recompute: str = "none") -> float:
     """Elements one block of paralab's gpt keeps for backward, per tp rank (measured by
     ``training/saved.py``'s probe in tests/test_plan.py). Per token: both LayerNorms' inputs and
     outputs (replicated, or under sequence parallelism their inputs split and the gathered outputs that
     the column-parallel projections keep), q, k, v and the attention's output, the MLP's 4h input to GELU
     and its output (split over tp); and per token and LayerNorm its mean and 1/std, per head the
-    attention's log-sum-exp."""
+    attention's log-sum-exp. Recomputed (``training/recompute.py``): selective recomputes the attention
+    core, whose inputs and output the projections keep anyway, so only the log-sum-exp goes; full keeps
+    only the block's input (split under sequence parallelism)."""
+    if recompute == "full":
+        return s * b * h / (t if sp else 1)
     wide = 2 + 14 / t if sp else 4 + 12 / t
-    narrow = (4 / t if sp else 4) + a / t
+    narrow = (4 / t if sp else 4) + (a / t if recompute == "none" else 0)
     return s * b * (h * wide + narrow)
 
 
