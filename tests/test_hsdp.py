@@ -127,6 +127,7 @@ def test_hsdp_2x2_passes_fp64_and_matches_plain_fsdp_on_4(paralab):
     assert shape["replicate"] == 2 and shape["shard"] == 2
     details = hsdp.summary["strategy_details"]
     assert [details[str(r)]["replica"] for r in range(4)] == [0, 0, 1, 1]
+    assert details["0"]["memory"]["model"]["workers"] == 2  # the memory model shards over the shard group
     plain = paralab("train", "fsdp", "--workers", "4", *GPT, *FP64, fast=False)
     _passed(plain)
     a, b = _losses(hsdp), _losses(plain)
@@ -175,3 +176,13 @@ def test_hsdp_2x2_resumes_as_ddp_on_2_fp64(paralab, tmp_path):
 ], ids=["ddp-to-hsdp", "zero3pp-to-zero3tp", "hsdp-tp-to-single"])
 def test_new_layouts_reshard_both_ways(paralab, tmp_path, first, second):
     _resume_equals_single(paralab, tmp_path, first, second)
+
+
+# ------------------------------------------------------------------ calc memory
+def test_calc_memory_hsdp_shards_over_the_shard_group():
+    from conftest import run_paralab
+    hsdp = run_paralab("calc", "memory", "--model", "gpt", "--workers", "8", "--replicate", "2", "--json")
+    shard = run_paralab("calc", "memory", "--model", "gpt", "--workers", "4", "--json")
+    assert hsdp.returncode == 0 and json.loads(hsdp.stdout) == json.loads(shard.stdout), hsdp.stderr
+    bad = run_paralab("calc", "memory", "--model", "gpt", "--workers", "8", "--replicate", "3")
+    assert bad.returncode == 2 and "--replicate must be a positive divisor" in bad.stderr
