@@ -186,3 +186,26 @@ def test_calc_memory_hsdp_shards_over_the_shard_group():
     assert hsdp.returncode == 0 and json.loads(hsdp.stdout) == json.loads(shard.stdout), hsdp.stderr
     bad = run_paralab("calc", "memory", "--model", "gpt", "--workers", "8", "--replicate", "3")
     assert bad.returncode == 2 and "--replicate must be a positive divisor" in bad.stderr
+
+
+# ------------------------------------------------------------------ torch-fsdp x tp (FSDP2 on DTensor tp, torchtitan's order)
+def test_torch_fsdp_on_torch_tp_passes_fp64(paralab):
+    r = paralab("train", "torch-fsdp", "--workers", "4", "--tp", "2", *GPT, *FP64, fast=False)
+    assert _passed(r) == {"pp": 1, "dp": 2, "tp": 2}
+    assert r.summary["strategy_details"]["0"]["memory"]["model"]["workers"] == 2
+
+
+@pytest.mark.slow
+def test_torch_fsdp_on_torch_tp_resumes_as_ddp(paralab, tmp_path):
+    from conftest import run_paralab
+    from test_reshard import GPT as COMMON, assert_equals_single, resume_across
+    single = run_paralab("train", "single", *COMMON, "--num-batches", "10", out=tmp_path / "single")
+    assert single.returncode == 0, single.stderr
+    _, b = resume_across(paralab, tmp_path, ["torch-fsdp", "--workers", "4", "--tp", "2"], ["ddp", "--workers", "2"],
+                         COMMON)
+    assert_equals_single(b, single.out)
+
+
+def test_torch_fsdp_refuses_pp(paralab):
+    r = paralab("train", "torch-fsdp", "--workers", "4", "--pp", "2", *GPT)
+    assert r.returncode == 2 and "cannot be composed with pipeline stages" in r.stderr, r.stderr
