@@ -209,3 +209,14 @@ def test_torch_fsdp_on_torch_tp_resumes_as_ddp(paralab, tmp_path):
 def test_torch_fsdp_refuses_pp(paralab):
     r = paralab("train", "torch-fsdp", "--workers", "4", "--pp", "2", *GPT)
     assert r.returncode == 2 and "cannot be composed with pipeline stages" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ compare --model gpt
+def test_compare_on_2_workers_says_why_composed_sharding_is_left_out_and_runs_it_on_4():
+    from test_compare_compress import planned
+    _, left_out = planned("--model", "gpt", "--dataset", "synthetic-text")
+    assert any(n.startswith("fsdp composed with --tp 2") and "4 workers" in n for n in left_out), left_out
+    runs, left_out = planned("--model", "gpt", "--dataset", "synthetic-text", "--strategies", "fsdp,torch-fsdp", "--workers", "4",
+                             "--train-args=--tp 2")
+    assert [(r["config"].tp, r["config"].workers) for r in runs.values()] == [(2, 4), (2, 4)]
+    assert not any("composed with" in n for n in left_out)
