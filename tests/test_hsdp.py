@@ -128,6 +128,9 @@ def test_hsdp_2x2_passes_fp64_and_matches_plain_fsdp_on_4(paralab):
     details = hsdp.summary["strategy_details"]
     assert [details[str(r)]["replica"] for r in range(4)] == [0, 0, 1, 1]
     assert details["0"]["memory"]["model"]["workers"] == 2  # the memory model shards over the shard group
+    ops = hsdp.summary["comm_ops"]  # each reduced shard (half a unit) all-reduced across the 2 replica groups
+    assert ops["all_reduce"]["calls"] == ops["reduce_scatter"]["calls"], ops
+    assert ops["all_reduce"]["bytes"] * 2 == ops["reduce_scatter"]["bytes"], ops
     plain = paralab("train", "fsdp", "--workers", "4", *GPT, *FP64, fast=False)
     _passed(plain)
     a, b = _losses(hsdp), _losses(plain)
@@ -143,7 +146,8 @@ def test_hsdp_2x2_passes_fp64_and_matches_plain_fsdp_on_4(paralab):
     ["--workers", "4", "--replicate", "2", *GPT, *COURSE],
     ["--workers", "4", "--replicate", "2", "--zero-stage", "2", *VGG, *FP64],
     ["--workers", "8", "--pp", "2", "--replicate", "2", "--zero-stage", "3", "--microbatches", "2", *GPT, *FP64],
-], ids=["hsdp-tp-fp64", "hsdp-tp-course", "hsdp-course", "hsdp-zero2-vgg-fp64", "hsdp-pp-zero3"])
+    ["--workers", "8", "--tp", "2", "--replicate", "2", "--zero-stage", "1", *GPT, *FP64],
+], ids=["hsdp-tp-fp64", "hsdp-tp-course", "hsdp-course", "hsdp-zero2-vgg-fp64", "hsdp-pp-zero3", "hsdp-tp-zero1"])
 def test_hsdp_compositions_pass_check(paralab, args):
     shape = _passed(paralab("train", "fsdp", *args, fast=False), "fp64" if "fp64" in args else "fp32")
     assert shape["replicate"] == 2
