@@ -224,3 +224,14 @@ def test_compare_on_2_workers_says_why_composed_sharding_is_left_out_and_runs_it
                              "--train-args=--tp 2")
     assert [(r["config"].tp, r["config"].workers) for r in runs.values()] == [(2, 4), (2, 4)]
     assert not any("composed with" in n for n in left_out)
+
+
+def test_zero3_tp2_ledger_peak_equals_the_memory_models_prediction(paralab):
+    """fsdp on tp slices: the ledger's resident peak, per rank, is the cost model's ZeRO-3 peak for this
+    rank's slice of the parameters over the dp group, to the byte (fp32, which the model counts)."""
+    r = paralab("train", "fsdp", "--workers", "4", "--tp", "2", *GPT, "--num-batches", "3", fast=False)
+    assert r.returncode == 0, r.stderr
+    for details in r.summary["strategy_details"].values():
+        memory = details["memory"]
+        assert memory["model"]["workers"] == 2 and memory["predicted"]["strategy"] == "zero-3"
+        assert memory["measured"]["resident_peak_bytes"] == memory["predicted"]["bytes"]["peak"], memory
