@@ -98,6 +98,10 @@ def test_zero3_pp2_holds_only_shards_between_steps_and_whole_stage_inside(parala
         whole, shard = details["stage_parameters"] * itemsize, dp["shard_elements"] * itemsize
         # kept gathered across the step's microbatches: the stage's parameters whole plus the shards
         assert dp["memory"]["measured"]["peak_bytes"]["params"] == whole + shard, dp
+    from paralab.analysis.runs import load_run
+    from paralab.report.plots import memory_by_rank
+    drawn = memory_by_rank(load_run(r.out))  # the memory plot draws each stage's ledger, not an estimate
+    assert drawn and all(not estimated for rank in drawn.values() for _, estimated in rank["parts"].values())
 
 
 @pytest.mark.slow
