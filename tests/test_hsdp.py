@@ -119,7 +119,12 @@ def test_zero3_tp2_pp2_3d_fp64(paralab):
     ["fsdp", "--workers", "4", "--tp", "2", "--zero-stage", "3", *VGG, *FP64],
     ["fsdp", "--workers", "4", "--tp", "2", "--zero-stage", "2", *VGG, "--norm", "none", *COURSE],
     ["fsdp", "--workers", "4", "--pp", "2", "--zero-stage", "2", "--microbatches", "2", *GPT, *FP64],
-], ids=["3d-course", "zero3-pp2-zbh1", "vgg-zero3-tp2-fp64", "vgg-zero2-tp2-nonorm", "zero2-pp2-fp64"])
+    ["fsdp", "--workers", "4", "--pp", "2", "--zero-stage", "3", "--schedule", "interleaved-1f1b", "--virtual-stages",
+     "2", "--microbatches", "2", "--partition", "params", *GPT, *FP64],
+    ["fsdp", "--workers", "4", "--pp", "2", "--zero-stage", "2", "--schedule", "zb-h2", "--microbatches", "4", *GPT,
+     *FP64],
+], ids=["3d-course", "zero3-pp2-zbh1", "vgg-zero3-tp2-fp64", "vgg-zero2-tp2-nonorm", "zero2-pp2-fp64",
+        "zero3-interleaved", "zero2-zbh2"])
 def test_more_compositions_pass_check(paralab, args):
     _passed(paralab("train", *args, fast=False), "fp64" if "fp64" in args else "fp32")
 
