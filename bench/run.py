@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("allreduce", "dp", "pipeline", "fsdp", "mesh", "tp", "schedules", "startup", "moe")
+BENCHMARKS = ("allreduce", "dp", "pipeline", "fsdp", "mesh", "tp", "schedules", "startup", "moe", "hsdp")
 
 
 def main(argv: list[str]) -> int:
