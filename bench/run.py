@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("allreduce", "dp", "pipeline", "fsdp", "mesh", "tp", "schedules", "startup", "moe")
 BENCHMARKS += ("context",)  # bench/context.py: cp on the gpt
 BENCHMARKS += ("recompute",)  # bench/recompute.py: time against saved activations
+BENCHMARKS += ("hsdp",)  # bench/hsdp.py: HSDP and fsdp x tp
 
 
 def main(argv: list[str]) -> int:

@@ -105,3 +105,15 @@ def test_recompute_bench(tmp_path):
         kept = [rows[f"{m}-{r}"]["saved_bytes"] for r in ("full", "selective", "none")]
         assert kept == sorted(set(kept))
     assert all(r["saved_bytes"] == r["formula_bytes"] for k, r in rows.items() if k.startswith("gpt"))
+
+
+def test_hsdp_bench(tmp_path):
+    d = bench(tmp_path, "hsdp", "--layers", "1", "--embed", "32", "--context", "16", "--batch-size", "8",
+              "--steps", "3", "--warmup", "1", "--repeats", "1", "--variants", "fsdp3,hsdp3,fsdp3-tp2")
+    best = d["best"]
+    assert set(best) == {"fsdp3", "hsdp3", "fsdp3-tp2"} and best["fsdp3"]["ratio"] == 1
+    ops = best["hsdp3"]["comm_ops"]  # each reduced shard (half a unit) all-reduced across the replica groups
+    assert ops["all_reduce"]["bytes_per_step"] * 2 == ops["reduce_scatter"]["bytes_per_step"]
+    for name in best:  # the ledger's peak within the memory model's (HSDP and tp shard over 2)
+        assert 0 < best[name]["resident_peak_bytes"] <= best[name]["predicted_peak_bytes"], best[name]
+    assert (best["fsdp3"]["sharded_over"], best["hsdp3"]["sharded_over"], best["fsdp3-tp2"]["sharded_over"]) == (4, 2, 2)

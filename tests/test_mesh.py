@@ -72,8 +72,6 @@ def config(strategy, **kw):
 
 
 @pytest.mark.parametrize("strategy,kw,message", [
-    ("fsdp", dict(zero_stage=2), "ZeRO stage 2"),
-    ("fsdp", dict(zero_stage=3), "ZeRO stage 3"),
     ("torch-fsdp", {}, "cannot be composed with pipeline stages"),
     ("single", dict(workers=2), "cannot be composed with pipeline stages"),
     ("model", {}, "name the data-parallel flavour instead"),
@@ -81,6 +79,14 @@ def config(strategy, **kw):
 def test_uncomposable_layouts_are_refused(strategy, kw, message):
     with pytest.raises(UsageError, match=message):
         config(strategy, **kw).validate()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fsdp_zero23_composes_with_pipeline_stages(stage):  # the ZeRO-2/3 flavours (fsdp/zero23.py)
+    from paralab.strategies import plan
+    cfg = config("fsdp", zero_stage=stage).validate()
+    shape, cls, kwargs = plan(cfg, 4)
+    assert (shape.pp, shape.dp, cls.__name__, kwargs["replicas_cls"].zero_stage) == (2, 2, "Pipeline", stage)
 
 
 def test_global_batch_splits_over_dp_only():

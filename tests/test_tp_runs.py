@@ -86,7 +86,7 @@ def test_gpt_tp4(paralab, args):
 @pytest.mark.parametrize("args,message", [
     (["tp", "--workers", "2", *GPT[:6], "--heads", "3", "--embed", "33"], "divisible by tp"),
     (["tp", "--workers", "2", "--sequence-parallel", "--dataset", "synthetic"], "CNNs have none"),
-    (["fsdp", "--workers", "4", "--tp", "2", "--zero-stage", "3"], "cannot be composed with tensor parallelism"),
+    (["torch-fsdp", "--workers", "4", "--tp", "2", "--dataset", "synthetic"], "lays out the gpt (--model gpt) only"),
     (["tp", "--workers", "4", "--tp", "2"], "pure tensor parallelism"),
 ])
 def test_bad_layouts_exit_2(paralab, args, message):

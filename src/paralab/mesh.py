@@ -29,6 +29,13 @@ experts, over which the experts' gradients are averaged. Every rank still
 reads its own data shard: ep ranks are data-parallel replicas too, so the
 non-expert parameters are averaged over the whole dp group.
 
+HSDP (``fsdp --replicate R``, ``strategies/fsdp/``) subdivides dp the same
+way: the dp index is ``replicate_index * shard + shard_index``, so a
+``shard`` group is ``dp / R`` consecutive replicas (the parameters, gradients
+and optimizer state are sharded there: all-gathers and reduce-scatters), and
+a ``replicate`` group is the ``R`` replicas holding the same shard (each
+reduced gradient shard is all-reduced there, once per step).
+
 Context parallelism (``--cp C``, ``strategies/context/``) adds a fourth grid
 dimension between dp and tp, only when C > 1: ``pp x dp x cp x tp``,
 ``rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index``.
@@ -50,6 +57,7 @@ from .options import option
 DIMS = ("pp", "dp", "tp")  # outermost first
 EXPERT_DIMS = ("ep", "edp")  # dp subdivided under --ep: experts split over ep, replicated over edp
 CONTEXT_DIMS = ("cp", "dpcp")  # under --cp: the sequence split over cp; gradients averaged over dp x cp
+HSDP_DIMS = ("shard", "replicate")  # dp subdivided under --replicate: sharded over shard, replicated over replicate
 
 
 @dataclass
@@ -77,6 +85,7 @@ class MeshShape:
     tp: int = 1
     ep: int = 1  # a divisor of dp (see the module docstring)
     cp: int = 1  # context parallelism: a grid dimension between dp and tp when > 1
+    replicate: int = 1  # HSDP: a divisor of dp (see the module docstring)
 
     @classmethod
     def for_world(cls, world: int, pp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1) -> "MeshShape":
@@ -105,6 +114,8 @@ class MeshShape:
     def size(self, dim: str) -> int:
         if dim == "dpcp":
             return self.dp * self.cp
+        if dim == "shard":
+            return self.dp // self.replicate
         return self.dp // self.ep if dim == "edp" else getattr(self, dim)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -116,11 +127,16 @@ class MeshShape:
         out = {dim: coords[dim] for dim in self.grid()}
         if self.ep > 1:
             out |= {"ep": out["dp"] % self.ep, "edp": out["dp"] // self.ep}
+        if self.replicate > 1:
+            shard = self.size("shard")
+            out |= {"shard": out["dp"] % shard, "replicate": out["dp"] // shard}
         return out
 
     def rank(self, **coords: int) -> int:
         if "ep" in coords or "edp" in coords:
             coords = coords | {"dp": coords.get("edp", 0) * self.ep + coords.get("ep", 0)}
+        if "shard" in coords or "replicate" in coords:
+            coords = coords | {"dp": coords.get("replicate", 0) * self.size("shard") + coords.get("shard", 0)}
         r = 0
         for dim in self.grid():
             r = r * self.size(dim) + coords.get(dim, 0)
@@ -131,10 +147,12 @@ class MeshShape:
         c = self.coords(rank)
         if dim == "dpcp":  # dp-major, cp within
             return [self.rank(**(c | {"dp": d, "cp": k})) for d in range(self.dp) for k in range(self.cp)]
-        if dim == "dp":  # ep, edp follow from dp
+        if dim == "dp":  # ep, edp (shard, replicate) follow from dp
             c = {k: v for k, v in c.items() if k in self.grid()}
         elif dim in EXPERT_DIMS:
-            c = {k: v for k, v in c.items() if k != "dp"}
+            c = {k: v for k, v in c.items() if k != "dp" and k not in HSDP_DIMS}
+        elif dim in HSDP_DIMS:
+            c = {k: v for k, v in c.items() if k != "dp" and k not in EXPERT_DIMS}
         return [self.rank(**(c | {dim: i})) for i in range(self.size(dim))]
 
     def groups(self, dim: str) -> list[list[int]]:
@@ -148,13 +166,16 @@ class MeshShape:
         return out
 
     def dims(self) -> tuple[str, ...]:
-        """The dimensions with a group of their own: pp, dp, tp, under --ep ep and edp, under --cp cp and dpcp."""
-        return DIMS + (EXPERT_DIMS if self.ep > 1 else ()) + (CONTEXT_DIMS if self.cp > 1 else ())
+        """The dimensions with a group of their own: pp, dp, tp, under --ep ep and edp, under --cp cp and dpcp,
+        under --replicate shard and replicate."""
+        return (DIMS + (EXPERT_DIMS if self.ep > 1 else ()) + (CONTEXT_DIMS if self.cp > 1 else ())
+                + (HSDP_DIMS if self.replicate > 1 else ()))
 
     def describe(self) -> str:
         return " x ".join(f"{dim} {self.size(dim)}" + (f" (edp {self.size('edp')} x ep {self.ep})"
                                                          if dim == "dp" and self.ep > 1 else "")
-                          for dim in self.grid())
+                          + (f" (replicate {self.replicate} x shard {self.size('shard')})"
+                             if dim == "dp" and self.replicate > 1 else "") for dim in self.grid())
 
     def to_dict(self) -> dict:
         out = {"shape": {dim: self.size(dim) for dim in self.grid()}, "order": list(self.grid()),
@@ -163,6 +184,9 @@ class MeshShape:
         if self.ep > 1:
             out["shape"] |= {"ep": self.ep, "edp": self.size("edp")}
             out["layout"] += "; dp_index = edp_index * ep + ep_index"
+        if self.replicate > 1:
+            out["shape"] |= {"replicate": self.replicate, "shard": self.size("shard")}
+            out["layout"] += "; dp_index = replicate_index * shard + shard_index"
         return out
 
 

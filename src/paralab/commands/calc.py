@@ -77,6 +77,9 @@ def add_arguments(p) -> None:
     q.add_argument("--mp", type=int, default=1,
                    help="model-parallel degree M (tensor or pipeline): each device holds Psi/M parameters before "
                         "the data-parallel sharding over --workers N (N x M devices; default %(default)s)")
+    q.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: the N workers as R replica groups of N/R, each sharding the model states over its "
+                        "N/R (ZeRO stages then divide by N/R, not N; default %(default)s: plain sharding)")
     q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
     q.set_defaults(calc=calc_memory)
 
@@ -274,7 +277,11 @@ def calc_memory(args) -> int:
     if args.step_in_backward and unit is None:
         raise UsageError("--step-in-backward needs the largest unit: pass --model or --unit-parameters")
     unit = None if unit is None else int(unit)
-    estimates = [memory_per_worker(psi, args.workers, s, args.optimizer, args.precision, unit_parameters=unit,
+    if args.replicate < 1 or args.workers % args.replicate:
+        raise UsageError(f"--replicate must be a positive divisor of --workers {args.workers} (R replica groups of "
+                         f"N/R workers; got {args.replicate})")
+    shard = args.workers // args.replicate  # HSDP: what the model states are sharded over
+    estimates = [memory_per_worker(psi, shard, s, args.optimizer, args.precision, unit_parameters=unit,
                                    step_in_backward=args.step_in_backward and s >= 2, fp32_grads=args.fp32_grads,
                                    offload=args.offload, model_parallel=args.mp) for s in stages]
     if args.json:
@@ -284,7 +291,9 @@ def calc_memory(args) -> int:
           + (f"; model parallelism M = {args.mp}: Psi = {psi:,} / {args.mp} = {psi // args.mp:,} per device, "
              f"{args.workers * args.mp:,} devices" if args.mp > 1 else "")
           + ("; fp32 gradient copy (DeepSpeed's accounting)" if args.fp32_grads else "")
-          + ("; optimizer state offloaded to the host" if args.offload else "") + "\n")
+          + ("; optimizer state offloaded to the host" if args.offload else "")
+          + (f"; HSDP: {args.replicate} replica groups x {shard} workers, the ZeRO stages shard over N = {shard}"
+             if args.replicate > 1 else "") + "\n")
     for e in estimates:
         print(e.text())
         print()

@@ -186,6 +186,21 @@ def takes_option(cls, name: str) -> bool:
     return any(name in {f.name for f in dataclasses.fields(c)} for c in getattr(cls, "options", ()))
 
 
+def composed_sharding_note(wanted: list[str], workers: list[int], overrides: dict) -> list[str]:
+    """Sharded data parallelism composed with tp, pp or replica groups (a strategy whose class says
+    ``hsdp``) needs a data-parallel dimension of 2 beside a second one of 2: 4 workers. Say so where the
+    matrix holds fewer and --train-args composes nothing."""
+    from ..mesh import MeshShape
+    from ..strategies import get_strategy
+    dims = {f.name for f in dataclasses.fields(MeshShape)}  # the mesh's dimensions, as options
+    if max(workers) >= 4 or any(v > 1 for k, v in overrides.items() if k in dims):
+        return []
+    return [f"{s} composed with --tp 2, --pp 2 or --replicate 2 (docs/hsdp.md): each needs 2 data-parallel "
+            f"shards beside the other dimension, 4 workers ({max(workers)} hold dp 1 there, nothing to shard); "
+            f"run e.g. --strategies {s} --workers 4 --train-args='--tp 2'"
+            for s in wanted if getattr(get_strategy(s), "hsdp", False)]
+
+
 def plan(a) -> tuple[list[dict], list[str]]:
     """The runs to make (each {strategy, workers, name, config: RunConfig}, validated as `paralab
     train` would validate it) and the combinations left out, with why."""
@@ -256,6 +271,7 @@ def plan(a) -> tuple[list[dict], list[str]]:
                     raise UsageError(f"{at}: {exc}") from None
                 name = f"{s}-w{w}" if variant == "none" else f"{s}-{variant}-w{w}"
                 runs.append({"strategy": s, "workers": w, "name": name, "compress": variant, "config": cfg})
+    left_out += composed_sharding_note(wanted, workers, overrides)
     names = [r["name"] for r in runs]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:  # a strategy named like another's variant (x-fp16): run directories must differ

@@ -434,7 +434,8 @@ def _numeric_dict(d) -> dict[str, float]:
 def memory_by_rank(run: Run) -> dict[int, dict]:
     """Per rank: ``{"parts": {component: (bytes, estimated?)}, "predicted": bytes | None}``.
 
-    Sources, in order: the strategy's ``memory`` in ``strategy_details`` —
+    Sources, in order: the strategy's ``memory`` in ``strategy_details`` (a
+    pipeline stage's: its data-parallel flavour's, where it keeps a ledger) —
     either ``{component: bytes}`` or ``{"measured": {"resident_peak_split":
     {...}}, "predicted": {"bytes": {...}}}`` (measured parts, predicted total);
     else what the rank measured it held (``held``: model states and the peak
@@ -450,6 +451,8 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
         det = run.details.get(str(rank))
         det = det if isinstance(det, dict) else {}
         mem = det.get("memory")
+        if mem is None and isinstance(det.get("data_parallel"), dict):  # a pipeline stage's ZeRO flavour's ledger
+            mem = det["data_parallel"].get("memory")
         parts: dict[str, tuple[float, bool]] = {}
         predicted = predicted_peak = None
         if isinstance(mem, dict):

@@ -35,6 +35,7 @@ IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "bat
                  "dataset", "synthetic_size", "augment", "drop_last", "precision", *identity_fields(StrategyOptions))
 # keys added after checkpoints were first written, and the value an older checkpoint implies
 IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
+IDENTITY_DEFAULTS |= {"replicate": 1}  # HSDP (fsdp --replicate)
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
@@ -42,6 +43,7 @@ LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "vi
 # expert parallelism (--ep) only says which ranks hold which experts: resharded too (strategies/expert/)
 LAYOUT_KEYS += ("ep",)
 LAYOUT_KEYS += ("cp", "cp_method", "cp_balance")  # context parallelism: every cp rank holds the whole state
+LAYOUT_KEYS += ("replicate",)  # HSDP's replica groups (fsdp --replicate)
 
 
 #: the starting state written by ``--save-init`` (a checkpoint of step 0)
@@ -146,7 +148,7 @@ def describe(ident: dict) -> str:
     from ..strategies import get_strategy
     options = {f.name for o in get_strategy(ident["strategy"]).options for f in dataclasses.fields(o)}
     what = ident["strategy"] + (f" (ZeRO-{ident['zero_stage']})" if "zero_stage" in options else "")
-    dims = [f"{k} {ident[k]}" for k in ("pp", "tp", "ep") if ident.get(k, 1) > 1]
+    dims = [f"{k} {ident[k]}" for k in ("pp", "tp", "ep", "cp", "replicate") if (ident.get(k) or 1) > 1]
     return f"{what} on {ident['world']} rank(s)" + (f", {' x '.join(dims)}" if dims else "")
 
 

@@ -293,15 +293,18 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
         print(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
               f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
               f"global batch {global_batch}, {total_steps} steps", flush=True)
-        print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape)}" if composition else ""),
+        print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape, composition)}" if composition else ""),
               flush=True)
     lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
     return Setup(recorder, comm, mesh, data, source, strategy, model_fn, optimizers, lr_for, ctx.dtype,
                  global_batch, total_steps, parameters, run_dir)
 
 
-def composed(cfg: RunConfig, shape) -> str:
+def composed(cfg: RunConfig, shape, composition: dict | None = None) -> str:
     """What wraps what in a composed run, for the start-up line."""
+    from ..strategies import get_strategy
+    if (composition or {}).get("inner_cls") is get_strategy(cfg.strategy):  # the strategy on its tp slices
+        return f"{cfg.strategy} over each rank's tp slice of the units"
     what = f"the {'tp-sharded ' if shape.tp > 1 else ''}model" if shape.pp == 1 else \
         f"each of the {shape.pp} {'tp-sharded ' if shape.tp > 1 else ''}stages"
     twice = " twice: over dp, and for its experts (split over ep) over edp" if shape.ep > 1 else ""

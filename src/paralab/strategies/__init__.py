@@ -87,6 +87,16 @@ def inner_plan(cfg, world: int):
     cls = get_strategy(cfg.strategy)
     if getattr(cfg, "ep", 1) > 1 and getattr(cfg, "cp", 1) > 1:
         raise UsageError("--cp with --ep (a mixture of experts) is not composed: drop one of them")
+    if getattr(cfg, "replicate", 1) > 1:  # HSDP: a sharded strategy's dp split into replica x shard groups
+        if not getattr(cls, "hsdp", False):
+            able = [n for n in strategy_names() if getattr(get_strategy(n), "hsdp", False)]
+            raise UsageError(f"--replicate {cfg.replicate} splits a sharded data-parallel dimension into replica "
+                             f"groups (HSDP); strategy {cfg.strategy!r} does not shard: use {', '.join(able)} "
+                             "or drop --replicate")
+        if getattr(cfg, "ep", 1) > 1:
+            raise UsageError("--replicate and --ep both subdivide the data-parallel replicas; drop one")
+        if getattr(cfg, "cp", 1) > 1:
+            raise UsageError("--replicate (HSDP) with --cp is not composed: drop one of them")
     if getattr(cfg, "ep", 1) > 1:  # expert parallelism: the named flavour over dp and over edp (strategies/expert/)
         from .expert import ExpertParallel
         shape, kwargs = ExpertParallel.mesh_shape(cfg, world), {"replicas_cls": cls.pipeline_replicas(cfg)}
@@ -108,7 +118,9 @@ def inner_plan(cfg, world: int):
     if shape.pp > 1:
         inner, kwargs = Pipeline, {"replicas_cls": cls.pipeline_replicas(cfg)}
     if shape.tp > 1:  # the flavour wraps the sharded model (or each sharded stage)
-        if shape.pp == 1:
+        if shape.pp == 1 and getattr(cls, "runs_tensor_parallel", lambda cfg: False)(cfg):
+            inner, kwargs = cls, {}  # the strategy itself on the sharded units (fsdp at ZeRO-2/3)
+        elif shape.pp == 1:
             inner, kwargs = DataParallel, {"replicas_cls": cls.pipeline_replicas(cfg)}
         return shape, TensorParallel, {"inner_cls": inner, "inner_kwargs": kwargs}
     if shape.cp > 1 and shape.pp == 1:  # the flavour wraps the model whose attention sees the cp group

@@ -11,7 +11,9 @@ frees, where it does so:
   shard, into fresh storage at stage 3, in place at stages 1-2 after a step;
 - **free** (:meth:`FlatUnit.free`, stage 3): the gathered storage released;
 - **reduce-scatter** (:meth:`FlatUnit.reduce_scatter`): the unit's flat
-  gradient summed over ranks, this rank's shard of it kept, divided by N;
+  gradient summed over ranks, this rank's shard of it kept, divided by N
+  (under HSDP, ``replicate``: the shard then all-reduced over the R replicas
+  holding the same shard, and divided by N x R);
 - **step** (:func:`step_shards`): the optimizer on the shards that have a
   gradient, their gradients dropped.
 
@@ -49,8 +51,11 @@ class FlatUnit:
     """
 
     def __init__(self, index: int, module: nn.Module, comm: Comm, ledger: Ledger, device: torch.device,
-                 keep_parameters: bool = False):
+                 keep_parameters: bool = False, replicate: Comm | None = None):
+        """``comm``: the group the unit is sharded over; ``replicate`` (HSDP): the group of the ranks that
+        hold the same shard, over which each reduced gradient shard is then all-reduced."""
         self.index, self.module, self.comm, self.ledger, self.device = index, module, comm, ledger, device
+        self.replicate = replicate if replicate is not None and replicate.world > 1 else None
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters())):
             raise ValueError(f"unit {index} shares a parameter between layers; it cannot be flattened")
@@ -113,6 +118,17 @@ class FlatUnit:
         self.initial = None
         self.sharded = True
         self.ledger.add("params", self.shard_bytes, "init")
+
+    def release_full(self) -> None:
+        """From :meth:`hold_full` to holding only the shard (the ZeRO-3 flavour): the shard gets storage of
+        its own (the same ``nn.Parameter``, so an optimizer built on it is unchanged) and the full
+        parameters' storage is freed; the parameters kept as views of ``full`` point at no memory until
+        the next :meth:`gather` refills that storage."""
+        self.wait()
+        self.shard.data = self.shard.data.clone()
+        self.ledger.add("params", self.shard_bytes, f"shard unit {self.index}")
+        self.sharded = True
+        self.free()
 
     def bind(self, flat: torch.Tensor, train: bool) -> list[torch.Tensor]:
         """Point the unit's parameter attributes at views of ``flat``; return them.
@@ -210,7 +226,9 @@ class FlatUnit:
         shard_grad = torch.empty(self.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
         self.ledger.add("grads", self.shard_bytes, f"reduce-scatter unit {self.index}")
         kind = self.comm.reduce_scatter(shard_grad, flat_grad, name="reduce_scatter_grads")
-        shard_grad.div_(self.comm.world)
+        if self.replicate is not None:  # HSDP: the same shard's sums of the other replica groups
+            self.replicate.all_reduce(shard_grad, name="all_reduce_grad_shards")
+        shard_grad.div_(self.comm.world * (self.replicate.world if self.replicate is not None else 1))
         self.shard.grad = shard_grad.to(self.shard.dtype)
         self.ledger.sub("grads", self.full_bytes)
         return kind

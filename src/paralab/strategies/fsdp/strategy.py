@@ -24,7 +24,12 @@ stage 3 the parameters as well. The step, as this file reads:
   then BatchNorm buffers broadcast from rank 0 (``first-replica``).
 
 A memory ledger (:mod:`..memory_ledger`) counts every byte as it is
-allocated and freed. Under ``--pp`` only stage 1 composes (:mod:`.zero1`);
+allocated and freed. Under ``--tp`` (no ``--pp``) stages 2-3 run this class on
+each rank's tensor-parallel slice of the units (``ctx.shard``, ``ctx.loss``),
+sharded over the mesh's dp group; under ``--pp`` each stage is wrapped in a
+ZeRO flavour instead (:mod:`.zero1`, :mod:`.zero23`), and so is stage 1 under
+``--tp``. HSDP (``--replicate R``): sharded over the mesh's ``shard`` group,
+each gradient shard all-reduced over ``replicate`` (``docs/hsdp.md``).
 ``--accumulate`` and parameters shared between units are not supported.
 
 Why, and how it compares with PyTorch's: docs/fsdp.md#compared-with-pytorchs-fsdp-torch-fsdp
@@ -32,20 +37,22 @@ Why, and how it compares with PyTorch's: docs/fsdp.md#compared-with-pytorchs-fsd
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from ...comm import nbytes
 from ...errors import UsageError
 from ...kinds import MEMORY, MemoryModel
-from ...training.losses import cross_entropy
 from ...options import option
 from ..base import StepResult, Strategy, broadcast_buffers
 from ..memory_ledger import Ledger, optimizer_kind, optimizer_state_bytes
 from ..portable import Portable, flat_optimizer_portable, flat_optimizer_shard, shard_of, slots
 from .flat import FlatUnit, step_shards
 from .zero1 import ZeroOneReplicas
+from .zero23 import ZeroThreeReplicas, ZeroTwoReplicas
 
 
 @dataclass
@@ -57,6 +64,10 @@ class FSDPOptions:
                                           "reduced, so gradient shards never pile up (off: one step after "
                                           "backward)")
     prefetch: bool = option(True, "fsdp stage 3: gather the next unit's parameters one unit ahead")
+    replicate: int = option(1, "fsdp: HSDP, the data-parallel replicas split into this many replica groups, each "
+                               "sharding the model over dp / R ranks; gradient shards all-reduced across groups "
+                               "(e.g. 'fsdp --workers 4 --replicate 2' is 2 replicas x shard 2)", minimum=1,
+                            identity=True)
 
 
 class FSDP(Strategy):
@@ -64,6 +75,8 @@ class FSDP(Strategy):
     data_parallel = True
     bn_rule = "first-replica"
     options = (FSDPOptions,)
+    #: it can split its data-parallel dimension into replica groups of shard groups (--replicate)
+    hsdp = True
 
     @classmethod
     def validate(cls, cfg, world):
@@ -71,14 +84,25 @@ class FSDP(Strategy):
             raise UsageError("fsdp does not support --accumulate; drop it (use a larger --batch-size)")
 
     @classmethod
-    def pipeline_replicas(cls, cfg):
-        """Under ``--pp``: ZeRO-1 wraps each pipeline stage; stages 2-3 do not compose."""
-        return ZeroOneReplicas if cfg.zero_stage == 1 else None
+    def mesh_shape(cls, cfg, world):
+        shape = super().mesh_shape(cfg, world)
+        if cfg.replicate > 1:
+            if shape.dp % cfg.replicate:
+                raise UsageError(f"--replicate {cfg.replicate} must divide the {shape.dp} data-parallel replicas "
+                                 "(workers / (pp x tp)): change --replicate or --workers")
+            shape = dataclasses.replace(shape, replicate=cfg.replicate)
+        return shape
 
     @classmethod
-    def why_not_pipelined(cls, cfg) -> str:
-        return (f"ZeRO stage {cfg.zero_stage} reduce-scatters each unit's gradient inside its backward, once per "
-                "microbatch under a pipeline (as DeepSpeed, only --zero-stage 1 composes with pipeline stages)")
+    def pipeline_replicas(cls, cfg):
+        """The ZeRO flavour of the stage that wraps each pipeline stage (``--pp``; and stage 1 under ``--tp``)."""
+        return {1: ZeroOneReplicas, 2: ZeroTwoReplicas, 3: ZeroThreeReplicas}[cfg.zero_stage]
+
+    @classmethod
+    def runs_tensor_parallel(cls, cfg) -> bool:
+        """Under ``--tp`` without ``--pp``: stages 2-3 run this strategy on the sharded units (per-unit
+        gathers and frees, the step in backward) rather than a flavour around the sharded model."""
+        return cfg.zero_stage >= 2
 
     def __init__(self, ctx, model_fn, optim_fn):
         super().__init__(ctx, model_fn, optim_fn)
@@ -92,14 +116,21 @@ class FSDP(Strategy):
         self.prefetch = ctx.options.prefetch
         self.ledger = Ledger()
         self.reduce_scatter_kind: str | None = None
+        comms = ctx.mesh.comms if ctx.mesh is not None else {}
+        self.dp_comm = comms.get("dp", ctx.comm)  # the replicas: BatchNorm statistics from its rank 0
+        # HSDP: sharded over the shard group, gradient shards all-reduced over the replicate group
+        self.shard_comm, self.replicate_comm = comms.get("shard", self.dp_comm), comms.get("replicate")
 
         model = model_fn()  # every rank builds the same model (seeded factory), then keeps its shard
+        if ctx.tp is not None:  # tensor parallelism: this rank's slice of every unit, then sharded over dp
+            model = nn.Sequential(*ctx.shard(dict(enumerate(model))).values())
         self.keys = list(model.state_dict().keys())
         self.units = list(model)
         self.flat: dict[int, FlatUnit] = {}
         for i, unit in enumerate(self.units):
             if any(p.requires_grad for p in unit.parameters()):
-                self.flat[i] = FlatUnit(i, unit, self.comm, self.ledger, ctx.device)
+                self.flat[i] = FlatUnit(i, unit, self.shard_comm, self.ledger, ctx.device,
+                                        replicate=self.replicate_comm)
         self.model = model.to(ctx.device)  # what is left: modules without parameters, and buffers
         self.param_units = sorted(self.flat)
         self.flat_units = [self.flat[i] for i in self.param_units]
@@ -121,7 +152,7 @@ class FSDP(Strategy):
         graphs, logits = self._forward(x)
         with self.rec.span("compute", "forward", unit="loss"):
             with self.ctx.autocast():
-                loss = cross_entropy(logits, y)
+                loss = self.ctx.loss(logits, y)
         with self.rec.span("compute", "backward", unit="loss"):
             grad = torch.autograd.grad(loss, logits)[0]
         for i in reversed(range(len(self.units))):
@@ -132,7 +163,7 @@ class FSDP(Strategy):
                 fu.grad = None
         if not self.step_in_backward:
             self._step(self.flat_units, unit="all")
-        broadcast_buffers(self.comm, self.model)
+        broadcast_buffers(self.dp_comm, self.model)
         return StepResult(loss.item(), len(y))
 
     def _forward(self, x: torch.Tensor):
@@ -253,16 +284,16 @@ class FSDP(Strategy):
 
     def state_dict(self):
         self._settle()
-        return {"zero_stage": self.stage, "world": self.ctx.world, "rank": self.ctx.rank,
+        return {"zero_stage": self.stage, "world": self.shard_comm.world, "rank": self.shard_comm.rank, **self._hsdp(),
                 "shards": [fu.shard.detach().clone() for fu in self.flat_units],
                 "optimizer": self.optimizer.state_dict(),
                 "buffers": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
 
     @torch.no_grad()
     def load_state_dict(self, state):
-        if state.get("zero_stage") != self.stage or state.get("world") != self.ctx.world:
-            raise ValueError(f"checkpoint is fsdp stage {state.get('zero_stage')} on {state.get('world')} "
-                             f"workers; this run is stage {self.stage} on {self.ctx.world}")
+        if state.get("zero_stage") != self.stage or state.get("world") != self.shard_comm.world:
+            raise ValueError(f"checkpoint is fsdp stage {state.get('zero_stage')} sharded over {state.get('world')} "
+                             f"ranks; this run is stage {self.stage} over {self.shard_comm.world}")
         self._settle()
         for fu, shard in zip(self.flat_units, state["shards"]):
             fu.shard.copy_(shard)
@@ -279,6 +310,7 @@ class FSDP(Strategy):
         parameters in registration order, flat, zero-padded to a multiple of the ranks), the ranks'
         shards in rank order are the padded flat tensor; the padding is cut and the rest cut back
         into the parameters. Buffers (BatchNorm statistics): rank 0's, broadcast after every step."""
+        states = [s for s in states if s.get("replica", 0) == 0]  # HSDP: one replica group holds every shard
         world = states[0]["world"]
         if len(states) != world or [s["rank"] for s in states] != list(range(world)):
             raise ValueError(f"fsdp: {len(states)} rank state(s) for a run on {world} workers")
@@ -306,6 +338,7 @@ class FSDP(Strategy):
         """As :meth:`consolidate`, and each unit's optimizer state (the optimizer's parameter ``n`` is
         the ``n``-th flat unit's shard) put together and cut back the same way."""
         tensors = cls.consolidate(states, model)
+        states = [s for s in states if s.get("replica", 0) == 0]
         units = [(i, unit) for i, unit in enumerate(model) if any(p.requires_grad for p in unit.parameters())]
         optimizer: dict[str, dict] = {}
         for n, (i, unit) in enumerate(units):
@@ -319,21 +352,27 @@ class FSDP(Strategy):
         for n, fu in enumerate(self.flat_units):
             layout = [(name, shape) for _, _, name, shape, _, _ in fu.slots]
             shards.append(shard_of([portable.tensors[f"{fu.index}.{name}"] for name, _ in layout], fu.padded,
-                                   self.ctx.rank, self.ctx.world))
-            held = flat_optimizer_shard(portable.optimizer, fu.index, layout, fu.padded, self.ctx.rank,
-                                        self.ctx.world)
+                                   self.shard_comm.rank, self.shard_comm.world))
+            held = flat_optimizer_shard(portable.optimizer, fu.index, layout, fu.padded, self.shard_comm.rank,
+                                        self.shard_comm.world)
             if held is not None:
                 state[n] = held
         self.load_state_dict({
-            "zero_stage": self.stage, "world": self.ctx.world, "rank": self.ctx.rank, "shards": shards,
+            "zero_stage": self.stage, "world": self.shard_comm.world, "rank": self.shard_comm.rank, "shards": shards,
             "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]},
             "buffers": {k: portable.tensors[k] for k in self.model.state_dict()}})
+
+    def _hsdp(self) -> dict:
+        """Under HSDP, the replica groups and which one this rank is in."""
+        if self.replicate_comm is None:
+            return {}
+        return {"replicate": self.replicate_comm.world, "replica": self.replicate_comm.rank}
 
     # ------------------------------------------------------------ records
     def memory_model(self) -> MemoryModel:
         """What the cost model needs to predict this rank's memory (``run/records.py`` asks it)."""
         # autocast (bf16) keeps parameters, gradients and state in fp32: the fp32 model applies
-        return MemoryModel(parameters=self.parameters, workers=self.ctx.world, zero_stage=self.stage,
+        return MemoryModel(parameters=self.parameters, workers=self.shard_comm.world, zero_stage=self.stage,
                            optimizer=optimizer_kind(self.optimizer), precision="fp32",
                            unit_parameters=max((fu.numel for fu in self.flat_units), default=0),
                            step_in_backward=self.step_in_backward)
@@ -345,6 +384,7 @@ class FSDP(Strategy):
         largest = max(self.flat_units, key=lambda fu: fu.numel, default=None)
         return {
             "zero_stage": self.stage,
+            **self._hsdp(),
             "reduce_scatter": self.reduce_scatter_kind,
             "prefetch": self.prefetch and self.shard_params,
             "step_in_backward": self.step_in_backward,

@@ -43,11 +43,21 @@ class ZeroOneReplicas(Replicas):
     moved afterwards (moving re-allocates the parameters, undoing the views);
     no parameter shared between units; one dtype per unit; a checkpoint loads
     only on the same dp world.
+
+    Under HSDP (``--replicate R``: the mesh's ``shard`` and ``replicate``
+    groups) the flat units are sharded over the shard group only, each reduced
+    gradient shard all-reduced over the replicate group; BatchNorm buffers and
+    the start's broadcast still span the whole dp group.
     """
 
     flavour = "zero1"
+    zero_stage = 1
 
     def __init__(self, module: nn.Module, optim_fn, comm: Comm, ctx):
+        mesh = getattr(ctx, "mesh", None)
+        comms = mesh.comms if mesh is not None else {}
+        # HSDP: sharded over the shard group, the shards' gradients all-reduced over the replicate group
+        self.shard_comm, self.replicate_comm = comms.get("shard", comm), comms.get("replicate")
         self.ledger = Ledger()
         self.reduce_scatter_kind: str | None = None
         own = any(p.requires_grad for p in module.parameters(recurse=False))
@@ -57,7 +67,8 @@ class ZeroOneReplicas(Replicas):
             if not trainable:
                 continue
             device = trainable[0].device
-            fu = FlatUnit(i, unit, comm, self.ledger, device, keep_parameters=True)
+            fu = FlatUnit(i, unit, self.shard_comm, self.ledger, device, keep_parameters=True,
+                          replicate=self.replicate_comm)
             fu.hold_full()
             for register in (unit.register_forward_pre_hook, unit.register_state_dict_pre_hook,
                              unit.register_load_state_dict_pre_hook):
@@ -99,15 +110,22 @@ class ZeroOneReplicas(Replicas):
 
     def state_dict(self) -> dict:
         self.settle()
-        return {"zero1": {"world": self.comm.world, "shards": [fu.shard.detach().clone() for fu in self.units]},
+        return {"zero1": {"world": self.shard_comm.world, "shards": [fu.shard.detach().clone() for fu in self.units],
+                          **self._hsdp()},
                 "optimizer": self.optimizer.state_dict()}
+
+    def _hsdp(self) -> dict:
+        """Under HSDP, which replica group this rank is in (its shards are also in the others')."""
+        if self.replicate_comm is None:
+            return {}
+        return {"replicate": self.replicate_comm.world, "replica": self.replicate_comm.rank}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         saved = state["zero1"]
-        if saved["world"] != self.comm.world:
+        if saved["world"] != self.shard_comm.world:
             raise ValueError(f"checkpoint is zero1 over {saved['world']} data-parallel replicas; "
-                             f"this run has {self.comm.world}")
+                             f"this run shards over {self.shard_comm.world}")
         self.settle()
         for fu, shard in zip(self.units, saved["shards"]):
             fu.shard.copy_(shard)
@@ -120,6 +138,7 @@ class ZeroOneReplicas(Replicas):
         """Offline: each dp replica's optimizer holds its shard of every flat unit (one per unit with
         trainable parameters, in order): the shards of each state put together and cut back."""
         flat_units = [(i, u) for i, u in units.items() if any(p.requires_grad for p in u.parameters())]
+        states = [s for s in states if s["zero1"].get("replica", 0) == 0]  # HSDP: one replica group holds all
         if len(states) != states[0]["zero1"]["world"]:
             raise ValueError(f"zero1: {len(states)} replica state(s) for {states[0]['zero1']['world']} replicas")
         out: dict[str, dict] = {}
@@ -135,16 +154,18 @@ class ZeroOneReplicas(Replicas):
         for n, fu in enumerate(self.units):
             layout = [(name, shape) for _, _, name, shape, _, _ in fu.slots]
             names = [f"{index[fu.index]}.{name}" for name, _ in layout]
-            shards.append(shard_of([portable.tensors[k] for k in names], fu.padded, self.comm.rank, self.comm.world))
+            shards.append(shard_of([portable.tensors[k] for k in names], fu.padded, self.shard_comm.rank,
+                                   self.shard_comm.world))
             held = flat_optimizer_shard(portable.optimizer, index[fu.index], layout, fu.padded,
-                                        self.comm.rank, self.comm.world)
+                                        self.shard_comm.rank, self.shard_comm.world)
             if held is not None:
                 state[n] = held
-        return {"zero1": {"world": self.comm.world, "shards": shards},
+        return {"zero1": {"world": self.shard_comm.world, "shards": shards, **self._hsdp()},
                 "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}}
 
     def summary(self) -> dict:
-        return {"zero_stage": 1, "reduce_scatter": self.reduce_scatter_kind, "units_sharded": len(self.units),
+        return {"zero_stage": self.zero_stage, "reduce_scatter": self.reduce_scatter_kind, **self._hsdp(),
+                "units_sharded": len(self.units),
                 "shard_elements": sum(fu.shard_numel for fu in self.units),
                 "padding_elements": sum(fu.padded - fu.numel for fu in self.units),
                 "memory": {"measured": self.ledger.report()}}

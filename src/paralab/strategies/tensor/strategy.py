@@ -219,7 +219,8 @@ class TensorParallel(Strategy):
         meta = states[0]["tp"]
         module, name = meta["inner"].split(":")
         inner_cls = getattr(importlib.import_module(module), name)
-        parts = [inner_cls.consolidate([s["inner"] for s in states if s["tp"]["rank"] == r], model)
+        parts = [inner_cls.consolidate([s["inner"] for s in states if s["tp"]["rank"] == r],
+                                       cls._sharded_twin(model, r, meta["size"]))
                  for r in range(meta["size"])]
         return {k: torch.cat([p[k] for p in parts], meta["layout"][k]) if k in meta["layout"] else v
                 for k, v in parts[0].items()}
@@ -234,9 +235,8 @@ class TensorParallel(Strategy):
         inner_cls = getattr(importlib.import_module(module), name)
         parts = []
         for r in range(meta["size"]):
-            tp = TensorParallelism(SimpleNamespace(rank=r, world=meta["size"]), False, copy.deepcopy(model))
-            sharded = nn.Sequential(*tp.shard(dict(enumerate(copy.deepcopy(model)))).values())
-            parts.append(inner_cls.portable([s["inner"] for s in states if s["tp"]["rank"] == r], sharded))
+            parts.append(inner_cls.portable([s["inner"] for s in states if s["tp"]["rank"] == r],
+                                            cls._sharded_twin(model, r, meta["size"])))
         layout = meta["layout"]
         tensors = {k: torch.cat([p.tensors[k] for p in parts], layout[k]) if k in layout else v
                    for k, v in parts[0].tensors.items()}
@@ -246,6 +246,13 @@ class TensorParallel(Strategy):
                             if k in layout and torch.is_tensor(v) and v.dim() > 0 else v
                             for key, v in first.items()}
         return Portable(tensors, optimizer, parts[0].notes)
+
+    @staticmethod
+    def _sharded_twin(model, rank: int, size: int) -> nn.Sequential:
+        """Offline (no process group): tp rank ``rank``'s sharded twin of ``model``, what its inner strategy
+        held (an inner strategy that flattens its units, fsdp, needs their sliced shapes)."""
+        tp = TensorParallelism(SimpleNamespace(rank=rank, world=size), False, copy.deepcopy(model))
+        return nn.Sequential(*tp.shard(dict(enumerate(copy.deepcopy(model)))).values())
 
     def load_portable(self, portable):
         """This tp rank's slice of every split tensor and of its per-element optimizer state."""
