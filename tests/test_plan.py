@@ -45,14 +45,17 @@ def test_every_layout_divides_the_model_the_workers_and_the_batch():
         assert lay.dp * lay.cp * lay.tp * lay.pp == workers
         assert SMALL["heads"] % lay.tp == 0 and SMALL["layers"] % (lay.pp * lay.virtual) == 0
         assert batch % lay.dp == 0 and lay.microbatch * lay.microbatches == batch // lay.dp
-        if lay.zero >= 2:
-            assert lay.pp == lay.tp == lay.cp == 1  # paralab's fsdp at ZeRO-2/3 composes with none
+        if lay.zero >= 2:  # paralab's fsdp at ZeRO-2/3: with tp and pp, not cp; no accumulation without pp
+            assert lay.cp == 1 and (lay.pp > 1 or lay.microbatches == 1)
+        if lay.replicate > 1:  # HSDP: fsdp's dp split into replica groups of shards
+            assert lay.zero >= 1 and lay.cp == 1 and 1 < lay.replicate < lay.dp and lay.dp % lay.replicate == 0
         if lay.pp == 1:
             assert lay.schedule is None
         elif spec_of(lay.schedule).virtual:
             assert lay.virtual >= 2 and lay.microbatches % lay.pp == 0
     kinds = {(lay.tp > 1, lay.pp > 1, lay.zero, lay.sp, lay.recompute) for lay in layouts}
     assert (True, True, 1, True, "selective") in kinds and (False, False, 3, False, "full") in kinds
+    assert (True, True, 3, False, "none") in kinds and any(x.replicate > 1 and x.tp > 1 for x in layouts)
     pinned = enumerate_layouts(w, workers, batch, 8, fixed={"tp": 2, "schedule": "1f1b"})
     assert pinned and all(x.tp == 2 and x.schedule in (None, "1f1b") for x in pinned)
 
@@ -319,3 +322,25 @@ def test_paralab_gpt_activations_recomputed(recompute):
     counted = 4 * 2 * paralab_block_elements(b, s, h, a, 1, False, recompute)
     assert meter.bytes == counted == work.activation_bytes(1, 3, b, 1, False, recompute, 4)
     assert counted < 4 * 2 * paralab_block_elements(b, s, h, a, 1, False)
+
+
+def test_hsdp_and_sharding_under_a_pipeline():
+    """HSDP holds model states over its shard group and sends only the shard across replica groups; ZeRO-3
+    under a pipeline holds the stage whole for the step (ZeRO-1's peak plus its own shard)."""
+    import dataclasses
+    w, setting = small(), Setting(16, "fp32", "adam")
+    fsdp = Layout(dp=4, tp=1, pp=1, zero=3, microbatch=4, microbatches=1)
+    hsdp = dataclasses.replace(fsdp, replicate=2)
+    a, b = predict(w, fsdp, H100, setting), predict(w, hsdp, H100, setting)
+    want = memory_per_worker(w.parameters, 2, 3, "adam", "fp32", unit_parameters=max(u.parameters for u in w.units),
+                             step_in_backward=True)
+    assert b.memory_parts["model_states"] == pytest.approx(want.peak)
+    assert b.memory_parts["model_states"] > a.memory_parts["model_states"]
+    assert "--replicate 2" in hsdp.command(4) and "hsdp2x2" in hsdp.label()
+    cross = dataclasses.replace(H100, devices_per_node=2)  # shard groups inside a node, replicas across
+    assert predict(w, hsdp, cross, setting).dp_total < predict(w, fsdp, cross, setting).dp_total
+    piped = Layout(dp=2, tp=1, pp=2, zero=3, schedule="1f1b", microbatch=2, microbatches=4)
+    one = predict(w, dataclasses.replace(piped, zero=1), H100, setting).memory_parts["model_states"]
+    stage = max(sum(u.parameters for u in w.units[lo:hi]) for lo, hi in w.cut(2))
+    assert predict(w, piped, H100, setting).memory_parts["model_states"] == pytest.approx(one + stage / 2 * 4)
+

@@ -112,6 +112,8 @@ class Gradients:
         self._handles += [o.register_step_pre_hook(self._stepping) for o in optimizers]
 
     def _accumulated(self, p) -> None:
+        if p.grad is None:  # a strategy's own hook took it already (ZeRO-2/3 under a pipeline reduce it there)
+            return
         found = storage(p.grad)
         if found is None or found[0] in self._alive:
             return

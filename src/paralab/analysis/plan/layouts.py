@@ -5,7 +5,8 @@ composes it (``docs/architecture.md``): ``pp`` stages (a ``schedule`` of the
 registry, ``virtual`` stages per rank for the interleaved one), each sharded
 over ``tp`` (with or without sequence parallelism), each wrapped for data
 parallelism over ``dp`` at a ZeRO ``zero`` stage (0 = ddp's buckets; 1-3 =
-paralab's fsdp; under ``--pp`` or ``--tp`` only 0 and 1 compose); a step is
+paralab's fsdp, under ``--tp`` and ``--pp`` too, and as HSDP over
+``replicate`` groups); a step is
 ``microbatches`` microbatches of ``microbatch`` samples per replica; the
 gpt's sequence may be split over ``cp`` ranks (``cp_method`` ring or
 all-to-all; the context divides into 2 cp chunks, Ulysses's heads per tp
@@ -44,6 +45,7 @@ class Layout:
     recompute: str = "none"
     cp: int = 1              # context parallelism: each sequence split over cp ranks (the gpt's)
     cp_method: str = "ring"  # ring | all-to-all (Ulysses)
+    replicate: int = 1       # HSDP: dp split into replicate groups x dp / replicate shard groups (fsdp)
 
     def label(self) -> str:
         parts = [f"dp{self.dp}"]
@@ -55,7 +57,8 @@ class Layout:
             parts.append(f"pp{self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
         parts.append(f"m{self.microbatches}xb{self.microbatch}")
         if self.zero:
-            parts.append(f"zero{self.zero}")
+            parts.append(f"zero{self.zero}" + (f" hsdp{self.replicate}x{self.dp // self.replicate}"
+                                               if self.replicate > 1 else ""))
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
         return " ".join(parts)
@@ -71,6 +74,8 @@ class Layout:
         words = [f"paralab train {'ddp' if self.zero == 0 else 'fsdp'} --workers {workers}"]
         if self.zero:
             words.append(f"--zero-stage {self.zero}")
+        if self.replicate > 1:
+            words.append(f"--replicate {self.replicate}")
         if self.tp > 1:
             words.append(f"--tp {self.tp}" + (" --sequence-parallel" if self.sp else ""))
         if self.cp > 1:
@@ -125,20 +130,31 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
             if isinstance(work.cut(pp), str):
                 continue
             per_replica = global_batch // dp
-            zeros = [0, 1] if (pp > 1 or tp > 1 or cp > 1) else [0, 1, 2, 3]
-            for zero in pick("zero", zeros if dp * cp > 1 else [0]):
+            zeros = [0, 1] if cp > 1 else [0, 1, 2, 3]  # fsdp composes with tp and pp, not with cp above ZeRO-1
+            for zero, replicate in _zero_replicate(pick("zero", zeros if dp * cp > 1 else [0]), dp, cp, fixed):
                 for sp in pick("sp", [False, True] if tp > 1 and cp == 1 else [False]):
                     for schedule, v in _schedules(work, pp, fixed):
                         for b in pick("microbatch", microbatch_sizes(per_replica)):
                             if per_replica % b:
                                 continue
                             m = per_replica // b
-                            if zero >= 1 and pp == 1 and tp == 1 and m > 1:
-                                continue  # paralab's fsdp: no gradient accumulation
+                            if pp == 1 and m > 1 and (zero >= 2 or zero == 1 and tp == 1):
+                                continue  # paralab's fsdp (alone or on tp slices): no gradient accumulation
                             if schedule and layout_problem(schedule, pp, m, v):
                                 continue
                             for rc in recompute:
-                                out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc, cp, method))
+                                out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc, cp, method,
+                                                  replicate))
+    return out
+
+
+def _zero_replicate(zeros: list[int], dp: int, cp: int, fixed: dict) -> list[tuple[int, int]]:
+    """(ZeRO stage, HSDP replica groups): fsdp's dp may be split into R replica groups of dp / R shards
+    (1 < R < dp; not beside cp)."""
+    out = []
+    for zero in zeros:
+        groups = [1] + ([r for r in divisors(dp) if 1 < r < dp] if zero and cp == 1 else [])
+        out += [(zero, r) for r in groups if fixed.get("replicate") in (None, r)]
     return out
 
 

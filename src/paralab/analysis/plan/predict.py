@@ -185,9 +185,19 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
     first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
     units_with_params = sum(1 for s in ranks[r_max] for i in range(*stages[s]) if work.units[i].parameters)
+    R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
         d_all = d * C  # the ranks that average each gradient
-        if lay.zero == 0:
+        if R > 1:
+            S = d // R
+            shard_link = cluster.link(t * S)
+            rs = ring(grad_bytes, S, shard_link, half=True, calls=units_with_params)
+            ag = ring(local * e, S, shard_link, half=True, calls=units_with_params)
+            across = ring(grad_bytes / S, R, dp_link, calls=units_with_params)
+            gathers = 2 * ag if lay.zero == 3 and p == 1 else ag
+            dp_total = rs + across + gathers
+            dp_exposed = rs + across + (max(ag - first_forward, 0.0) if p == 1 and t == 1 else ag)
+        elif lay.zero == 0:
             # ddp closes its first bucket at 1 MiB, the others at --bucket-mb; the last one launched (the first
             # units' gradients) cannot overlap anything
             buckets = 1 + math.ceil(max(grad_bytes - FIRST_BUCKET, 0) / BUCKET_BYTES)
@@ -196,18 +206,27 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         else:
             rs = ring(grad_bytes, d_all, dp_link, half=True, calls=units_with_params)
             ag = ring(local * e, d_all, dp_link, half=True, calls=units_with_params)
-            if lay.zero == 3:
+            if lay.zero == 3 and p == 1:  # under a pipeline the stage is gathered once per step
                 dp_total = 2 * ag + rs
                 dp_exposed = rs + max(ag - first_forward, 0.0) + max(ag - last_backward, 0.0)
             else:
                 dp_total = rs + ag
-                hidden_gather = lay.zero == 2 or (p == 1 and t == 1 and C == 1)  # fsdp's asynchronous all-gather
+                hidden_gather = p == 1 and (lay.zero == 2 or t == 1 and C == 1)  # fsdp's asynchronous all-gather
                 dp_exposed = rs + (max(ag - first_forward, 0.0) if hidden_gather else ag)
     # ---------------------------------------------------------------- memory and optimizer
     unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
-    est = memory_per_worker(stage_params[r_max], d * C, lay.zero, setting.optimizer, setting.precision,
-                            unit_parameters=unit_max if lay.zero else None,
-                            step_in_backward=lay.zero >= 2, model_parallel=t)
+
+    def states_of(params: int):
+        """Model states of ``params`` on a rank, over the ranks that shard them (HSDP: a shard group). Under a
+        pipeline ZeRO-2/3 accumulate whole gradients over the microbatches and ZeRO-3 holds the stage
+        gathered for the step, so their peak is ZeRO-1's (plus ZeRO-3's own shard)."""
+        stage = min(lay.zero, 1) if p > 1 else lay.zero
+        est = memory_per_worker(params, d * C // R, stage, setting.optimizer, setting.precision,
+                                unit_parameters=unit_max if stage else None, step_in_backward=stage >= 2,
+                                model_parallel=t)
+        shard = params / t / (d * C // R) * e if p > 1 and lay.zero == 3 else 0.0
+        return est, est.peak + shard
+    est, peak = states_of(stage_params[r_max])
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
@@ -217,12 +236,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):
-        if stage_params[r] == stage_params[r_max]:
-            states = est.peak
-        else:
-            states = memory_per_worker(stage_params[r], d * C, lay.zero, setting.optimizer, setting.precision,
-                                       unit_parameters=unit_max if lay.zero else None,
-                                       step_in_backward=lay.zero >= 2, model_parallel=t).peak
+        states = peak if stage_params[r] == stage_params[r_max] else states_of(stage_params[r])[1]
         if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
             states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
