@@ -101,7 +101,15 @@ def test_memory_uses_what_each_rank_measured_it_holds(runs_dir):
         # count (per microbatch at the end of its forward): the same tensors, counted two ways
         stage = pipe.details[str(r)]["peak_activation_bytes"]
         assert abs(parts["saved activations (peak)"][0] - stage) <= 0.05 * stage
+        assert "not pipeline" in pipe.details[str(r)]["held"]["predicted"]["why_not"]  # ddp and fsdp only
+    ddp = load_run(runs_dir / "ddp-w2")
+    for r in (0, 1):  # beside what each rank holds, the planner's prediction for the run's layout
+        held = ddp.details[str(r)]["held"]
+        measured = held["model_states_total_bytes"] + held["saved_activations_peak_bytes"]
+        assert held["predicted"]["layout"].startswith("dp2 ")
+        assert abs(held["predicted"]["total_bytes"] - measured) <= 0.05 * measured
     run = load_run(runs_dir / "single-w1")
+    assert "not single" in run.details["0"]["held"]["predicted"]["why_not"]  # the planner models ddp and fsdp
     single, p = plots.memory_by_rank(run)[0]["parts"], run.get("parameters")
     assert single["parameters"] == single["gradients"] == single["optimizer state"] == (4.0 * p, False)
     assert single["saved activations (peak)"][0] > 0 and not any(est for _, est in single.values())

@@ -477,7 +477,9 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
             parts = {("optimizer state" if k == "optimizer" else f"{k} held" if k == "other" else k): (v, False)
                      for k, v in states.items() if v}
             parts["saved activations (peak)"] = (float(held.get("saved_activations_peak_bytes", 0)), False)
-            out[rank] = {"parts": parts, "predicted": predicted, "predicted_peak": predicted_peak}
+            guess = held.get("predicted") or {}  # the planner's, for the run's layout (analysis/plan/from_run.py)
+            out[rank] = {"parts": parts, "predicted": guess.get("model_states_bytes"),
+                         "predicted_peak": guess.get("total_bytes")}
             continue
         if not parts:
             counted = next((det[k] for k in PARAMETER_KEYS if isinstance(det.get(k), (int, float))), None)
@@ -541,7 +543,7 @@ def plot_memory(runs: list[Run], path) -> Path:
             bottom[x] += v / 1e6
     for x, (_, _, m) in enumerate(bars):
         for key, style, label in (("predicted", "-", "predicted model states (cost model)"),
-                                  ("predicted_peak", "--", "predicted peak: + largest unit's working set")):
+                                  ("predicted_peak", "--", "predicted peak: + working set or activations")):
             if m.get(key):
                 ax.plot([x - 0.42, x + 0.42], [m[key] / 1e6] * 2, color="black", linewidth=1.6, linestyle=style,
                         label=label if label not in ax.get_legend_handles_labels()[1] else None)

@@ -200,6 +200,31 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
                 memory["allocator"] = beside_prediction(details[ALLOCATOR], memory["predicted"])
 
 
+def predict_held(cfg, per_rank: list[dict], global_batch: int) -> None:
+    """Beside each rank's ``held`` record (what it measured it holds), the planner's prediction for the
+    run's layout and that rank's pipeline stage (``analysis/plan/from_run.py``), or why there is none."""
+    if not any(HELD in d for d in per_rank):
+        return
+    from ..analysis.plan.from_run import predict_run
+    ranges = next((d["ranges"] for d in per_rank if STAGE in d and "ranges" in d), None)
+    try:
+        got = predict_run(cfg, global_batch, cut=ranges)
+    except (ValueError, KeyError, ZeroDivisionError) as exc:  # a layout the planner cannot express
+        got = f"not predicted: {type(exc).__name__}: {exc}"
+    for details in per_rank:
+        held = details.get(HELD)
+        if held is None:
+            continue
+        if isinstance(got, str):
+            held["predicted"] = {"why_not": got}
+            continue
+        pp_rank = details.get(STAGE, 0) % max(cfg.pp, 1) if STAGE in details else 0
+        states, activations = got.memory_by_rank[pp_rank]
+        held["predicted"] = {"model_states_bytes": states, "activations_bytes": activations,
+                             "total_bytes": states + activations, "layout": got.layout.label(),
+                             "by": "analysis/plan (paralab plan's memory model: a sum of peaks, as measured)"}
+
+
 def predicted_memory(model: dict) -> dict:
     """The cost model's figures for a memory ``model`` record (``kinds.MemoryModel``: what a ledger's
     strategy holds)."""
@@ -226,6 +251,7 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     extras = {}
     per_rank = [dict(e) for _, _, e, _ in gathered]
     derive_details(cfg, spans, per_rank)
+    predict_held(cfg, per_rank, global_batch)
     if any(per_rank):
         extras["strategy_details"] = {str(r): e for r, e in enumerate(per_rank)}
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,7 @@ class Prediction:
     samples_per_s: float = 0.0
     notes: list = field(default_factory=list)
     cp_comm: float = 0.0      # context-parallel messages left exposed (the ring's hidden behind attention)
+    memory_by_rank: list = field(default_factory=list)  # per pipeline rank: (model states, activations) bytes
 
     def to_dict(self) -> dict:
         keys = ("step", "compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
@@ -116,11 +117,13 @@ def stage_of_rank(layout: Layout) -> list[list[int]]:
     return [[s for s in range(p * v) if s % p == r] for r in range(p)]
 
 
-def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True) -> Prediction:
+def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True,
+            cut: list[tuple[int, int]] | None = None) -> Prediction:
+    """``lay``'s predicted step and memory (``cut``: the stages' units, where a run chose its own)."""
     e, rate = setting.element, cluster.rate(setting.dtype)
     t, p, v, d, b, m = lay.tp, lay.pp, lay.virtual, lay.dp, lay.microbatch, lay.microbatches
     C = lay.cp  # the gradients are averaged over dp x cp (the dpcp group)
-    stages = work.cut(p * v)
+    stages = [tuple(c) for c in cut] if cut is not None else work.cut(p * v)
     if isinstance(stages, str):
         raise ValueError(stages)
     tp_link = cluster.link(t)
@@ -251,7 +254,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                        "model_states_formula": est.total_formula.formula + (" + ddp's gradient buckets (Psi)"
                                                                             if lay.zero == 0 else "")},
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
-                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm)
+                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
+                      memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
 
 
 def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], rate: float) -> float:

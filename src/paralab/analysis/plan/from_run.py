@@ -1,0 +1,48 @@
+"""The planner's memory prediction for a run that happened: its layout read from its configuration.
+
+A run of ``ddp`` or ``fsdp`` (with any ``--tp``, ``--pp``, ``--cp``,
+``--replicate``, ``--recompute``) in fp32 is a layout the planner models;
+:func:`predict_run` rebuilds it (the model as paralab's own, the run's
+microbatches and, for a pipeline, the cut it chose) and predicts each
+pipeline rank's model states and activations. ``run/records.py`` puts the
+prediction beside what each rank measured it holds (``run/held.py``). Any
+other run gets the reason it is not predicted.
+"""
+from __future__ import annotations
+
+from ...strategies.pipeline.schedules import spec_of
+from ..memory import optimizer_kind
+from .cluster import PRESETS
+from .layouts import Layout
+from .predict import Prediction, Setting, predict
+from .workload import cnn_workload, gpt_workload
+
+MODELLED = ("ddp", "fsdp")  # the flavours the planner's layouts stand for
+
+
+def predict_run(cfg, global_batch: int, cut: list | None = None) -> Prediction | str:
+    """The prediction for ``cfg``'s layout, or why there is none."""
+    if cfg.strategy not in MODELLED:
+        return f"the planner models {' and '.join(MODELLED)} layouts, not {cfg.strategy}"
+    if cfg.precision != "fp32":
+        return f"the planner models fp32 (and 16-bit) states, not --precision {cfg.precision}"
+    if getattr(cfg, "experts", 0):
+        return "the planner does not model a mixture of experts yet"
+    if cfg.model != "gpt" and (cfg.norm or "batch") != "batch":
+        return f"the planner counts the CNNs as built by default (BatchNorm), not --norm {cfg.norm}"
+    work = (gpt_workload(cfg.layers, cfg.embed, cfg.heads, cfg.context, 256, activations="paralab")
+            if cfg.model == "gpt" else cnn_workload(cfg.model, cfg.width))
+    pp, tp, cp, replicate = cfg.pp, cfg.tp, getattr(cfg, "cp", 1), getattr(cfg, "replicate", 1)
+    dp = cfg.workers // (pp * tp * cp)
+    m = cfg.microbatches if pp > 1 else cfg.accumulate
+    per_replica = global_batch // dp
+    if per_replica % m:
+        return f"{per_replica} samples per replica do not split into {m} microbatches"
+    zero = cfg.zero_stage if cfg.strategy == "fsdp" else 0
+    v = cfg.virtual_stages if pp > 1 and spec_of(cfg.schedule).virtual else 1
+    if cut is not None and len(cut) != pp * v:
+        cut = None
+    lay = Layout(dp, tp, pp, zero, bool(cfg.sequence_parallel), cfg.schedule if pp > 1 else None, v,
+                 per_replica // m, m, cfg.recompute, cp, getattr(cfg, "cp_method", "ring"), replicate)
+    setting = Setting(global_batch, "fp32", optimizer_kind(cfg.optimizer, cfg.momentum))
+    return predict(work, lay, PRESETS["cpu"], setting, cut=cut if pp > 1 else None)
