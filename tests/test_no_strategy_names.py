@@ -34,6 +34,9 @@ ALLOWED = {
     ("commands/plan.py", "tp"): "a pin: `paralab plan --tp`, the mesh dimension, not the strategy",
     ("commands/plan.py", "model"): "a key of the JSON `paralab plan --json` prints (the model's description)",
     ("analysis/plan/layouts.py", "tp"): "the --tp pin's key, the mesh dimension, not the strategy",
+    ("analysis/plan/layouts.py", "cp"): "the --cp pin's key and a layout's label: the mesh dimension",
+    ("commands/plan.py", "cp"): "a pin: `paralab plan --cp`, the mesh dimension, not the strategy",
+    ("analysis/plan/from_run.py", "cp"): "the run's --cp, the mesh dimension, not the strategy",
     ("analysis/plan/layouts.py", "ddp"): "the `paralab train` command plan prints for a layout without ZeRO",
     ("analysis/plan/layouts.py", "fsdp"): "the `paralab train` command plan prints for a ZeRO layout",
 }

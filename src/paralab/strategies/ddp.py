@@ -105,6 +105,7 @@ def make_bucket(index: int, members: list[int], params: list[torch.Tensor], name
 
 class DDPReplicas(Replicas):
     flavour = "ddp"
+    gradient_copy = True  # its buckets hold a flat copy of the gradients between steps (the memory model counts it)
 
     def __init__(self, module, optim_fn, comm, ctx):
         super().__init__(module, optim_fn, comm, ctx)

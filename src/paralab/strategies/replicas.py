@@ -47,6 +47,7 @@ class Replicas:
 
     #: name in summaries
     flavour = "local"
+    gradient_copy = False  # whether it keeps a flat copy of the gradients between steps (ddp's buckets)
 
     def __init__(self, module: nn.Module, optim_fn, comm: Comm, ctx):
         self.module, self.comm, self.ctx = module, comm, ctx

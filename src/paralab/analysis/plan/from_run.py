@@ -1,7 +1,9 @@
 """The planner's memory prediction for a run that happened: its layout read from its configuration.
 
-A run of ``ddp`` or ``fsdp`` (with any ``--tp``, ``--pp``, ``--cp``,
-``--replicate``, ``--recompute``) in fp32 is a layout the planner models;
+A run whose data-parallel flavour is the one the planner's layouts stand for
+(one that keeps a copy of the gradients in buckets, ZeRO-0, or one that
+shards at a ZeRO stage), with any ``--tp``, ``--pp``, ``--cp``,
+``--replicate``, ``--recompute``, in fp32, is a layout the planner models;
 :func:`predict_run` rebuilds it (the model as paralab's own, the run's
 microbatches and, for a pipeline, the cut it chose) and predicts each
 pipeline rank's model states and activations. ``run/records.py`` puts the
@@ -17,13 +19,14 @@ from .layouts import Layout
 from .predict import Prediction, Setting, predict
 from .workload import cnn_workload, gpt_workload
 
-MODELLED = ("ddp", "fsdp")  # the flavours the planner's layouts stand for
-
-
 def predict_run(cfg, global_batch: int, cut: list | None = None) -> Prediction | str:
     """The prediction for ``cfg``'s layout, or why there is none."""
-    if cfg.strategy not in MODELLED:
-        return f"the planner models {' and '.join(MODELLED)} layouts, not {cfg.strategy}"
+    from ...strategies import get_strategy
+    flavour = get_strategy(cfg.strategy).pipeline_replicas(cfg)  # None but for the data-parallel strategies
+    zero = getattr(flavour, "zero_stage", 0)
+    if flavour is None or not (zero or flavour.gradient_copy):
+        return (f"the planner's layouts are bucketed (ZeRO-0) or sharded (ZeRO 1-3) data parallelism, not "
+                f"{cfg.strategy}'s")
     if cfg.precision != "fp32":
         return f"the planner models fp32 (and 16-bit) states, not --precision {cfg.precision}"
     if getattr(cfg, "experts", 0):
@@ -32,17 +35,16 @@ def predict_run(cfg, global_batch: int, cut: list | None = None) -> Prediction |
         return f"the planner counts the CNNs as built by default (BatchNorm), not --norm {cfg.norm}"
     work = (gpt_workload(cfg.layers, cfg.embed, cfg.heads, cfg.context, 256, activations="paralab")
             if cfg.model == "gpt" else cnn_workload(cfg.model, cfg.width))
-    pp, tp, cp, replicate = cfg.pp, cfg.tp, getattr(cfg, "cp", 1), getattr(cfg, "replicate", 1)
-    dp = cfg.workers // (pp * tp * cp)
+    pp, tp, C, replicate = cfg.pp, cfg.tp, getattr(cfg, "cp", 1), getattr(cfg, "replicate", 1)
+    dp = cfg.workers // (pp * tp * C)
     m = cfg.microbatches if pp > 1 else cfg.accumulate
     per_replica = global_batch // dp
     if per_replica % m:
         return f"{per_replica} samples per replica do not split into {m} microbatches"
-    zero = cfg.zero_stage if cfg.strategy == "fsdp" else 0
     v = cfg.virtual_stages if pp > 1 and spec_of(cfg.schedule).virtual else 1
     if cut is not None and len(cut) != pp * v:
         cut = None
     lay = Layout(dp, tp, pp, zero, bool(cfg.sequence_parallel), cfg.schedule if pp > 1 else None, v,
-                 per_replica // m, m, cfg.recompute, cp, getattr(cfg, "cp_method", "ring"), replicate)
+                 per_replica // m, m, cfg.recompute, C, getattr(cfg, "cp_method", "ring"), replicate)
     setting = Setting(global_batch, "fp32", optimizer_kind(cfg.optimizer, cfg.momentum))
     return predict(work, lay, PRESETS["cpu"], setting, cut=cut if pp > 1 else None)

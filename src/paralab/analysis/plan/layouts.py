@@ -123,7 +123,7 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
     for tp in pick("tp", tps):
         if tp not in work.tp_options():
             continue
-        for pp, cp, method in _pp_cp(work, workers, tp, fixed):
+        for pp, cp, method in _pp_cp(work, workers, tp, devices_per_node, fixed):
             dp = workers // (tp * pp * cp)
             if fixed.get("dp") is not None and fixed["dp"] != dp or global_batch % dp:
                 continue
@@ -131,7 +131,8 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
                 continue
             per_replica = global_batch // dp
             zeros = [0, 1] if cp > 1 else [0, 1, 2, 3]  # fsdp composes with tp and pp, not with cp above ZeRO-1
-            for zero, replicate in _zero_replicate(pick("zero", zeros if dp * cp > 1 else [0]), dp, cp, fixed):
+            for zero, replicate in _zero_replicate(pick("zero", zeros if dp * cp > 1 else [0]), dp, cp,
+                                                   devices_per_node // tp, fixed):
                 for sp in pick("sp", [False, True] if tp > 1 and cp == 1 else [False]):
                     for schedule, v in _schedules(work, pp, fixed):
                         for b in pick("microbatch", microbatch_sizes(per_replica)):
@@ -148,19 +149,22 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
     return out
 
 
-def _zero_replicate(zeros: list[int], dp: int, cp: int, fixed: dict) -> list[tuple[int, int]]:
+def _zero_replicate(zeros: list[int], dp: int, cp: int, per_node: int, fixed: dict) -> list[tuple[int, int]]:
     """(ZeRO stage, HSDP replica groups): fsdp's dp may be split into R replica groups of dp / R shards
-    (1 < R < dp; not beside cp)."""
+    (1 < R < dp; not beside cp), a shard group inside a node unless pinned (HSDP's point: the chatty
+    gathers on the node's links, one all-reduce across)."""
     out = []
     for zero in zeros:
-        groups = [1] + ([r for r in divisors(dp) if 1 < r < dp] if zero and cp == 1 else [])
+        groups = [1] + ([r for r in divisors(dp) if 1 < r < dp and (dp // r <= per_node or "replicate" in fixed)]
+                        if zero and cp == 1 else [])
         out += [(zero, r) for r in groups if fixed.get("replicate") in (None, r)]
     return out
 
 
-def _pp_cp(work: Workload, workers: int, tp: int, fixed: dict) -> list[tuple[int, int, str]]:
+def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) -> list[tuple[int, int, str]]:
     """(pp, cp, cp method) dividing the workers over tp: cp for the gpt only, its balanced chunks dividing
-    the context (2 cp of them), Ulysses's heads per rank (a / tp) too."""
+    the context (2 cp of them), Ulysses's heads per rank (a / tp) too; cp x tp inside a node unless pinned
+    (every attention layer talks over cp)."""
     out = []
     if workers % tp:
         return out
@@ -169,7 +173,8 @@ def _pp_cp(work: Workload, workers: int, tp: int, fixed: dict) -> list[tuple[int
             continue
         cps = [1]
         if work.kind == "gpt":
-            cps = [c for c in divisors(workers // (tp * pp)) if work.shape["context"] % (2 * c) == 0]
+            cps = [c for c in divisors(workers // (tp * pp)) if work.shape["context"] % (2 * c) == 0
+                   and (c * tp <= per_node or "cp" in fixed)]
         for cp in ([fixed["cp"]] if fixed.get("cp") is not None else cps):
             if cp not in cps:
                 continue

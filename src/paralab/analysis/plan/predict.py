@@ -220,15 +220,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
 
     def states_of(params: int):
-        """Model states of ``params`` on a rank, over the ranks that shard them (HSDP: a shard group). Under a
-        pipeline ZeRO-2/3 accumulate whole gradients over the microbatches and ZeRO-3 holds the stage
-        gathered for the step, so their peak is ZeRO-1's (plus ZeRO-3's own shard)."""
-        stage = min(lay.zero, 1) if p > 1 else lay.zero
-        est = memory_per_worker(params, d * C // R, stage, setting.optimizer, setting.precision,
-                                unit_parameters=unit_max if stage else None, step_in_backward=stage >= 2,
-                                model_parallel=t)
-        shard = params / t / (d * C // R) * e if p > 1 and lay.zero == 3 else 0.0
-        return est, est.peak + shard
+        return model_states(params, d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision, unit_max, t, e)
     est, peak = states_of(stage_params[r_max])
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
@@ -256,6 +248,20 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
                       mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
                       memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
+
+
+@lru_cache(maxsize=2 ** 16)
+def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer: str, precision: str,
+                 unit_max: int, t: int, e: int):
+    """(estimate, peak bytes) of ``params``' model states on a rank, over the ``shards`` ranks that shard
+    them (HSDP: a shard group). Under a pipeline ZeRO-2/3 accumulate whole gradients over the microbatches
+    and ZeRO-3 holds the stage gathered for the step, so their peak is ZeRO-1's (plus ZeRO-3's own
+    shard). Cached: a search asks for the same stages many times."""
+    stage = min(zero, 1) if pipelined else zero
+    est = memory_per_worker(params, shards, stage, optimizer, precision, unit_parameters=unit_max if stage else None,
+                            step_in_backward=stage >= 2, model_parallel=t)
+    shard = params / t / shards * e if pipelined and zero == 3 else 0.0
+    return est, est.peak + shard
 
 
 def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], rate: float) -> float:

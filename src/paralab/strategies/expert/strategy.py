@@ -39,8 +39,11 @@ class ExpertParallel(Strategy):
         named = get_strategy(cfg.strategy)
         if cls.flavour_of(named, cfg) is None:
             able = [n for n in strategy_names() if cls.flavour_of(get_strategy(n), cfg) is not None]
-            why = (named.why_not_pipelined(cfg) if named.pipeline_replicas(cfg) is None else
-                   "its flavour wraps the whole model for the forward, so it cannot be given a set of parameters")
+            flavour = named.pipeline_replicas(cfg)
+            why = (named.why_not_pipelined(cfg) if flavour is None else
+                   "ZeRO-2/3 shard the parameters themselves unit by unit, so they cannot be given a set of "
+                   "parameters: only --zero-stage 1 composes with --ep" if getattr(flavour, "zero_stage", 0) > 1
+                   else "its flavour wraps the whole model for the forward, so it cannot be given a set of parameters")
             raise UsageError(f"--ep needs a data-parallel flavour that averages a set of parameters over a group "
                              f"({', '.join(able)}); strategy {cfg.strategy!r} is not one: {why}")
         if cfg.experts % cfg.ep:
@@ -52,9 +55,12 @@ class ExpertParallel(Strategy):
     def flavour_of(named, cfg):
         """The data-parallel flavour of strategy class ``named`` that this strategy can use twice (over the
         non-expert parameters and over the experts'), or None: a flavour that wraps the whole module for
-        its forward (PyTorch's DDP) cannot be given a set of parameters."""
+        its forward (PyTorch's DDP) cannot be given a set of parameters, nor can one that shards the
+        parameters themselves unit by unit (ZeRO-2/3: ``zero_stage`` above 1)."""
         flavour = named.pipeline_replicas(cfg)  # None but for the data-parallel strategies
         if flavour is None or flavour.forward_module is not Replicas.forward_module:
+            return None
+        if getattr(flavour, "zero_stage", 0) > 1:
             return None
         return flavour
 
