@@ -1,5 +1,5 @@
-"""``--recompute full|selective`` under every strategy: ``--check`` in float64 at lr 0.1 with momentum, 20 steps
-(and three layouts in float32 at the course setting, lr 1e-3, 2 steps).
+"""``--recompute full|selective`` under every strategy: ``--check`` in float64 at lr 0.1 with momentum, 20 steps,
+and in float32 at the course setting (lr 1e-3, 2 steps).
 
 Recomputation must not change one bit of the arithmetic, so every layout's check must pass as it does
 without it (tests/test_fp64.py). The jobs run inside one set of worker processes per world size, as
@@ -46,13 +46,20 @@ JOBS2 = [
     ("gpt-pipeline-zb-h1", "pipeline", GPT | {"schedule": "zb-h1", "microbatches": 4}),
 ]
 COURSE = dict(precision="fp32", lr=1e-3, momentum=0.0, weight_decay=0.0, num_batches=2)  # fp32's setting
-JOBS2 += [("fp32-ddp", "ddp", COURSE), ("fp32-gpt-tp", "tp", GPT | COURSE),
-          ("fp32-pipeline-1f1b", "pipeline", COURSE | {"schedule": "1f1b", "microbatches": 4})]
 JOBS1 = [("single", "single", {}), ("gpt-single", "single", GPT)]
 JOBS4 = [
     ("ddp-pp2", "ddp", {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
     ("gpt-ddp-tp2-pp2", "tp", GPT | {"pp": 2, "schedule": "1f1b", "microbatches": 2}),
 ]
+
+
+def at_course_setting(table: list) -> list:
+    """Every job again in fp32 at the course setting, but tensor parallelism of a BatchNorm CNN (fp32
+    cannot vouch for it: ``Strategy.check_limit``, refused before start)."""
+    return [(f"fp32-{n}", s, e | COURSE) for n, s, e in table if not (s == "tp" and e.get("model") != "gpt")]
+
+
+JOBS1, JOBS2, JOBS4 = (t + at_course_setting(t) for t in (JOBS1, JOBS2, JOBS4))
 #: in the default suite: a CNN under ddp, the gpt under tp, a zero-bubble pipeline (I and W apart)
 FAST = {("ddp", "full"), ("gpt-tp", "selective"), ("gpt-pipeline-zb-h1", "full")}
 
