@@ -388,3 +388,26 @@ def test_lr_scaling_and_warmup_follow_the_documented_rule():
     assert lr_at(10_000, scaling="linear", warmup_epochs=2, **kw) == pytest.approx(0.4)
     # a batch of 256 is the reference: the rule changes nothing
     assert lr_at(0, lr=0.1, scaling="linear", global_batch=256, warmup_epochs=0, steps_per_epoch=1) == 0.1
+
+
+def test_memory_of_a_run_beside_the_planners_prediction(tmp_path, capsys):
+    """``calc memory RUN``: what each rank measured it holds beside the planner's prediction for the run's
+    layout, here context parallelism with selective recomputation (the planner's cp and recompute terms)."""
+    from conftest import run_paralab
+    out = tmp_path / "run"
+    res = run_paralab("train", "ddp", "--workers", "2", "--cp", "2", "--model", "gpt", "--layers", "2", "--embed",
+                      "32", "--context", "16", "--recompute", "selective", "--batch-size", "8", "--num-batches", "1",
+                      "--dataset", "synthetic-text", out=out)
+    assert res.returncode == 0, res.stderr
+    assert main(["calc", "memory", str(out), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        held, pred = r["measured"], r["predicted"]
+        measured = held["model_states_total_bytes"] + held["saved_activations_peak_bytes"]
+        assert pred["layout"] == "dp1 cp2 ring m1xb8 rc-selective"
+        assert abs(pred["total_bytes"] - measured) <= 0.02 * measured
+    assert main(["calc", "memory", str(out), "--workers", "2"]) == 2
+    assert "leave out --workers" in capsys.readouterr().err
+    assert main(["calc", "memory"]) == 2
+    assert "needs --workers" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 from ..errors import UsageError
 from ..models import GPTOptions, ModelOptions, MoEOptions
@@ -53,9 +54,13 @@ def add_arguments(p) -> None:
 
     q = sub.add_parser("memory", help="model-state bytes per worker: DDP and ZeRO 1/2/3",
                        description="Bytes per worker of parameters, gradients and optimizer state for DDP and "
-                                   "ZeRO stages 1, 2, 3 (Rajbhandari et al. 2020).")
-    _size_options(q, bytes_option=False)
-    q.add_argument("--workers", type=int, required=True, help="data-parallel workers N")
+                                   "ZeRO stages 1, 2, 3 (Rajbhandari et al. 2020). With a RUN directory instead: "
+                                   "each rank's measured memory (model states and the peak of saved activations) "
+                                   "beside the planner's prediction for the run's layout, which knows tp, pp, cp, "
+                                   "HSDP and recomputation (docs/plan.md).")
+    q.add_argument("run", nargs="?", metavar="RUN", help="a finished run directory (then no other option)")
+    _size_options(q, bytes_option=False, required=False)
+    q.add_argument("--workers", type=int, help="data-parallel workers N")
     q.add_argument("--optimizer", default="sgd-momentum", help="sgd | sgd-momentum | adam (default %(default)s)")
     q.add_argument("--precision", default="fp32",
                    help="fp32 | mixed (fp16/bf16 parameters and gradients, fp32 optimizer state and master "
@@ -193,8 +198,46 @@ def add_arguments(p) -> None:
     q.set_defaults(calc=calc_run)
 
 
-def _size_options(q, bytes_option: bool) -> None:
-    g = q.add_mutually_exclusive_group(required=True)
+def calc_memory_run(run_dir: Path, as_json: bool) -> int:
+    """Each rank's measured memory (``run/held.py``) beside the planner's prediction (``from_run.py``)."""
+    from ..analysis.runs import load_run
+    from ..report.page import text_table
+    run = load_run(run_dir)
+    rows, out = [], []
+    for rank in sorted(run.details, key=int):
+        held = (run.details[rank] or {}).get("held")
+        if not held:
+            continue
+        measured = held["model_states_total_bytes"] + held["saved_activations_peak_bytes"]
+        pred = held.get("predicted") or {}
+        total = pred.get("total_bytes")
+        out.append({"rank": int(rank), "measured": held, "predicted": pred})
+        rows.append([rank, *(f"{held['model_states_bytes'][k] / 1e6:.3f}"
+                             for k in ("parameters", "gradients", "optimizer", "other")),
+                     f"{held['saved_activations_peak_bytes'] / 1e6:.3f}", f"{measured / 1e6:.3f}",
+                     "-" if total is None else f"{pred['model_states_bytes'] / 1e6:.3f}",
+                     "-" if total is None else f"{pred['activations_bytes'] / 1e6:.3f}",
+                     "-" if total is None else f"{total / 1e6:.3f}",
+                     "-" if total is None else f"{100 * (total - measured) / measured:+.1f}%"])
+    if not rows:
+        raise UsageError(f"{run_dir} has no measured memory (runs record it since the held record; "
+                         "train it again)")
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return 0
+    pred = out[0]["predicted"]
+    print(f"{run_dir}: measured in the first step of the run (run/held.py); predicted by the planner's memory "
+          f"model for {pred.get('layout', 'no layout')} (analysis/plan/from_run.py). MB = 1e6 bytes; a sum of "
+          "peaks on both sides")
+    if "why_not" in pred:
+        print(f"no prediction: {pred['why_not']}")
+    print(text_table(["rank", "params", "grads", "optimizer", "other", "saved act.", "measured", "pred. states",
+                      "pred. act.", "predicted", "error"], rows))
+    return 0
+
+
+def _size_options(q, bytes_option: bool, required: bool = True) -> None:
+    g = q.add_mutually_exclusive_group(required=required)
     g.add_argument("--parameters", type=float, help="parameter count Psi (e.g. 7.5e9)")
     add_flags(g, ModelOptions, only=("--model",), defaults=dict(model=None))  # or --parameters
     if bytes_option:
@@ -245,6 +288,12 @@ def _print(*formulas) -> None:
 # ======================================================================== memory
 def calc_memory(args) -> int:
     from ..analysis.memory import OPTIMIZERS, PRECISIONS, STAGE_NAMES, memory_per_worker
+    if args.run:
+        if args.workers or args.parameters or args.model:
+            raise UsageError("calc memory RUN reads the run's own layout: leave out --workers/--parameters/--model")
+        return calc_memory_run(Path(args.run), args.json)
+    if args.workers is None or not (args.parameters or args.model):
+        raise UsageError("calc memory needs --workers and one of --parameters/--model (or a RUN directory)")
     _positive("workers", args.workers)
     if args.optimizer not in OPTIMIZERS:
         raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {args.optimizer!r})")
