@@ -137,6 +137,37 @@ def train(label: str, strategy: list[str], args: argparse.Namespace, out: Path, 
     return summary, rows
 
 
+def gpt_options(p: argparse.ArgumentParser, *, layers: int, embed: int, heads: int, context: int) -> None:
+    """The gpt's shape options (--layers --embed --heads --context) with a benchmark's defaults."""
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--embed", type=int, default=embed)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--context", type=int, default=context)
+
+
+def gpt_args(args: argparse.Namespace) -> list[str]:
+    """The ``paralab train`` options of the gpt of :func:`gpt_options`'s values."""
+    return ["--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads", str(args.heads),
+            "--context", str(args.context)]
+
+
+def train_gpt(label: str, argv: list[str], args: argparse.Namespace, out: Path) -> tuple[dict, list[dict], list[str]]:
+    """:func:`train`'s twin for the gpt: ``argv`` (the strategy, its workers and options) on the gpt of
+    :func:`gpt_options`' values, ``args.batch_size``, ``args.steps`` (``args.warmup`` left out), synthetic text of
+    max(1024, batch x steps) windows, evaluation on one batch, no progress bar, one log line.
+    Returns (summary.json, the rows of steps.jsonl, the whole argv); raises RuntimeError if it fails."""
+    argv = [*argv, *gpt_args(args), "--batch-size", str(args.batch_size), "--num-batches", str(args.steps),
+            "--warmup", str(args.warmup), "--dataset", "synthetic-text",
+            "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",
+            "--eval-batch-size", str(args.batch_size), "--no-progress", "--log-every", str(args.steps)]
+    p = paralab_train(argv, out)
+    if p.returncode != 0:
+        raise RuntimeError(f"{label} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return summary, rows, argv
+
+
 def step_seconds(rows: list[dict], warmup: int) -> list[float]:
     """The slowest rank's seconds of each step (steps.jsonl rows), in step order, leaving out the first
     ``warmup`` steps (all of them kept if that would leave none, as summary.json does)."""

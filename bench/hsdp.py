@@ -19,11 +19,10 @@ Writes bench/results/hsdp.json (the CPU named from ``lscpu``) and prints a table
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from common import RESULTS, best_of, cpu_name, paralab_train, write_result
+from common import RESULTS, best_of, cpu_name, gpt_options, train_gpt, write_result
 
 VARIANTS = {
     "fsdp3": ["fsdp", "--zero-stage", "3"],
@@ -39,10 +38,7 @@ VARIANTS = {
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="bench/hsdp.py", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embed", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    gpt_options(p, layers=4, embed=128, heads=4, context=64)
     p.add_argument("--batch-size", type=int, default=16, help="global batch")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
@@ -59,16 +55,7 @@ def parse(argv):
 
 def run_one(name: str, args, workdir: Path, tag: str) -> dict:
     out = workdir / f"{name}-{tag}"
-    argv = [*VARIANTS[name], "--workers", "4", "--model", "gpt", "--layers", str(args.layers),
-            "--embed", str(args.embed), "--heads", str(args.heads), "--context", str(args.context),
-            "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-            "--dataset", "synthetic-text", "--synthetic-size", str(max(1024, args.batch_size * args.steps)),
-            "--eval-batches", "1", "--eval-batch-size", str(args.batch_size), "--no-progress",
-            "--log-every", str(args.steps)]
-    p = paralab_train(argv, out)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
+    s, _, argv = train_gpt(name, [*VARIANTS[name], "--workers", "4"], args, out)
     memory = s["strategy_details"]["0"].get("memory", {})
     return {"variant": name, "command": "paralab train " + " ".join(argv),
             "samples_per_s": s["samples_per_s"], "seconds_per_iter_median": s["seconds_per_iter_median"],

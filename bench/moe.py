@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from common import RESULTS, best_of, cpu_name, paralab_train, write_result
+from common import RESULTS, best_of, cpu_name, gpt_options, train_gpt, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from paralab.analysis.moe import a2a_bytes  # noqa: E402
@@ -39,10 +39,7 @@ VARIANTS = {"ep1": [], "ep2-a2a": ["--ep", "2"], "ep2-gather": ["--ep", "2", "--
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="bench/moe.py", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--embed", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    gpt_options(p, layers=2, embed=128, heads=4, context=64)
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
@@ -56,18 +53,9 @@ def parse(argv):
 
 def run_one(name: str, args, workdir: Path, tag: str) -> dict:
     out = workdir / f"{name}-{tag}"
-    argv = ["allreduce", "--workers", "2", "--cores-per-worker", "1", *VARIANTS[name], "--model", "gpt",
-            "--layers", str(args.layers), "--embed", str(args.embed), "--heads", str(args.heads),
-            "--context", str(args.context), "--experts", str(args.experts), "--top-k", str(args.top_k),
-            "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-            "--dataset", "synthetic-text", "--synthetic-size", str(max(1024, args.batch_size * args.steps)),
-            "--eval-batches", "1", "--eval-batch-size", str(args.batch_size), "--no-progress",
-            "--log-every", str(args.steps)]
-    p = paralab_train(argv, out)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    argv = ["allreduce", "--workers", "2", "--cores-per-worker", "1", *VARIANTS[name], "--experts", str(args.experts),
+            "--top-k", str(args.top_k)]
+    s, rows, _ = train_gpt(name, argv, args, out)
     spans = [json.loads(line) for line in (out / "spans.jsonl").read_text().splitlines()]
     measured = {r["step"] for r in rows if r["step"] >= args.warmup}
     by_rank: dict[int, int] = {}

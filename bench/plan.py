@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, SRC, cpu_name, paralab_train, step_seconds, write_result
+from common import RESULTS, SRC, cpu_name, gpt_args, gpt_options, paralab_train, step_seconds, write_result
 
 sys.path.insert(0, str(SRC))
 
@@ -99,8 +99,7 @@ def emulated_link(path: Path, rate: str, workers: int) -> tuple[float, float] | 
 
 def model_args(args) -> list[str]:
     if args.model == "gpt":
-        return ["--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads",
-                str(args.heads), "--context", str(args.context), "--dataset", "synthetic-text"]
+        return [*gpt_args(args), "--dataset", "synthetic-text"]
     return ["--model", args.model, "--width", str(args.width), "--dataset", "synthetic"]
 
 
@@ -165,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--layouts", type=int, default=6)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embed", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    gpt_options(p, layers=4, embed=128, heads=4, context=64)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, best_of, cpu_name, paralab_train, step_seconds, write_result
+from common import RESULTS, best_of, cpu_name, gpt_args, gpt_options, paralab_train, step_seconds, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch  # noqa: E402
@@ -38,10 +38,7 @@ MODES = recompute.MODES
 def parse(argv):
     p = argparse.ArgumentParser(prog="bench/recompute.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt,vgg11")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embed", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=128)
+    gpt_options(p, layers=4, embed=128, heads=4, context=128)
     p.add_argument("--width", type=float, default=0.25, help="VGG-11's channel multiplier")
     p.add_argument("--gpt-batch", type=int, default=16)
     p.add_argument("--vgg-batch", type=int, default=64)
@@ -55,9 +52,7 @@ def parse(argv):
 
 def model_args(name: str, args) -> list[str]:
     if name == "gpt":
-        return ["--model", "gpt", "--layers", str(args.layers), "--embed", str(args.embed), "--heads",
-                str(args.heads), "--context", str(args.context), "--dataset", "synthetic-text",
-                "--batch-size", str(args.gpt_batch)]
+        return [*gpt_args(args), "--dataset", "synthetic-text", "--batch-size", str(args.gpt_batch)]
     return ["--model", name, "--width", str(args.width), "--dataset", "synthetic", "--batch-size", str(args.vgg_batch)]
 
 

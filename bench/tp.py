@@ -27,12 +27,11 @@ Writes ``bench/results/tp.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from common import RESULTS, best_of, cpu_name, paralab_train, selected, step_seconds, write_result
+from common import RESULTS, best_of, cpu_name, gpt_options, selected, step_seconds, train_gpt, write_result
 
 VARIANTS = {  # name -> (strategy, workers, extra options)
     "single": ("single", 1, []),
@@ -44,10 +43,7 @@ VARIANTS = {  # name -> (strategy, workers, extra options)
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="bench/tp.py", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embed", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--context", type=int, default=128)
+    gpt_options(p, layers=4, embed=256, heads=8, context=128)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, the same for every variant")
     p.add_argument("--steps", type=int, default=5, help="training steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the average")
@@ -64,17 +60,7 @@ def run_one(name: str, args, workdir: Path, tag: str) -> dict:
     strategy, workers, extra = VARIANTS[name]
     out = workdir / f"{name}-{tag}"
     cores = ["--cores-per-worker", str(args.cores_per_worker)] if args.cores_per_worker else []
-    argv = [strategy, "--workers", str(workers), *cores, *extra, "--model", "gpt", "--layers", str(args.layers),
-            "--embed", str(args.embed), "--heads", str(args.heads), "--context", str(args.context),
-            "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-            "--dataset", "synthetic-text", "--synthetic-size", str(max(1024, args.batch_size * args.steps)),
-            "--eval-batches", "1", "--eval-batch-size", str(args.batch_size), "--no-progress",
-            "--log-every", str(args.steps)]
-    p = paralab_train(argv, out)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    s, rows, _ = train_gpt(name, [strategy, "--workers", str(workers), *cores, *extra], args, out)
     ranks = list(s["split"].values())
     return {
         "variant": name, "strategy": strategy, "workers": workers, "options": extra,

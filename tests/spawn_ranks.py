@@ -32,3 +32,24 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
     from paralab.run.warm import forkserver
     forkserver()  # the forkserver's preload, set before it first starts
     mp.start_processes(_run_then_leave, args=(fn, *args), nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def _run_jobs(rank: int, world: int, jobs: list, root: str) -> None:
+    """One rank: every job (a ``RunConfig``) in turn, each a whole run with its own process group; a
+    verdict's exit (a check FAIL exits 1 on every rank, the summary says why) is written to ``exit<rank>``."""
+    import torch
+
+    from paralab.run.worker import run_worker
+    torch.set_num_threads(1)
+    for i, cfg in enumerate(jobs):
+        try:
+            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
+        except SystemExit as exc:
+            with open(os.path.join(cfg.out, f"exit{rank}"), "w") as f:
+                f.write(str(exc.code))
+
+
+def run_jobs(world: int, jobs: list, root) -> None:
+    """Every job of ``jobs`` (``RunConfig``s of ``world`` workers) inside one set of ``world`` ranks, one
+    after another (the ranks start once, not once per job)."""
+    spawn(_run_jobs, (world, jobs, str(root)), world)

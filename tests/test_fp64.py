@@ -14,8 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from spawn_ranks import spawn
+from spawn_ranks import run_jobs as run_jobs_in_ranks
 
 from paralab.run.config import RunConfig
 from paralab.check.reference import TOLERANCES
@@ -54,20 +53,10 @@ def job_config(out: Path, strategy: str, workers: int, extra: dict) -> RunConfig
     return RunConfig(**(kw | extra)).validate()
 
 
-def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
-    from paralab.run.worker import run_worker
-    torch.set_num_threads(1)
-    for i, cfg in enumerate(jobs):
-        try:
-            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
-        except SystemExit as exc:  # a FAIL verdict exits 1 on every rank; the summary says why
-            Path(cfg.out, f"exit{rank}").write_text(str(exc.code))
-
-
 def run_jobs(root: Path, world: int, jobs: list) -> dict:
     root.mkdir(parents=True)
     configs = [job_config(root / name, strategy, world, extra) for name, strategy, extra in jobs]
-    spawn(_rank_main, (world, configs, str(root)), world)
+    run_jobs_in_ranks(world, configs, root)
     out = {}
     for cfg in configs:
         path = Path(cfg.out)

@@ -34,12 +34,14 @@ def test_the_probe_changes_no_gradient_and_sees_through_an_inner_hook():
     plain = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     probe, inner = saved.SavedActivations(held.parameter_storages([model])), []
+    with probe.watch():
+        outer_pack, outer_unpack = saved.outer_hooks()
 
-    def pack(t):  # a hook of one's own (as a pipeline stage has) passing each save on
-        inner.append(t.shape)
-        return saved.pack(t)
-    with probe.watch(), torch.autograd.graph.saved_tensors_hooks(pack, saved.unpack):
-        out = model(x).sum()
+        def pack(t):  # a hook of one's own (as a pipeline stage has) passing each save on
+            inner.append(t.shape)
+            return outer_pack(t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+            out = model(x).sum()
     out.backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
     # the inner hook saw every save; the probe left out the second Linear's weight (the first's is not

@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from spawn_ranks import spawn
+from spawn_ranks import run_jobs as run_jobs_in_ranks
 
 from paralab.run.config import RunConfig
 from paralab.errors import UsageError
@@ -105,22 +104,12 @@ def job_config(out: Path, strategy: str, schedule: str, norm: str, **extra) -> R
                      timeout=60, zero_stage=1, **extra).validate()
 
 
-def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
-    from paralab.run.worker import run_worker
-    torch.set_num_threads(1)
-    for i, cfg in enumerate(jobs):
-        try:
-            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
-        except SystemExit as exc:
-            Path(cfg.out, f"exit{rank}").write_text(str(exc.code))
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpxpp")
     jobs = [job_config(root / f"{s}-{sched}-{n}", s, sched, n)
             for s in FLAVOURS for sched in SCHEDULES for n in ("batch", "none")]
-    spawn(_rank_main, (4, jobs, str(root)), 4)
+    run_jobs_in_ranks(4, jobs, root)
     out = {}
     for cfg in jobs:
         path = Path(cfg.out)

@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from spawn_ranks import spawn
+from spawn_ranks import run_jobs as run_jobs_in_ranks
 
 from paralab.check.reference import TOLERANCES
 from paralab.run.config import RunConfig
@@ -71,21 +70,11 @@ def job_config(out: Path, strategy: str, workers: int, extra: dict, mode: str) -
     return RunConfig(**(kw | extra)).validate()
 
 
-def _rank_main(rank: int, world: int, jobs: list, root: str) -> None:
-    from paralab.run.worker import run_worker
-    torch.set_num_threads(1)
-    for i, cfg in enumerate(jobs):
-        try:
-            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
-        except SystemExit as exc:
-            Path(cfg.out, f"exit{rank}").write_text(str(exc.code))
-
-
 def run_jobs(root: Path, world: int, jobs: list) -> dict:
     root.mkdir(parents=True)
     configs = [job_config(root / f"{name}-{mode}", strategy, world, extra, mode)
                for name, strategy, extra, mode in jobs]
-    spawn(_rank_main, (world, configs, str(root)), world)
+    run_jobs_in_ranks(world, configs, root)
     return {Path(c.out).name: json.loads(Path(c.out, "summary.json").read_text()) for c in configs}
 
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from ..options import option
-from .saved import SavedActivations, storage
+from .saved import SavedActivations, outer_hooks, storage
 
 MODES = ("none", "selective", "full")
 
@@ -57,18 +57,13 @@ class RecomputeOptions:
                             choices=MODES)
 
 
-def _identity(t):
-    return t
-
-
 class _Piece:
     """One call of a recomputed function: its inputs and the tensors it kept (both through the hooks
     outside it, if any: a pipeline stage's byte count, ``measure_saved``), and the recomputed twins."""
 
     def __init__(self, fn, module: nn.Module, args: tuple):
         self.fn, self.module = fn, module
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.outer_pack, self.outer_unpack = outer if outer is not None else (_identity, _identity)
+        self.outer_pack, self.outer_unpack = outer_hooks()
         # what exists before the piece runs: its inputs and its module's buffers (parameters are leaves)
         self.outside = {id(a) for a in args if isinstance(a, torch.Tensor)} | {id(b) for b in module.buffers()}
         self.args = [(True, self.outer_pack(a)) if isinstance(a, torch.Tensor) else (False, a) for a in args]

@@ -10,9 +10,10 @@ input's gradient) are model state, not activations, and are not counted; a
 gathered copy (ZeRO-3's) is, as it is held.
 
 Only the innermost ``saved_tensors_hooks`` sees a save, so code that
-installs its own (a pipeline stage measuring its microbatches) passes each
-tensor on with :func:`pack` / :func:`unpack`, which hand it to the probe
-that is watching, if any.
+installs its own (a pipeline stage measuring its microbatches, a recomputed
+piece) hands each tensor it keeps on to the hooks that were in force when it
+installed its own (:func:`outer_hooks`): a probe around the step still sees
+it.
 """
 from __future__ import annotations
 
@@ -20,9 +21,6 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-
-_watching: list["SavedActivations"] = []  # the probes whose watch() is open, innermost last
-
 
 def storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(key, bytes) of a tensor's allocation (the key names its storage, on the meta device too); None for
@@ -71,12 +69,8 @@ class SavedActivations:
 
     @contextmanager
     def watch(self):
-        _watching.append(self)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
-        finally:
-            _watching.remove(self)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
 
 
 class _Box:
@@ -88,10 +82,12 @@ class _Box:
 
 
 
-def pack(t: torch.Tensor):
-    """For a ``saved_tensors_hooks`` of one's own: hand ``t`` to the probe watching (if any)."""
-    return _watching[-1]._pack(t) if _watching else t
+def _identity(t):
+    return t
 
 
-def unpack(saved):
-    return SavedActivations._unpack(saved)
+def outer_hooks():
+    """The (pack, unpack) of the ``saved_tensors_hooks`` in force now, identities if none: what code that
+    installs hooks of its own calls on each tensor it keeps, so the hooks outside it see it too."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top if top is not None else (_identity, _identity)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .layouts import Layout, enumerate_layouts, why_none
+from .layouts import enumerate_layouts, why_none
 from .predict import Prediction, Setting, predict
 from .workload import Workload
 

@@ -83,13 +83,15 @@ class Stage:
             self._trained_all = [p for ps in self._trained for p in ps]
         param_ptrs = self._param_ptrs
 
+        outer_pack, outer_unpack = saved.outer_hooks()
+
         def pack(t: torch.Tensor):
             if t.data_ptr() not in param_ptrs:
                 seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            return saved.pack(t)  # on to the run's probe of the step, when one is watching
+            return outer_pack(t)  # on to the hooks outside (the run's probe of the step, when one watches)
 
         segments = []
-        with torch.autograd.graph.saved_tensors_hooks(pack, saved.unpack), self.ctx.autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), self.ctx.autocast():
             # a leaf at the stage's input (its gradient is what goes to the stage before) and, when
             # split, at every unit's input (its gradient is what the unit hands to the one before)
             inp = h = x.detach().requires_grad_(not self.first)

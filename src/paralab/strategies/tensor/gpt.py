@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...models.gpt import MLP, Attention, Block, Embedding, Head, causal_attention
+from ...models.gpt import MLP, Attention, Block, Embedding, Head
 from ...models.moe import MoE
 from .group import TPGroup
 
