@@ -1,21 +1,24 @@
 """paralab plan against real runs: predict, then run a spread of layouts over the emulated network.
 
-``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 6]``
+``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 10]``
 ``python bench/plan.py --memory-only [--model vgg11]``: memory only (no network, 2 steps a run)
 
 For each link rate: the cluster is ``this-machine`` (its calibration: the
 matmul rate, a real unit's rate with the workers running at once, a unit's
-fixed cost; cached), its link the emulated one: bandwidth and per-step
-latency fitted to ``bench/network.py``'s all-reduce times on the same links
-(``--link-from``; without it, the rate and the loopback latency). Small
-collectives between 4 processes on 2 cores cost milliseconds there, where
-loopback in one namespace takes a tenth of that.
+fixed cost; cached), its collectives measured on the emulated link itself
+(``analysis/plan/collectives.py``: the workers in their namespaces compute a
+block, then call an all-reduce, all-gather, reduce-scatter, all-to-all or a
+transfer, for each group size and three sizes; ``a + S x c`` fitted to each),
+so a call costs what it costs between chunks of compute on shared cores, not
+what it costs on an idle wire.
 ``paralab plan``'s model ranks every layout of the gpt on the workers
-(recomputation left out: paralab cannot run it); ``--layouts`` of them, spread
+(recomputation left out: it adds compute only); ``--layouts`` of them, spread
 evenly over that ranking and each a different dp x tp x pp / ZeRO / schedule,
 are then trained with ``paralab train ... --network RATE`` on synthetic text,
-and each one's measured step (the median of the slowest rank's steps after
-``--warmup``) is set beside its prediction, and so is its peak memory per
+and each one's measured step (the mean of the slowest rank's steps after
+``--warmup``: what the run costs a step; a tenth of the collectives over an
+emulated link take five times the typical one, and the median would leave
+them out) is set beside its prediction, and so is its peak memory per
 device: the busiest rank's model states (fsdp's ledger where it keeps one,
 else what the rank measured it holds, ``run/held.py``) plus the peak of its
 saved activations (``training/saved.py``), against the plan's model states
@@ -77,24 +80,14 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def emulated_link(path: Path, rate: str, workers: int) -> tuple[float, float] | None:
-    """(Gb/s, latency s per ring step) of the emulated link at ``rate``, fitted by least squares to
-    ``T = 2(N-1)/N x S / B + 2(N-1) a`` over bench/network.py's all-reduce times on the same links and
-    workers (None where that file has none)."""
-    import json
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    if data.get("workers") != workers:
-        return None
-    pts = [(r["bytes"], r["best_s"]) for r in data["rows"] if r["op"] == "all_reduce" and r["rate"] == rate]
-    if len(pts) < 2:
-        return None
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    intercept = max(my - slope * mx, 0.0)
-    return 2 * (workers - 1) / workers * 8 / slope / 1e9, intercept / (2 * (workers - 1))
+def measure_collectives(rate: str, workers: int) -> dict:
+    """The collectives' fits on ``workers`` ranks joined to an emulated ``rate`` link (root or user namespaces)."""
+    from paralab.analysis.plan.collectives import measure
+    from paralab.run import network
+    spec = network.parse(rate)
+    print(f"bench plan: {rate}: timing the collectives between chunks of compute ...", flush=True)
+    with network.Network(spec, workers) as net:
+        return measure(workers, spec.gbps, join=network.join, record=net.record(), init_method=net.init_method())
 
 
 def model_args(args) -> list[str]:
@@ -145,7 +138,7 @@ def run_layout(pred, work, args, rate: str | None, out: Path) -> dict:
                 "memory_error": (pred.memory - memory[0]) / memory[0]}
     if rate:
         rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-        measured = statistics.median(step_seconds(rows, args.warmup))
+        measured = statistics.fmean(step_seconds(rows, args.warmup))
         row |= {"measured_s": measured, "error": (pred.step - measured) / measured}
     return row
 
@@ -166,12 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", type=int, default=6)
     gpt_options(p, layers=4, embed=128, heads=4, context=64)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="default bench/results/plan[-memory][-MODEL].json")
-    p.add_argument("--link-from", default=str(RESULTS / "network.json"),
-                   help="bench/network.py's result on the same links: the link's bandwidth and per-step latency "
-                        "fitted to its all-reduce times ('' to use the rate and the loopback latency)")
     args = p.parse_args(argv)
     if args.memory_only:
         args.steps, args.warmup, args.rates = 2, 1, "none"
@@ -188,16 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         base = this_machine(cal, args.workers, where)
         import dataclasses
         gbps = parse(rate).gbps if rate else base.intra_gbps
-        fitted = emulated_link(Path(args.link_from), rate, args.workers) if args.link_from and rate else None
-        if fitted:
-            link_gbps, latency = fitted
-            link = f"fitted to {args.link_from}: {link_gbps:.3g} Gb/s, {latency * 1e6:.0f} us a ring step"
+        situ = None
+        if rate:
+            situ = measure_collectives(rate, args.workers)
+            link = "collectives measured in situ: " + "; ".join(
+                f"{op} of {g}: " + ", ".join(f"{b // 1024} kB {t * 1e3:.1f} ms" for b, t in pts)
+                for op, by in sorted(situ["points"].items()) for g, pts in sorted(by.items()))
         else:
-            link_gbps, latency = gbps, base.intra_latency_us * 1e-6
-            link = f"the rate, and this-machine's loopback latency {latency * 1e6:.0f} us"
-        print(f"bench plan: {rate or 'no network'}: link {link}", flush=True)
-        cluster = dataclasses.replace(base, intra_gbps=link_gbps, inter_gbps=link_gbps,
-                                      intra_latency_us=latency * 1e6, inter_latency_us=latency * 1e6)
+            link = "loopback (memory only)"
+        print(f"bench plan: {rate or 'no network'}: {link}", flush=True)
+        cluster = dataclasses.replace(base, intra_gbps=gbps, inter_gbps=gbps,
+                                      collectives=situ["points"] if situ else None)
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
                          shortlist=10 ** 6)
         chosen = spread(plan.ranked, args.layouts)
@@ -210,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
         best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
         step_err, mem_err = errors_of(rows, "error"), errors_of(rows, "memory_error")
-        summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "measured": len(ok),
+        summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "collectives": situ, "measured": len(ok),
                    "failed": sum(1 for r in rows if "failed" in r),
                    "median_abs_error": step_err["median"], "worst_abs_error": step_err["worst"],
                    "memory_median_abs_error": mem_err["median"], "memory_worst_abs_error": mem_err["worst"],

@@ -181,7 +181,9 @@ def test_cluster_file_toml_and_presets_cite_sources(tmp_path):
 
 
 def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
+    from paralab.analysis.plan.calibrate import block_flops
     cal = {"dtype": "fp32", "matmul_flops": 1e11, "copy_bytes_per_s": 2e10, "unit_overhead_s": 5e-5, "block_flops": 5e10,
+           "block_seconds": {"8": block_flops(8) / 4e10}, "block_flops_by_workers": {"4": 1e10},
            "link_gbps": 10.0, "link_latency_s": 1e-4, "cores": 2, "memory_bytes": 8e9, "cpu": "test CPU",
            "measured_at": "now"}
     cache = tmp_path / "cal.json"
@@ -191,7 +193,9 @@ def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
     assert got == cal and str(cache) in where
     c = this_machine(got, 4, where)
     assert c.peak("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
-    assert c.efficiency == pytest.approx(0.5) and c.rate("fp32") == pytest.approx(0.25e11)  # a block's rate
+    # the block alone on 8 sequences 4e10 FLOP/s, 1e10 with 4 at once: 4 x slower, its fixed cost 4 x longer
+    assert c.efficiency == pytest.approx(0.25) and c.rate("fp32") == pytest.approx(1.25e10)
+    assert c.unit_overhead_us == pytest.approx(200)
     assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
 
 

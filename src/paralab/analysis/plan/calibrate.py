@@ -1,18 +1,19 @@
 """``this-machine``: a cluster measured here, in well under a minute, and cached.
 
-Five measurements, each the best (the fixed cost: the median) of a few repeats:
+Four measurements, each the best (a unit's: the median) of a few repeats:
 
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
-- the rate a real unit achieves: the course gpt's block (width 128, 64
-  tokens, 8 sequences) forward and backward, its FLOPs / time, alone and
-  (once per worker count, cached) with as many processes at once as the
-  plan has workers; over the matmul's rate x the share of cores it is the
-  cluster's ``efficiency`` (elementwise work, small matmuls, and the
-  contention of workers sharing cores and of anything else running here);
+- a real unit: the course gpt's block (width 128, 64 tokens) forward and
+  backward on 1, 2, 4 and 8 sequences; ``t(b) = fixed + b x flops / rate``
+  through them gives the rate its arithmetic achieves and its fixed cost
+  (dispatch: what makes small microbatches slow; a third of it is a
+  forward's). Once per worker count (cached) the block on 8 sequences runs
+  in as many processes at once as the plan has workers: its slowdown
+  against one alone divides the rate and multiplies the fixed cost (workers
+  sharing cores, and whatever else runs here). The rate over the matmul's x
+  the share of cores is the cluster's ``efficiency``;
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
-- a unit's fixed cost: a gpt block's forward on one token of width 8, where
-  dispatch, not arithmetic, is the time;
 - the link: gloo processes on loopback all-reduce 1 kB and 16 MB through
   ``comm.py`` (timed by the recorder), two of them, and (once per worker
   count, cached) as many as the plan has workers; a ring of n takes
@@ -98,29 +99,55 @@ def copy_rate(size: int = 256 * 2 ** 20, repeats: int = 3) -> float:
     return 2 * size / best
 
 
-def block_rate(dtype: str, repeats: int = 5) -> float:
-    """FLOP/s a real unit achieves: the course gpt's block (width 128, 4 heads, 64 tokens, 8 sequences),
-    forward and backward on one thread (median of ``repeats``), its matmuls and its elementwise work."""
+BATCHES = (1, 2, 4, 8)  # sequences per forward and backward of the calibration's block
+
+
+def block_flops(batch: int) -> float:
+    """Forward and backward FLOPs of the course gpt's block (width 128, 4 heads, 64 tokens) on ``batch``."""
+    from .workload import gpt_workload
+    return 3 * batch * gpt_workload(1, 128, 4, 64, 256).units[1].forward_flops
+
+
+def block_times(dtype: str, batches: tuple = BATCHES, repeats: int = 5) -> dict[int, float]:
+    """{sequences: median seconds} of the course gpt's block (width 128, 4 heads, 64 tokens), forward and
+    backward on one thread: its matmuls, its elementwise work and its fixed cost."""
     import torch
 
     from ...models.gpt import Block
-    from .workload import gpt_workload
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         block = Block(128, 4).to(kind)
-        x = torch.randn(8, 64, 128, dtype=kind, requires_grad=True)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            block(x).sum().backward()
-            if i:  # the first is warm-up
-                times.append(time.perf_counter() - t0)
+        out = {}
+        for b in batches:
+            x = torch.randn(b, 64, 128, dtype=kind, requires_grad=True)
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                block(x).sum().backward()
+                if i:  # the first is warm-up
+                    times.append(time.perf_counter() - t0)
+            out[b] = statistics.median(times)
     finally:
         torch.set_num_threads(threads)
-    flops = 3 * 8 * gpt_workload(1, 128, 4, 64, 256).units[1].forward_flops
-    return flops / statistics.median(times)
+    return out
+
+
+def fit_block(times: dict) -> tuple[float, float]:
+    """(FLOP/s, fixed seconds) of ``t(b) = fixed + b x flops / rate`` through the batches' times (least
+    squares): the rate a unit's arithmetic achieves and what it costs whatever its size (dispatch)."""
+    pts = [(int(b), t) for b, t in times.items()]
+    n = len(pts)
+    mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+    slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
+    slope = max(slope, 1e-12)
+    return block_flops(1) / slope, max(my - slope * mx, 0.0)
+
+
+def block_rate(dtype: str) -> float:
+    """FLOP/s of the block on 8 sequences, fixed cost included (what :func:`parallel_block_rate` compares)."""
+    return block_flops(8) / block_times(dtype, (8,))[8]
 
 
 def _block_worker(dtype: str, out) -> None:
@@ -144,27 +171,6 @@ def parallel_block_rate(dtype: str, workers: int, timeout: float = 120.0) -> flo
             if p.is_alive():
                 p.terminate()
     return statistics.median(rates)
-
-
-def unit_overhead(repeats: int = 30) -> float:
-    """Seconds of a gpt block's forward on one token of width 8 (one thread): the fixed cost of a unit."""
-    import torch
-
-    from ...models.gpt import Block
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        block, x = Block(8, 1), torch.randn(1, 1, 8)
-        with torch.no_grad():
-            block(x)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                block(x)
-                times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, store: str, out) -> None:
@@ -228,18 +234,19 @@ def measure(dtype: str, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     rate = matmul_rate(dtype)
     bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
-    unit = block_rate(dtype)
-    bar.update(2, f"a gpt block {unit / 1e9:.1f} GFLOP/s")
+    blocks = block_times(dtype)
+    unit, fixed = fit_block(blocks)
+    bar.update(2, f"a gpt block {unit / 1e9:.1f} GFLOP/s + {fixed * 1e6:.0f} us fixed (forward and backward)")
     mem = copy_rate()
     bar.update(3, f"copy {mem / 1e9:.1f} GB/s")
-    overhead = unit_overhead()
-    bar.update(4, f"a unit's fixed cost {overhead * 1e6:.0f} us")
+    overhead = fixed / 3  # a forward's share: backward costs twice a forward
+    bar.update(4, f"a unit's fixed cost {overhead * 1e6:.0f} us a forward")
     times = link_times()
     gbps, latency = fit_ring(times, 2)
     bar.update(5, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
     bar.close()
     return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead,
-            "block_flops": unit, "allreduce_seconds": {
+            "block_flops": unit, "block_seconds": {str(b): t for b, t in blocks.items()}, "allreduce_seconds": {
         str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
             "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
             "host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -265,7 +272,7 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
         except ValueError:
             data = {}  # a damaged cache is measured again
     found = data.get(dtype) if not again else None
-    fresh = found is None or "block_flops" not in found
+    fresh = found is None or "block_seconds" not in found
     if fresh:
         found = measure(dtype, progress)
     key = str(workers) if workers else None
@@ -296,7 +303,9 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
     share = min(1.0, cores / workers)
     rate = cal["matmul_flops"] * share
     together = cal.get("block_flops_by_workers", {}).get(str(workers))
-    block = together if together is not None else cal["block_flops"] * share
+    alone = block_flops(8) / cal["block_seconds"]["8"] if "block_seconds" in cal else cal["block_flops"]
+    slowdown = alone / together if together is not None else 1 / share  # of a unit, the workers at once
+    block = cal["block_flops"] / slowdown
     efficiency = min(1.0, block / rate)
     ring = cal.get("link_by_workers", {}).get(str(workers))
     gbps, latency = (ring["gbps"], ring["latency_s"]) if ring else (cal["link_gbps"], cal["link_latency_s"])
@@ -304,7 +313,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=gbps,
         intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
-        unit_overhead_us=cal["unit_overhead_s"] * 1e6 / share,
+        unit_overhead_us=cal["unit_overhead_s"] * 1e6 * slowdown,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")

@@ -40,6 +40,26 @@ class Cluster:
     source: str                  # where each number comes from
     usable_fraction: float = 0.9  # of device memory a run may fill (allocator, context, workspaces)
     unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
+    collectives: dict | None = None  # measured: {op: {group size: [[bytes, seconds], ...]}} (collectives.py)
+
+    def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
+        """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on
+        ``link``: interpolated between measured calls where the cluster has them for ``op`` at ``n``
+        (``collectives.py``; each call moving ``size / calls``), else the ring
+        (``all_reduce`` and ``all_reduce_burst``: ``2(n-1)/n S/B + 2(n-1) a``; ``all_gather``,
+        ``reduce_scatter``, ``all_to_all``: half that; ``send``: ``S/B + a``). ``S`` is the whole buffer (an all-gather's output, a reduce-scatter's
+        input)."""
+        if n <= 1 or calls <= 0:
+            return 0.0
+        measured = self.collectives and self.collectives.get(op, {}).get(str(n))
+        if measured:
+            from .collectives import interpolate
+            return calls * interpolate(measured, size / calls)
+        gbps, lat = link
+        if op == "send":
+            return size / (gbps * 1e9 / 8) + calls * lat
+        steps = (n - 1) * (2 if op.startswith("all_reduce") else 1)
+        return steps / n * size / (gbps * 1e9 / 8) + steps * lat * calls
 
     def rate(self, dtype: str) -> float:
         """Achievable FLOP/s of one device in ``dtype``."""
@@ -141,6 +161,13 @@ def load_cluster(path: str) -> Cluster:
             raise UsageError(f"--cluster {path}: {k} must be zero or positive (got {data[k]!r})")
     if not isinstance(data["devices_per_node"], int) or data["devices_per_node"] < 1:
         raise UsageError(f"--cluster {path}: devices_per_node must be a positive integer")
+    coll = data.get("collectives")
+    if coll is not None and not (isinstance(coll, dict) and all(isinstance(by, dict) and all(
+            isinstance(pts, list) and pts and all(isinstance(pt, list) and len(pt) == 2 and all(
+                isinstance(x, (int, float)) and x >= 0 for x in pt) for pt in pts) for pts in by.values())
+            for by in coll.values())):
+        raise UsageError(f"--cluster {path}: collectives must map an operation to {{group size: [[bytes, "
+                         f"seconds], ...]}} in ascending bytes (as bench/plan.py measures them)")
     if data["efficiency"] > 1 or not 0 < data.get("usable_fraction", 0.9) <= 1:
         raise UsageError(f"--cluster {path}: efficiency and usable_fraction are fractions in (0, 1]")
     return Cluster(**data)

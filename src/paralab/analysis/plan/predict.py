@@ -102,13 +102,27 @@ class Prediction:
                 "memory_parts": self.memory_parts, "notes": self.notes}
 
 
-def ring(size: float, n: int, link: tuple[float, float], half: bool = False, calls: int = 1) -> float:
-    """Ring all-reduce time of ``size`` bytes over ``n`` ranks (``half``: a reduce-scatter or an all-gather)."""
-    if n <= 1:
-        return 0.0
-    gbps, lat = link
-    steps = (n - 1) * (1 if half else 2)
-    return steps / n * size / (gbps * 1e9 / 8) + steps * lat * calls
+def buckets_of(grad_bytes: float) -> list[tuple[int, float]]:
+    """ddp's buckets in launch order (backward fills them from the last layer) as (count, bytes) runs: the
+    first closes at 1 MiB, the next ones at --bucket-mb, the last holds what is left."""
+    first = min(FIRST_BUCKET, grad_bytes)
+    full, rest = divmod(max(grad_bytes - first, 0.0), BUCKET_BYTES)
+    return [(n, size) for n, size in ((1, first), (int(full), BUCKET_BYTES), (1, rest)) if n and size > 0]
+
+
+def ddp_exposed(runs: list[tuple[int, float]], seconds: list[float], backward: float) -> float:
+    """What ddp's all-reduces add after the last microbatch's backward (``backward`` seconds, its gradients
+    ready at an even pace), each bucket starting when it is full and the one before it is done: the last
+    ends at the latest of (a bucket ready + its own and every later bucket's time), which within a run of
+    equal buckets is reached at one of its ends."""
+    total = sum(n * size for n, size in runs)
+    end, before = 0.0, 0.0
+    for k, (n, size) in enumerate(runs):
+        after = sum(m * t for (m, _), t in zip(runs[k + 1:], seconds[k + 1:]))
+        for j in {0, n - 1}:
+            end = max(end, backward * (before + (j + 1) * size) / total + (n - j) * seconds[k] + after)
+        before += n * size
+    return max(end - backward, 0.0)
 
 
 def stage_of_rank(layout: Layout) -> list[list[int]]:
@@ -136,6 +150,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     s_tok = work.tokens_per_sample
     act_msg = b * s_tok * work.shape.get("embed", 0) * e / C  # a rank's tokens
     overhead = cluster.unit_overhead_us * 1e-6
+    per = 0.0  # one tp collective point (an all-reduce, or sp's all-gather + reduce-scatter)
+    if t > 1:
+        per = (cluster.collective("all_gather", act_msg, t, tp_link)
+               + cluster.collective("reduce_scatter", act_msg, t, tp_link)) if lay.sp else \
+            cluster.collective("all_reduce", act_msg, t, tp_link)
+    cp_block = cp_exposed(work, lay, b, e, cp_link, cluster) if C > 1 else 0.0
     for lo, hi in stages:
         f = b * sum(u.forward_flops for u in work.units[lo:hi]) / (t * C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
@@ -143,9 +163,10 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         comm = 0.0
         if t > 1:
             ends = (lo == 0) + (hi == len(work.units))
-            per = ring(act_msg, t, tp_link)
             comm = (4 * blocks + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
-        cp = blocks * cp_exposed(work, lay, b, e, cp_link, rate) if C > 1 else 0.0
+            if lay.sp:  # replicated parameters applied to a rank's tokens only: their gradients summed
+                comm += replicated_sums(work, lo, hi, cluster, t, tp_link, e)
+        cp = blocks * cp_block
         fwd.append(f)
         bwd.append(2 * f + extra)
         tpc.append(comm + cp)
@@ -161,8 +182,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     simulated = False
     if p > 1:
         boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1) / C
-        gbps, lat = pp_link
-        transfer = boundary / (gbps * 1e9 / 8) + lat
+        transfer = cluster.collective("send", boundary, 2, pp_link)
         F = [fwd[s] + tpc[s] / 2 for s in range(p * v)]
         B = [bwd[s] + tpc[s] / 2 for s in range(p * v)]
         spec = spec_of(lay.schedule)
@@ -187,28 +207,28 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     dp_total = dp_exposed = 0.0
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
     first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
-    units_with_params = sum(1 for s in ranks[r_max] for i in range(*stages[s]) if work.units[i].parameters)
+    units_of = [sum(1 for s in held for i in range(*stages[s]) if work.units[i].parameters) for held in ranks]
+    units_with_params = units_of[r_max]
     R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
         d_all = d * C  # the ranks that average each gradient
         if R > 1:
             S = d // R
             shard_link = cluster.link(t * S)
-            rs = ring(grad_bytes, S, shard_link, half=True, calls=units_with_params)
-            ag = ring(local * e, S, shard_link, half=True, calls=units_with_params)
-            across = ring(grad_bytes / S, R, dp_link, calls=units_with_params)
+            rs = cluster.collective("reduce_scatter", grad_bytes, S, shard_link, calls=units_with_params)
+            ag = cluster.collective("all_gather", local * e, S, shard_link, calls=units_with_params)
+            across = cluster.collective("all_reduce", grad_bytes / S, R, dp_link, calls=units_with_params)
             gathers = 2 * ag if lay.zero == 3 and p == 1 else ag
             dp_total = rs + across + gathers
             dp_exposed = rs + across + (max(ag - first_forward, 0.0) if p == 1 and t == 1 else ag)
         elif lay.zero == 0:
-            # ddp closes its first bucket at 1 MiB, the others at --bucket-mb; the last one launched (the first
-            # units' gradients) cannot overlap anything
-            buckets = 1 + math.ceil(max(grad_bytes - FIRST_BUCKET, 0) / BUCKET_BYTES)
-            dp_total = ring(grad_bytes, d_all, dp_link, calls=buckets)
-            dp_exposed = max(dp_total - last_backward, dp_total / buckets)
+            runs = buckets_of(grad_bytes)
+            calls = [cluster.collective("all_reduce", size, d_all, dp_link) for _, size in runs]
+            dp_total = sum(n * t for (n, _), t in zip(runs, calls))
+            dp_exposed = ddp_exposed(runs, calls, last_backward)
         else:
-            rs = ring(grad_bytes, d_all, dp_link, half=True, calls=units_with_params)
-            ag = ring(local * e, d_all, dp_link, half=True, calls=units_with_params)
+            rs = cluster.collective("reduce_scatter", grad_bytes, d_all, dp_link, calls=units_with_params)
+            ag = cluster.collective("all_gather", local * e, d_all, dp_link, calls=units_with_params)
             if lay.zero == 3 and p == 1:  # under a pipeline the stage is gathered once per step
                 dp_total = 2 * ag + rs
                 dp_exposed = rs + max(ag - first_forward, 0.0) + max(ag - last_backward, 0.0)
@@ -216,6 +236,11 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                 dp_total = rs + ag
                 hidden_gather = p == 1 and (lay.zero == 2 or t == 1 and C == 1)  # fsdp's asynchronous all-gather
                 dp_exposed = rs + (max(ag - first_forward, 0.0) if hidden_gather else ag)
+            if p > 1 and lay.zero >= 2:
+                # each stage reduce-scatters inside its last backward, before it sends the gradient on: the
+                # pipeline's drain waits for every stage's in turn
+                dp_exposed += sum(cluster.collective("reduce_scatter", stage_params[r] / t * e, d_all, dp_link,
+                                                     calls=units_of[r]) for r in range(p) if r != r_max)
     # ---------------------------------------------------------------- memory and optimizer
     unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
 
@@ -264,21 +289,36 @@ def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer
     return est, est.peak + shard
 
 
-def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], rate: float) -> float:
+def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], cluster: Cluster) -> float:
     """One block's context-parallel communication left exposed per microbatch (forward + backward), from
     ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
     hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous."""
     from ..context import cp_messages
     sh, C = work.shape, lay.cp
     msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e)
-    gbps, lat = link
     if lay.cp_method == "ring":
         sends = sum(n for n, _ in msgs.values())
         kv = next(iter(msgs.values()))[1] / max(next(iter(msgs.values()))[0], 1)
-        attention = 3 * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / rate  # forward + backward
+        attention = 3 * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / cluster.rate(
+            "bf16" if e == 2 else "fp32")  # forward + backward
+        gbps, lat = link  # the hops overlap the attention: their wire time, not a measured call
         return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0)
-    return sum(calls * ((C - 1) / C * size / calls / (gbps * 1e9 / 8) + (C - 1) * lat)
-               for calls, size in msgs.values())
+    return sum(cluster.collective("all_to_all", size, C, link, calls=calls) for calls, size in msgs.values())
+
+
+def replicated_sums(work: Workload, lo: int, hi: int, cluster: Cluster, t: int, link: tuple[float, float],
+                    e: int) -> float:
+    """Under sequence parallelism, per microbatch: the all-reduces of the parameters every tp rank holds whole
+    but applies to its own tokens (``TPGroup.replicated``: each block's two LayerNorms' weight and bias and
+    its two row-parallel biases, the head's LayerNorm, the first stage's position table), each summed in
+    backward as its own call, one right after another (``all_reduce_burst`` where measured)."""
+    h = work.shape.get("embed", 0)
+    blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
+    calls = 6 * blocks + 2 * (hi == len(work.units))
+    total = cluster.collective("all_reduce_burst", calls * h * e, t, link, calls=calls) if calls else 0.0
+    if lo == 0:
+        total += cluster.collective("all_reduce", work.shape.get("context", 0) * h * e, t, link)
+    return total
 
 
 @lru_cache(maxsize=64)
