@@ -1,12 +1,13 @@
 """Choose a layout for a model on a cluster: every layout that fits, predicted and ranked.
 
-For a model (any gpt shape, or a course CNN), a global batch and a cluster (a
-preset, a JSON/TOML file, or this-machine, measured here in seconds and
-cached), paralab plan enumerates the layouts that divide the model and the
-workers (dp x cp x tp x pp; ZeRO stage 0-3; sequence parallelism; ring or
-all-to-all context parallelism; pipeline
-schedule, microbatches and virtual stages; recomputation none/selective/full,
-planned from formulas: paralab has no recomputation strategy yet), predicts
+For a model (any gpt shape, dense or a mixture of experts, or a course CNN),
+a global batch and a cluster (a preset, a JSON/TOML file, or this-machine,
+measured here in seconds and cached), paralab plan enumerates the layouts
+that divide the model and the workers (dp x cp x tp x pp; ZeRO stage 0-3;
+sequence parallelism; ring or all-to-all context parallelism; expert
+parallelism of a mixture of experts; pipeline schedule, microbatches and
+virtual stages; recomputation none/selective/full, planned from
+Korthikanti et al.'s formulas), predicts
 each one's step time (compute; tensor-parallel, pipeline and data-parallel
 communication with what paralab overlaps; the bubble from the schedule
 simulator on per-stage times; the optimizer step) and peak memory per
@@ -19,6 +20,8 @@ examples:
       --workers 1024 --cluster h100-sxm --global-batch 1536
   paralab plan --model gpt --workers 4 --cluster this-machine
   paralab plan --model vgg11 --workers 8 --cluster a100-sxm --global-batch 256 --json
+  paralab plan --model gpt --layers 32 --embed 4096 --heads 32 --context 4096 --vocab 32000 --experts 8 \\
+      --top-k 2 --expert-hidden 21504 --activations paralab --workers 64 --cluster h100-sxm --global-batch 256
   paralab plan --model gpt --layers 24 --embed 2048 --heads 16 --context 2048 --vocab 50257 --workers 64 \\
       --cluster my-cluster.toml --tp 4 --top 5
 """
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from ..analysis.memory import OPTIMIZERS
 from ..errors import UsageError
-from ..models import MODELS, GPTOptions, ModelOptions
+from ..models import MODELS, GPTOptions, ModelOptions, MoEOptions
 from ..options import add_flags, check, option
 from ..strategies.pipeline.schedules import SCHEDULES
 
@@ -61,6 +64,9 @@ class PlanOptions:
     cp: int = option(None, "pin context parallelism (the gpt's sequence split over this many ranks)", type=int,
                      positive=True)
     cp_method: str = option(None, "pin the context-parallel method", type=str, choices=("ring", "all-to-all"))
+    ep: int = option(None, "pin expert parallelism (a mixture of experts, --experts: its experts split over this "
+                           "many of the data-parallel replicas; it divides dp and the experts)", type=int,
+                     positive=True)
     recompute: str = option(None, "pin recomputation (planned from formulas only)", type=str,
                             choices=("none", "selective", "full"))
     activations: str = option("auto", "what a gpt block keeps for backward: paralab (paralab's gpt: no dropout, a "
@@ -77,12 +83,14 @@ class PlanOptions:
     recalibrate: bool = option(False, "this-machine: measure again even if a calibration is cached")
 
 
-PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method")
+PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method", "ep")
+MOE = ("--experts", "--top-k", "--expert-hidden", "--capacity-factor")  # the mixture of experts' shape
 
 
 def add_arguments(p) -> None:
     add_flags(p, ModelOptions, only=("--model", "--width"), defaults=dict(model="gpt"))
     add_flags(p, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
+    add_flags(p, MoEOptions, only=MOE)
     add_flags(p, PlanOptions)
 
 
@@ -134,14 +142,38 @@ def write_report(plan: dict, out: Path) -> Path:
     return out / "report.html"
 
 
+def _moe(args) -> dict:
+    """The mixture-of-experts options, checked as ``paralab train`` checks them (exit 2 saying what to change)."""
+    import dataclasses
+
+    from ..options import flag, name_of
+    names = [name_of(x) for x in MOE]
+    given = {n: getattr(args, n) for n in names}
+    check(dataclasses.replace(MoEOptions(), **given), MoEOptions)
+    changed = [flag(n) for n in names if given[n] != MoEOptions.__dataclass_fields__[n].default]
+    if args.model != "gpt" and changed:
+        raise UsageError(f"{', '.join(changed)}: a mixture of experts replaces the gpt's MLPs; --model {args.model} "
+                         "has none: use --model gpt or drop them")
+    if not args.experts and changed:
+        raise UsageError(f"{', '.join(changed)} shape a mixture of experts: add --experts E")
+    if args.experts and args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} must be at most --experts {args.experts} (each token goes to "
+                         "top-k different experts)")
+    return given if args.experts else {}
+
+
 def _workload(args):
     from ..analysis.plan import cnn_workload, gpt_workload
+    moe = _moe(args)
     if args.model == "gpt":
         if args.embed % args.heads:
             raise UsageError(f"--embed {args.embed} must be divisible by --heads {args.heads}")
         activations = args.activations if args.activations != "auto" else (
             "paralab" if args.cluster == "this-machine" else "published")
-        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations)
+        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe)
+    if args.ep not in (None, 1):
+        raise UsageError(f"--ep {args.ep} splits a mixture of experts' experts; --model {args.model} has none: "
+                         "use --model gpt --experts E or drop --ep")
     if args.tp not in (None, 1):
         raise UsageError(f"--tp {args.tp}: tensor parallelism is planned for the gpt only; leave out --tp")
     return cnn_workload(args.model, args.width)
@@ -175,21 +207,23 @@ def show(plan, where: str) -> None:
     print(f"  source: {c.source}")
     print(f"{plan.considered} layouts divide the model and the workers, {plan.fitting} fit in memory; the fastest "
           f"{len(plan.ranked)}, their bubbles from the schedule simulator (times in ms per step):\n")
-    rows = []
+    rows, moe = [], plan.work.moe is not None
     for i, x in enumerate(plan.ranked, 1):
-        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.cp_comm), _ms(x.bubble), _ms(x.pp_comm),
-                     _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}", f"{100 * x.mfu:.1f}",
-                     f"{x.tokens_per_s:.4g}"])
+        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.cp_comm)]
+                    + ([_ms(x.ep_comm)] if moe else [])
+                    + [_ms(x.bubble), _ms(x.pp_comm), _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}",
+                       f"{100 * x.mfu:.1f}", f"{x.tokens_per_s:.4g}"])
     per = "tokens/s" if plan.work.kind == "gpt" else "samples/s"
-    print(text_table(["#", "layout", "step", "compute", "tp comm", "cp comm", "bubble", "pp comm", "dp comm", "optim",
-                      "mem GB", "MFU %", per], rows))
+    print(text_table(["#", "layout", "step", "compute", "tp comm", "cp comm"] + (["ep comm"] if moe else [])
+                     + ["bubble", "pp comm", "dp comm", "optim", "mem GB", "MFU %", per], rows))
     best = plan.ranked[0]
     if len(plan.ranked) > 1:
         print("\nwhy: " + why_first(best, plan.ranked[1]))
     print(f"\nrun the first: {best.layout.command(plan.workers)}"
           + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
     print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "
-          "overlapped); cp comm = context-parallel messages left exposed; bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
+          "overlapped); cp comm = context-parallel messages left exposed; " + ("ep comm = expert parallelism's token "
+          "all-to-alls (synchronous); MFU counts the active FLOPs (top-k experts); " if moe else "") + "bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
           "communication left exposed; mem = peak per device (model states + activations). docs/plan.md")
 
 

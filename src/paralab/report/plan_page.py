@@ -16,8 +16,8 @@ from .page import Report
 from .plots import WORKER_COLORS, _plt, _save
 
 #: the step's terms, in the order they are drawn, and their column names
-TERMS = (("compute", "compute"), ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("bubble", "bubble"), ("pp_comm", "pp comm"),
-         ("dp_comm", "dp comm"), ("optimizer", "optimizer"))
+TERMS = (("compute", "compute"), ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("ep_comm", "ep comm"),
+         ("bubble", "bubble"), ("pp_comm", "pp comm"), ("dp_comm", "dp comm"), ("optimizer", "optimizer"))
 
 
 def _ms(x: float) -> str:
@@ -32,7 +32,7 @@ def plot_step_terms(plan: dict, path) -> Path:
     left = [0.0] * len(ranked)
     ys = range(len(ranked))
     for (key, name), color in zip(TERMS, WORKER_COLORS):
-        widths = [1e3 * r[key] for r in ranked]
+        widths = [1e3 * r.get(key, 0.0) for r in ranked]
         ax.barh(ys, widths, left=left, color=color, label=name)
         left = [a + b for a, b in zip(left, widths)]
     ax.set_yticks(list(ys), [f"#{i} {r['layout']['label']}" for i, r in enumerate(ranked, 1)], fontsize=8)
@@ -74,7 +74,7 @@ def build_plan_report(plan: dict, out_dir: Path) -> Report:
              f"the fastest {len(plan['ranked'])} are ranked by predicted step time (pipeline bubbles from the "
              "schedule simulator on per-stage times).")
     gpt = "context" in plan["shape"]
-    rows = [[i, r["layout"]["label"], _ms(r["step"]), *(_ms(r[k]) for k, _ in TERMS), f"{r['memory'] / 1e9:.4g}",
+    rows = [[i, r["layout"]["label"], _ms(r["step"]), *(_ms(r.get(k, 0.0)) for k, _ in TERMS), f"{r['memory'] / 1e9:.4g}",
              f"{100 * r['mfu']:.1f}", f"{r['tokens_per_s' if gpt else 'samples_per_s']:.4g}"]
             for i, r in enumerate(plan["ranked"], 1)]
     per = "tokens/s" if gpt else "samples/s"

@@ -14,12 +14,20 @@ rank by cp; no sequence parallelism and ZeRO 0-1 beside it, as paralab's
 ``cp`` composes);
 ``recompute`` is none, selective or full (``--recompute``; planned from
 Korthikanti et al.'s formulas, see docs/recompute.md for what paralab's gpt keeps).
+A mixture of experts' experts may be split over ``ep`` of the dp replicas
+(``--ep``: ep groups of consecutive replicas, so ep divides dp and the
+experts, each expert held by dp / ep replicas, the ``edp`` group), as
+paralab composes it (docs/experts.md): with ddp's buckets (ZeRO-0) or ZeRO-1
+(``fsdp --zero-stage 1``, only under ``--ep``), tp and pp; never with cp,
+sequence parallelism, recomputation, ZeRO-2/3 or HSDP, which paralab refuses
+for a mixture of experts.
 
 :func:`enumerate_layouts` yields every layout that divides the model and the
 workers (fitting in memory is the predictor's question). Tensor parallelism
 stays inside a node (its collectives are in every layer's critical path);
 microbatches are of 1, 2, 4, ... samples (and the whole replica batch);
-paralab's fsdp takes no gradient accumulation (one microbatch per step).
+paralab's fsdp takes no gradient accumulation (one microbatch per step; ``fsdp
+--accumulate`` is refused under ``--tp`` too).
 """
 from __future__ import annotations
 
@@ -46,9 +54,10 @@ class Layout:
     cp: int = 1              # context parallelism: each sequence split over cp ranks (the gpt's)
     cp_method: str = "ring"  # ring | all-to-all (Ulysses)
     replicate: int = 1       # HSDP: dp split into replicate groups x dp / replicate shard groups (fsdp)
+    ep: int = 1              # expert parallelism: a MoE's experts split over ep of the dp replicas (ep divides dp)
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}"]
+        parts = [f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")]
         if self.cp > 1:
             parts.append(f"cp{self.cp} {'ring' if self.cp_method == 'ring' else 'a2a'}")
         if self.tp > 1:
@@ -76,6 +85,8 @@ class Layout:
             words.append(f"--zero-stage {self.zero}")
         if self.replicate > 1:
             words.append(f"--replicate {self.replicate}")
+        if self.ep > 1:
+            words.append(f"--ep {self.ep}")
         if self.tp > 1:
             words.append(f"--tp {self.tp}" + (" --sequence-parallel" if self.sp else ""))
         if self.cp > 1:
@@ -113,11 +124,16 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
     """Every layout of ``work`` on ``workers`` that divides the model, the workers and the batch.
 
     ``fixed`` pins dimensions ({"tp": 8, "pp": 4, "dp": ..., "zero": 1, "schedule": "1f1b", "microbatch": 1,
-    "recompute": "selective", "sp": True}).
+    "recompute": "selective", "sp": True, "ep": 2}).
     """
     fixed = fixed or {}
+    if moe_pins_problem(work, fixed):
+        return []  # why_none says what
     pick = lambda key, options: [fixed[key]] if fixed.get(key) is not None else options  # noqa: E731
-    recompute = pick("recompute", list(RECOMPUTE) if work.kind == "gpt" else ["none", "full"])
+    moe = work.moe
+    recompute = pick("recompute", ["none"] if moe else list(RECOMPUTE) if work.kind == "gpt" else ["none", "full"])
+    if moe and set(recompute) != {"none"}:
+        return []  # paralab records a MoE layer's routing in each forward: no recomputation
     out: list[Layout] = []
     tps = [t for t in work.tp_options() if workers % t == 0 and (t <= devices_per_node or "tp" in fixed)]
     for tp in pick("tp", tps):
@@ -131,22 +147,37 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
                 continue
             per_replica = global_batch // dp
             zeros = [0, 1] if cp > 1 else [0, 1, 2, 3]  # fsdp composes with tp and pp, not with cp above ZeRO-1
-            for zero, replicate in _zero_replicate(pick("zero", zeros if dp * cp > 1 else [0]), dp, cp,
-                                                   devices_per_node // tp, fixed):
-                for sp in pick("sp", [False, True] if tp > 1 and cp == 1 else [False]):
+            for zero, replicate, ep in _zero_replicate_ep(work, pick("zero", zeros if dp * cp > 1 else [0]), dp,
+                                                          cp, devices_per_node // tp, fixed):
+                for sp in pick("sp", [False, True] if tp > 1 and cp == 1 and not moe else [False]):
                     for schedule, v in _schedules(work, pp, fixed):
                         for b in pick("microbatch", microbatch_sizes(per_replica)):
                             if per_replica % b:
                                 continue
                             m = per_replica // b
-                            if pp == 1 and m > 1 and (zero >= 2 or zero == 1 and tp == 1):
-                                continue  # paralab's fsdp (alone or on tp slices): no gradient accumulation
+                            if pp == 1 and m > 1 and zero >= 1:
+                                continue  # paralab's fsdp (alone, on tp slices, under ep): no --accumulate
                             if schedule and layout_problem(schedule, pp, m, v):
                                 continue
                             for rc in recompute:
                                 out.append(Layout(dp, tp, pp, zero, sp, schedule, v, b, m, rc, cp, method,
-                                                  replicate))
+                                                  replicate, ep))
     return out
+
+
+def _zero_replicate_ep(work: Workload, zeros: list[int], dp: int, cp: int, per_node: int,
+                       fixed: dict) -> list[tuple[int, int, int]]:
+    """(ZeRO stage, HSDP replica groups, ep): a dense model's as :func:`_zero_replicate` gives them; a
+    mixture of experts' as paralab composes it: ddp (ZeRO-0) with any ep dividing dp and the experts,
+    ZeRO-1 only under ep > 1 (it is the flavour used twice there; fsdp alone does not train a MoE), no
+    ZeRO-2/3, no HSDP (paralab refuses them with a MoE), no cp."""
+    moe = work.moe
+    if not moe:
+        return [(z, r, 1) for z, r in _zero_replicate(zeros, dp, cp, per_node, fixed)]
+    if cp > 1:
+        return []
+    eps = [e for e in divisors(dp) if moe["experts"] % e == 0 and fixed.get("ep") in (None, e)]
+    return [(z, 1, e) for z in zeros if z <= 1 for e in eps if z == 0 or e > 1]
 
 
 def _zero_replicate(zeros: list[int], dp: int, cp: int, per_node: int, fixed: dict) -> list[tuple[int, int]]:
@@ -172,7 +203,7 @@ def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) ->
         if (workers // tp) % pp:
             continue
         cps = [1]
-        if work.kind == "gpt":
+        if work.kind == "gpt" and not work.moe:  # paralab's cp does not compose with a mixture of experts
             cps = [c for c in divisors(workers // (tp * pp)) if work.shape["context"] % (2 * c) == 0
                    and (c * tp <= per_node or "cp" in fixed)]
         for cp in ([fixed["cp"]] if fixed.get("cp") is not None else cps):
@@ -202,6 +233,9 @@ def _schedules(work: Workload, pp: int, fixed: dict) -> list[tuple[str | None, i
 def why_none(work: Workload, workers: int, global_batch: int, devices_per_node: int, fixed: dict) -> str:
     """Why no layout divides this model on these workers, in words saying what to change."""
     tp, pp = fixed.get("tp"), fixed.get("pp")
+    moe_problem = moe_pins_problem(work, fixed)
+    if moe_problem:
+        return moe_problem
     if tp and tp not in work.tp_options():
         return (f"--tp {tp} does not divide the model: tensor parallelism splits the {work.shape.get('heads')} heads"
                 if work.kind == "gpt" else f"tensor parallelism is not planned for {work.name}: leave out --tp")
@@ -213,6 +247,35 @@ def why_none(work: Workload, workers: int, global_batch: int, devices_per_node: 
             return f"--pp {pp}: {problem}"
     if fixed.get("dp") and workers % fixed["dp"]:
         return f"--dp {fixed['dp']} must divide the {workers} workers"
+    if fixed.get("ep"):
+        return (f"--ep {fixed['ep']} must divide the data-parallel replicas (workers / (tp x pp)) of some layout "
+                f"that divides the global batch {global_batch}: change --ep, --workers, --tp or --pp")
     return (f"no layout of dp x tp x pp = {workers} divides the model and the global batch {global_batch} "
             "(the data-parallel degree must divide the global batch): change --workers, --global-batch or "
             "the pinned dimensions")
+
+
+def moe_pins_problem(work: Workload, fixed: dict) -> str | None:
+    """What paralab refuses in the pinned dimensions for this model's experts (or their absence), in words
+    saying what to change; None if nothing."""
+    moe, ep = work.moe, fixed.get("ep")
+    if not moe:
+        return (f"--ep {ep} splits a mixture of experts' experts: add --experts E (a gpt)" if ep not in (None, 1)
+                else None)
+    E = moe["experts"]
+    if ep and E % ep:
+        return f"--ep {ep} must divide the {E} experts (each rank holds experts / ep of them): change --ep"
+    refused = [(fixed.get("cp", 1) > 1, f"--cp {fixed.get('cp')}: paralab's cp does not compose with a mixture "
+                                        "of experts"),
+               (bool(fixed.get("sp")), "sequence parallelism: each tp rank would route only its sequence shard"),
+               (fixed.get("recompute") not in (None, "none"),
+                f"--recompute {fixed.get('recompute')}: a MoE layer records its routing in each forward, which a "
+                "recompute would repeat"),
+               (fixed.get("zero") in (2, 3), f"--zero {fixed.get('zero')}: ZeRO-2/3 shard the parameters unit by "
+                                            "unit and cannot be split into expert and non-expert sets (ZeRO-0 or 1)"),
+               (fixed.get("zero") == 1 and ep == 1, "--zero 1 with --ep 1: paralab's fsdp trains a mixture of "
+                                                    "experts only under --ep (as the flavour of each parameter set)")]
+    for bad, why in refused:
+        if bad:
+            return f"{why}; paralab refuses it with --experts (docs/experts.md): drop that pin"
+    return None

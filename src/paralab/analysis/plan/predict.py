@@ -34,6 +34,9 @@ Per step on the busiest device (all times in seconds):
   shorter) and reduce-scatters in backward (exposed).
 - **optimizer**: memory-bound: the device's model states read and written
   once at the device's memory bandwidth.
+- **expert parallelism** (a mixture of experts under ``--ep``, functions at
+  the end): each MoE layer's token all-to-alls, synchronous, in the stage's
+  time; the experts' gradients over edp = dp / ep; their states over ep.
 - **memory** (busiest device): model states from ``analysis/memory.py``
   (the stage's parameters over ``tp``, sharded over ``dp`` at the ZeRO stage;
   fsdp's unit working set and step in backward at stages 2-3), plus each
@@ -93,10 +96,11 @@ class Prediction:
     samples_per_s: float = 0.0
     notes: list = field(default_factory=list)
     cp_comm: float = 0.0      # context-parallel messages left exposed (the ring's hidden behind attention)
+    ep_comm: float = 0.0      # expert parallelism's token all-to-alls (synchronous)
     memory_by_rank: list = field(default_factory=list)  # per pipeline rank: (model states, activations) bytes
 
     def to_dict(self) -> dict:
-        keys = ("step", "compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
+        keys = ("step", "compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_comm", "dp_total", "optimizer", "memory",
                 "fits", "simulated", "mfu", "tokens_per_s", "samples_per_s")
         return {"layout": self.layout.to_dict(), **{k: getattr(self, k) for k in keys},
                 "memory_parts": self.memory_parts, "notes": self.notes}
@@ -146,7 +150,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     pp_link = cluster.link(t * C * d * p)
     notes = []
     # ---------------------------------------------------------------- per-stage times
-    fwd, bwd, tpc, cpc = [], [], [], []  # tpc: a stage's tp and cp communication per microbatch; cpc: the cp part
+    fwd, bwd, tpc, cpc, epc = [], [], [], [], []  # tpc: a stage's tp, cp and ep communication per microbatch
     s_tok = work.tokens_per_sample
     act_msg = b * s_tok * work.shape.get("embed", 0) * e / C  # a rank's tokens
     overhead = cluster.unit_overhead_us * 1e-6
@@ -157,26 +161,29 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             cluster.collective("all_reduce", act_msg, t, tp_link)
     cp_block = cp_exposed(work, lay, b, e, cp_link, cluster) if C > 1 else 0.0
     for lo, hi in stages:
-        f = b * sum(u.forward_flops for u in work.units[lo:hi]) / (t * C) / rate + overhead * (hi - lo)
+        f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
         blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
         comm = 0.0
         if t > 1:
             ends = (lo == 0) + (hi == len(work.units))
-            comm = (4 * blocks + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
+            comm = (work.tp_collectives(blocks) + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
             if lay.sp:  # replicated parameters applied to a rank's tokens only: their gradients summed
                 comm += replicated_sums(work, lo, hi, cluster, t, tp_link, e)
         cp = blocks * cp_block
+        ep = blocks * ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep)) if lay.ep > 1 else 0.0
         fwd.append(f)
         bwd.append(2 * f + extra)
-        tpc.append(comm + cp)
+        tpc.append(comm + cp + ep)
         cpc.append(cp)
+        epc.append(ep)
     ranks = stage_of_rank(lay)
     busy = [sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in held) for held in ranks]
     r_max = max(range(p), key=lambda r: busy[r])
     compute = sum(m * (fwd[s] + bwd[s]) for s in ranks[r_max])
     cp_comm = sum(m * cpc[s] for s in ranks[r_max])
-    tp_comm = sum(m * tpc[s] for s in ranks[r_max]) - cp_comm
+    ep_comm = sum(m * epc[s] for s in ranks[r_max])
+    tp_comm = sum(m * tpc[s] for s in ranks[r_max]) - cp_comm - ep_comm
     # ---------------------------------------------------------------- pipeline
     bubble = pp_comm = 0.0
     simulated = False
@@ -202,7 +209,10 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         pipe = busy[0]
     # ---------------------------------------------------------------- data parallelism
     stage_params = [sum(work.units[i].parameters for s in held for i in range(*stages[s])) for held in ranks]
-    local = stage_params[r_max] / t
+    # a mixture of experts: per rank (the rest, experts) held; the MoE layers whole over tp, experts over ep
+    moe_held = [tuple(map(sum, zip(*(work.held_parameters(*stages[s], t, lay.ep) for s in h)))) for h in ranks
+                ] if work.moe else None
+    local = stage_params[r_max] / t if moe_held is None else sum(moe_held[r_max])
     grad_bytes = local * e
     dp_total = dp_exposed = 0.0
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
@@ -241,6 +251,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                 # pipeline's drain waits for every stage's in turn
                 dp_exposed += sum(cluster.collective("reduce_scatter", stage_params[r] / t * e, d_all, dp_link,
                                                      calls=units_of[r]) for r in range(p) if r != r_max)
+        if lay.ep > 1:  # the experts' gradients over edp only (two flavours)
+            dp_total, dp_exposed = expert_data_parallel(lay, cluster, dp_link, *moe_held[r_max], e, last_backward)
     # ---------------------------------------------------------------- memory and optimizer
     unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
 
@@ -248,10 +260,13 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         return model_states(params, d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision, unit_max, t, e)
     est, peak = states_of(stage_params[r_max])
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
+    moe_states = [expert_states(lay, setting, *moe_held[r], e) for r in range(p)] if moe_held else None
+    if moe_states:  # a mixture of experts: its two parameter sets' states, ddp's buckets included
+        optimizer = 2 * moe_states[r_max][0] / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
     for r, held in enumerate(ranks):
-        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / len(held) / C
+        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in held) / len(held) / C
         acts.append(per_mb * alive[r])
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
@@ -259,6 +274,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         states = peak if stage_params[r] == stage_params[r_max] else states_of(stage_params[r])[1]
         if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
             states += stage_params[r] / t * e
+        if moe_states:
+            states = moe_states[r][1]
         mem_by_rank.append((states + acts[r], states, acts[r], r))
     memory, states, activations, r_mem = max(mem_by_rank)
     step = pipe + dp_exposed + optimizer
@@ -268,10 +285,11 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     mfu = gb * work.model_flops_per_sample() / step / (workers * cluster.peak(setting.dtype))
     return Prediction(lay, step, compute, tp_comm, bubble, pp_comm, dp_exposed, dp_total, optimizer, memory,
                       {"model_states": states, "activations": activations, "rank": r_mem,
-                       "model_states_formula": est.total_formula.formula + (" + ddp's gradient buckets (Psi)"
-                                                                            if lay.zero == 0 else "")},
+                       "model_states_formula": moe_states[r_mem][2] if moe_states else est.total_formula.formula
+                       + (" + ddp's gradient buckets (Psi)" if lay.zero == 0 else "")},
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
                       mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
+                      ep_comm=ep_comm,
                       memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
 
 
@@ -334,3 +352,59 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
     kw = dict(input_time=[x / 2 for x in B], weight_time=[x / 2 for x in B]) if spec_of(name).split_backward else {}
     timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
     return max((x.t1 for row in timeline for x in row), default=0.0)
+
+
+# ---------------------------------------------------------------- a mixture of experts, expert parallelism
+def ep_exposed(work: Workload, lay: Layout, b: int, e: int, cluster: Cluster, link: tuple[float, float]) -> float:
+    """One MoE layer's expert-parallel all-to-alls per microbatch, forward + backward, at an even load (all
+    synchronous in paralab): forward the counts (E integers), the dispatch and the combine of the kept
+    choices' rows (``analysis/moe.step_volume``: choices x h x e bytes each way), backward both token
+    all-to-alls again, twice under a zero-bubble schedule (its input- and weight-gradient passes each walk
+    back through them, docs/experts.md). Each moves (ep - 1) / ep of its bytes off the rank."""
+    from ..moe import step_volume
+    moe, ep = work.moe, lay.ep
+    sh = work.shape
+    one = step_volume(b * sh["context"], moe["top_k"], moe["experts"], sh["embed"], 1, ep, e,
+                      moe["capacity_factor"])["per_transfer"]
+    backward = 2 * (2 if lay.pp > 1 and spec_of(lay.schedule).split_backward else 1)
+    return (cluster.collective("all_to_all", 8 * moe["experts"], ep, link)
+            + (2 + backward) * cluster.collective("all_to_all", one, ep, link))
+
+
+def expert_data_parallel(lay: Layout, cluster: Cluster, link: tuple[float, float], rest: float, experts: float,
+                         e: int, last_backward: float) -> tuple[float, float]:
+    """(in flight, exposed) data-parallel communication under ``--ep``: the named flavour twice, over the
+    rank's other parameters on dp and over its experts on edp (dp / ep ranks holding the same experts).
+    ddp: two sets of buckets, overlapping the last backward (the other parameters' last bucket exposed at
+    least); ZeRO-1: one flat unit per set, reduce-scattered after backward, all-gathered after the step and
+    waited for before the next step's forwards: all exposed."""
+    sets = [(size, n) for size, n in ((rest * e, lay.dp), (experts * e, lay.dp // lay.ep)) if size]  # a stage
+    if lay.zero == 0:  # without a MoE layer has no experts' flavour
+        parts = []
+        for size, n in sets:
+            runs = buckets_of(size)
+            parts.append((sum(k * cluster.collective("all_reduce", b, n, link) for k, b in runs), runs))
+        total = sum(x for x, _ in parts)
+        return total, max(total - last_backward, cluster.collective("all_reduce", parts[0][1][-1][1], sets[0][1], link))
+    total = sum(cluster.collective("reduce_scatter", size, n, link) + cluster.collective("all_gather", size, n, link)
+                for size, n in sets)
+    return total, total
+
+
+def expert_states(lay: Layout, setting: Setting, rest: float, experts: float, e: int) -> tuple[float, float, str]:
+    """(model states, their peak, formula) of a rank holding ``rest`` parameters beside ``experts`` expert
+    parameters of a mixture of experts (``Workload.held_parameters``). ZeRO-0: both whole, plus ddp's
+    buckets (a flat copy of their gradients); ZeRO-1 (under ep): the rest's optimizer state sharded over
+    dp, the experts' over edp = dp / ep, and at the peak the flat copy of the rest's gradients (each set is
+    one flat unit, ``strategies/expert/replicas.py``; the rest's is reduced first, while every gradient is
+    still alive)."""
+    total = memory_per_worker(rest + experts, 1, 0, setting.optimizer, setting.precision)
+    if lay.zero == 0:
+        return total.total, total.total + (rest + experts) * e, \
+            "(p + g + K) (Psi_rest + Psi_experts / ep) + ddp's gradient buckets (Psi_rest + Psi_experts / ep)"
+    one = [memory_per_worker(x, n, 1, setting.optimizer, setting.precision) for x, n in
+           ((rest, lay.dp), (experts, lay.dp // lay.ep))]
+    states = one[0].total + one[1].total
+    return states, states + rest * e, \
+        ("(p + g) (Psi_rest + Psi_experts / ep) + K (Psi_rest / dp + Psi_experts / ep / edp) "
+         "+ g Psi_rest (its flat copy while reduced)")

@@ -59,7 +59,8 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
 
 
 TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),
-         ("cp_comm", "context-parallel communication"), ("bubble", "pipeline bubble"),
+         ("cp_comm", "context-parallel communication"), ("ep_comm", "expert-parallel all-to-alls"),
+         ("bubble", "pipeline bubble"),
          ("pp_comm", "pipeline transfers"), ("dp_comm", "exposed data-parallel communication"),
          ("optimizer", "optimizer step"))
 

@@ -16,6 +16,14 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   published for 16-bit activations and scaled by the element size.
   Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
   first, the head on the last (the cut must divide the blocks).
+  A mixture of experts (``experts``, ``top_k``, ``expert_hidden``,
+  ``capacity_factor``, as ``paralab train`` takes them) replaces every block's
+  MLP by a router and E expert MLPs (``models/gpt.moe_parameter_counts``):
+  the block holds all E, a token runs the router and K of them (F·K with a
+  capacity factor F < 1: the most an expert takes at an even load), so the
+  FLOPs, and MFU, are the *active* ones. The MoE layer stays whole on every
+  tp rank (its parameters, FLOPs and activations are not divided by tp);
+  ``--ep`` divides its experts' parameters (``held_parameters``).
 - :func:`cnn_workload`: a course CNN run on the meta device (no memory):
   what each unit keeps for backward is counted by the saved-tensor probe,
   convolutions and linears are its FLOPs. Tensor parallelism is not planned for CNNs; any
@@ -35,6 +43,9 @@ class Unit:
     forward_flops: float      # per sample (one sequence or one image), forward only
     output_elements: int      # per sample: what crosses a stage boundary after this unit
     kept_elements: float = 0  # per sample, a CNN's: elements kept for backward (the gpt's come from its formula)
+    expert_parameters: int = 0   # a MoE block's E experts (in ``parameters``): whole on tp ranks, split over ep
+    router_parameters: int = 0   # a MoE block's router (in ``parameters``): whole on every rank
+    moe_flops: float = 0.0       # per sample, a MoE block's router and experts (in ``forward_flops``): not split by tp
 
 
 @dataclass
@@ -43,12 +54,49 @@ class Workload:
     units: list[Unit]
     tokens_per_sample: int            # s for the gpt, 1 for an image
     kind: str                         # "gpt" or "cnn"
-    shape: dict = field(default_factory=dict)  # the gpt's L, h, a, s, V
+    shape: dict = field(default_factory=dict)  # the gpt's L, h, a, s, V (and a MoE's experts, top_k, ...)
     activations: str = "published"   # the gpt's: Korthikanti's block ("published") or paralab's ("paralab")
 
     @property
     def parameters(self) -> int:
         return sum(u.parameters for u in self.units)
+
+    @property
+    def moe(self) -> dict | None:
+        """A mixture of experts' shape (experts, top_k, expert_hidden, capacity_factor), None if dense."""
+        if not self.shape.get("experts"):
+            return None
+        return {k: self.shape[k] for k in ("experts", "top_k", "expert_hidden", "capacity_factor")}
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters a token uses: all but the experts, and K of each block's E experts."""
+        if self.moe is None:
+            return self.parameters
+        experts = sum(u.expert_parameters for u in self.units)
+        return self.parameters - experts + experts // self.moe["experts"] * self.moe["top_k"]
+
+    def rank_flops(self, lo: int, hi: int, t: int, C: int = 1) -> float:
+        """Forward FLOPs per sample of units ``lo..hi-1`` on one of ``t`` tp and ``C`` cp ranks: a MoE layer's
+        are not split by tp (every tp rank runs it whole); at an even load each ep rank computes as many
+        expert rows as its own tokens chose, so ep does not change them."""
+        units = self.units[lo:hi]
+        if self.moe is None:
+            return sum(u.forward_flops for u in units) / (t * C)
+        return (sum(u.forward_flops - u.moe_flops for u in units) / t + sum(u.moe_flops for u in units)) / C
+
+    def held_parameters(self, lo: int, hi: int, t: int, ep: int = 1) -> tuple[float, float]:
+        """(the rest, experts) of units ``lo..hi-1``'s parameters one rank holds under ``t``-way tensor and
+        ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router,
+        whole; its experts split over ep only."""
+        units = self.units[lo:hi]
+        rest = sum(u.parameters - u.expert_parameters - u.router_parameters for u in units) / t
+        return rest + sum(u.router_parameters for u in units), sum(u.expert_parameters for u in units) / ep
+
+    def tp_collectives(self, blocks: int) -> int:
+        """Activation collectives per microbatch, forward and backward, that ``blocks`` blocks run under tp:
+        the attention's and the MLP's (2 + 2); a MoE layer is whole on every tp rank, so only the attention's."""
+        return (2 if self.moe else 4) * blocks
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs of one sample without recomputation: forward and twice it backward."""
@@ -75,8 +123,10 @@ class Workload:
         from ...strategies.pipeline.partition import split_costs
         return split_costs([max(u.forward_flops, 1.0) for u in self.units], stages)
 
-    def activation_bytes(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int) -> float:
-        """Bytes units ``lo..hi-1`` keep for backward, for one microbatch of ``b`` samples, per tp rank."""
+    def activation_bytes(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int,
+                         ep: int = 1) -> float:
+        """Bytes units ``lo..hi-1`` keep for backward, for one microbatch of ``b`` samples, per tp rank
+        (``ep``: a mixture of experts' dispatch across ranks keeps two more index arrays)."""
         if self.kind != "gpt":
             kept = sum(u.kept_elements for u in self.units[lo:hi])
             if recompute == "full":  # only each unit's input kept
@@ -86,12 +136,18 @@ class Workload:
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
         blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
+        moe = self.moe
         if self.activations == "paralab":
             kept = blocks * paralab_block_elements(b, s, h, a, tp, sp, recompute)
             if hi == len(self.units):  # final LayerNorm's input, output and statistics; the loss's logits
                 kept += s * b * ((1 / tp + 1 if sp else 2) * h + V / tp + (2 / tp if sp else 2))
+            if moe:  # the MLP's LayerNorm output and GELU input and output, replaced by what the MoE layer keeps
+                kept -= blocks * s * b * (h + 8 * h / tp)
+                return kept * e + blocks * paralab_moe_bytes(b * s, h, moe, e, ep)
             return kept * e
         per_block = activation_memory(b, s, h, a, tp, sp, recompute).value
+        if moe:  # Korthikanti's MLP rows (3 + 16 / t) s b h, replaced by the experts' (16-bit bytes)
+            per_block += published_moe_bytes(b * s, h, moe) - s * b * h * (3 + 16 / tp)
         total = blocks * per_block
         if lo == 0:  # the embedding's output (its dropout mask, as published)
             total += s * b * h / tp
@@ -111,7 +167,13 @@ class Workload:
 
     def describe(self) -> str:
         if self.kind == "gpt":
-            sh = self.shape
+            sh, moe = self.shape, self.moe
+            if moe:
+                cap = f", capacity factor {moe['capacity_factor']:g}" if moe["capacity_factor"] else ""
+                return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}, "
+                        f"MoE E={moe['experts']} top-{moe['top_k']} H={moe['expert_hidden']}{cap}: "
+                        f"{self.parameters:,} parameters, {self.active_parameters:,} active per token (FLOPs and "
+                        f"MFU count these), activations as {self.activations}")
             return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}: "
                     f"{self.parameters:,} parameters, activations as {self.activations}")
         return f"{self.name}: {self.parameters:,} parameters in {len(self.units)} units"
@@ -133,16 +195,64 @@ def paralab_block_elements(b: int, s: int, h: int, a: int, t: int, sp: bool, rec
     return s * b * (h * wide + narrow)
 
 
+def kept_choices(tokens: int, moe: dict) -> int:
+    """A MoE layer's kept choices (expert rows) for a forward of ``tokens`` tokens at an even load: every
+    token's K, or the capacity ``E ceil(F tokens K / E)`` if smaller (``analysis/moe.step_volume``)."""
+    from ..moe import step_volume
+    return step_volume(tokens, moe["top_k"], moe["experts"], 1, 1, 1, 1, moe["capacity_factor"])["choices"]
+
+
+def paralab_moe_bytes(tokens: int, h: int, moe: dict, e: int, ep: int = 1) -> float:
+    """Bytes paralab's MoE layer (``models/moe.py``) keeps for backward for one forward of ``tokens`` tokens
+    at an even load (R kept choices; under ep each rank receives as many rows as it sends), counted by the
+    saved-tensor probe in tests/test_plan_moe.py. The router runs in float64: its input and weight copies,
+    the probabilities, the top-k margin's difference and minimum (freed only by garbage collection under the
+    probe), one aux-loss operand; int64: the top-(K+1) indices, the choices' order and token index (and
+    under ep the received rows' order and its inverse); per kept choice, at the element size: the gathered
+    token, the expert's GELU input and output (H each), the gated output and the product before the sum,
+    and the gate."""
+    E, K, H = moe["experts"], moe["top_k"], moe["expert_hidden"]
+    R = kept_choices(tokens, moe)
+    doubles = h * E + tokens * h + tokens * E + E + (tokens + 1 if K < E else 0)
+    indices = tokens * min(K + 1, E) + (2 if ep == 1 else 4) * R
+    return 8 * (doubles + indices) + e * R * (3 * h + 2 * H + 1)
+
+
+def published_moe_bytes(tokens: int, h: int, moe: dict) -> float:
+    """A MoE layer's activations in Korthikanti et al.'s terms (16-bit, with a dropout mask; ours, not
+    published): the layer's input and the dropout mask as the MLP's (3h bytes per token), the router's
+    fp32 probabilities (4E), and per kept choice its expert's input (2h) and GELU input and output (2H
+    each); whole on every tp rank."""
+    R = kept_choices(tokens, moe)
+    return tokens * (3 * h + 4 * moe["experts"]) + R * (2 * h + 4 * moe["expert_hidden"])
+
+
 def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
-                 activations: str = "published") -> Workload:
-    from ...models.gpt import parameter_counts
+                 activations: str = "published", *, experts: int = 0, top_k: int = 1, expert_hidden: int = 0,
+                 capacity_factor: float | None = None) -> Workload:
+    from ...models.gpt import moe_parameter_counts, parameter_counts
     L, h, s, V = layers, embed, context, vocab
     c = parameter_counts(L, h, s, V)
     block = c["blocks"] // L
+    shape = dict(layers=L, embed=h, heads=heads, context=s, vocab=V)
+    extra = {}
+    if experts:
+        H = expert_hidden or 4 * h
+        m = moe_parameter_counts(L, h, experts, top_k, H)
+        one, router = m["expert_total"] // (L * experts), m["router"] // L
+        rest = block - m["dense_mlp"] // L  # attention and the two LayerNorms
+        block = rest + router + experts * one
+        ran = min(1.0, capacity_factor or 1.0) * top_k  # experts a token runs (at most F K under a capacity)
+        moe_flops = 2.0 * (router + ran * one) * s
+        extra = dict(expert_parameters=experts * one, router_parameters=router, moe_flops=moe_flops)
+        shape |= dict(experts=experts, top_k=top_k, expert_hidden=H, capacity_factor=capacity_factor)
+        block_flops = 2.0 * rest * s + moe_flops + 4.0 * s * s * h
+    else:
+        block_flops = 2.0 * block * s + 4.0 * s * s * h
     units = [Unit("embedding", c["tokens"] + c["positions"], 0.0, s * h)]
-    units += [Unit("block", block, 2.0 * block * s + 4.0 * s * s * h, s * h) for _ in range(L)]
+    units += [Unit("block", block, block_flops, s * h, **extra) for _ in range(L)]
     units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
-    return Workload("gpt", units, s, "gpt", dict(layers=L, embed=h, heads=heads, context=s, vocab=V), activations)
+    return Workload("gpt", units, s, "gpt", shape, activations)
 
 
 def cnn_workload(name: str, width: float = 1.0) -> Workload:
