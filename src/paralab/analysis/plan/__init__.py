@@ -1,7 +1,7 @@
 """``paralab plan``'s cost model: a cluster, a workload, the layouts, a prediction for each, a ranking.
 
 One concept per module: ``cluster.py`` (a cluster and its presets, a user's file), ``calibrate.py``
-(this machine, measured), ``workload.py`` (the model as units), ``layouts.py`` (what is enumerated),
+(this machine, measured), ``collectives.py`` (its collectives timed as a run meets them), ``workload.py`` (the model as units), ``layouts.py`` (what is enumerated),
 ``predict.py`` (one layout's step and memory), ``search.py`` (the plan). docs/plan.md explains the
 assumptions.
 """
