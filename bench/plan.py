@@ -3,9 +3,9 @@
 ``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 10]``
 ``python bench/plan.py --memory-only [--model vgg11]``: memory only (no network, 2 steps a run)
 
-For each link rate: the cluster is ``this-machine`` (its calibration: the
-matmul rate, a real unit's rate with the workers running at once, a unit's
-fixed cost; cached), its collectives measured on the emulated link itself
+For each link rate: the cluster is ``this-machine`` (its calibration,
+measured again at the start: the matmul rate, a real unit's rate with the
+workers running at once, a unit's fixed cost), its collectives measured on the emulated link itself
 (``analysis/plan/collectives.py``: the workers in their namespaces compute a
 block, then call an all-reduce, all-gather, reduce-scatter, all-to-all or a
 transfer, for each group size and three sizes; ``a + S x c`` fitted to each),
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup, args.rates = 2, 1, "none"
     name = "plan" + ("-memory" if args.memory_only else "") + ("" if args.model == "gpt" else f"-{args.model}")
     args.out = args.out or str(RESULTS / f"{name}.json")
-    cal, where = calibration("fp32", workers=args.workers)
+    cal, where = calibration("fp32", workers=args.workers, again=True)  # the machine as it is now
     work = gpt_workload(args.layers, args.embed, args.heads, args.context, 256, activations="paralab") \
         if args.model == "gpt" else cnn_workload(args.model, args.width)
     setting = Setting(args.global_batch, "fp32", "sgd-momentum")  # paralab train's default optimizer

@@ -115,3 +115,13 @@ def test_collectives_measured_between_chunks_of_compute():
     for by in got["points"].values():
         for pts in by.values():
             assert [b for b, _ in pts] == sorted(b for b, _ in pts)
+
+
+def test_a_split_backward_walks_the_activation_gradients_twice():
+    """paralab's W is autograd from each unit's output to its weights: it computes the activation gradients
+    again, so a zero-bubble step computes F + 1.5 B per microbatch where 1F1B computes F + B."""
+    work = gpt_workload(4, 128, 4, 64, 256, activations="paralab")
+    cluster, setting = PRESETS["a100-sxm"], Setting(16, "fp32", "sgd-momentum")
+    plain = predict(work, Layout(1, 1, 2, schedule="1f1b", microbatch=2, microbatches=8), cluster, setting)
+    zb = predict(work, Layout(1, 1, 2, schedule="zb-h1", microbatch=2, microbatches=8), cluster, setting)
+    assert zb.compute == pytest.approx(plain.compute * (1 + 2 * 1.5) / 3)

@@ -22,7 +22,9 @@ Per step on the busiest device (all times in seconds):
   as its message delay: paralab's executor sends without blocking and posts
   its receives ahead, so a transfer only delays the receiver. ``bubble`` is
   the makespan less the busiest rank's work at free transfers, ``pp comm``
-  what the transfers add on top.
+  what the transfers add on top. A zero-bubble schedule's split backward
+  costs 1.5 whole ones (:func:`split_backward`: ``W`` walks the activation
+  gradients again).
 - **data parallelism** (after the last microbatch, per paralab's flavours):
   ddp's buckets all-reduce during the last microbatch's backward, so only
   what outlasts it (and at least the last bucket) is exposed; ZeRO-1
@@ -58,6 +60,7 @@ from .workload import Workload
 
 BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
 FIRST_BUCKET = 2 ** 20       # ddp's first bucket closes at 1 MiB
+REWALK = 0.5                 # a split backward's W walks the activation gradients again: 1.5 whole backwards
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                + cluster.collective("reduce_scatter", act_msg, t, tp_link)) if lay.sp else \
             cluster.collective("all_reduce", act_msg, t, tp_link)
     cp_block = cp_exposed(work, lay, b, e, cp_link, cluster) if C > 1 else 0.0
+    split = p > 1 and spec_of(lay.schedule).split_backward  # zero bubble: I, then W walks the units again
     for lo, hi in stages:
         f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
@@ -173,7 +177,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         cp = blocks * cp_block
         ep = blocks * ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep)) if lay.ep > 1 else 0.0
         fwd.append(f)
-        bwd.append(2 * f + extra)
+        bwd.append((2 * f + extra) * (1 + REWALK if split else 1))
         tpc.append(comm + cp + ep)
         cpc.append(cp)
         epc.append(ep)
@@ -200,7 +204,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         else:  # the closed form on the slowest rank's times: only to shortlist
             f_r = max(sum(F[s] for s in held) for held in ranks)
             b_r = max(sum(B[s] for s in held) for held in ranks)
-            free = m * (f_r + b_r) + spec.idle.value(p, v, f_r, b_r / 2, b_r / 2)
+            free = m * (f_r + b_r) + spec.idle.value(p, v, f_r, *split_backward(b_r))
             real = free + 2 * (p - 1) * transfer
         bubble = max(free - busy[r_max], 0.0)
         pp_comm = max(real - free, 0.0)
@@ -339,6 +343,15 @@ def replicated_sums(work: Workload, lo: int, hi: int, cluster: Cluster, t: int, 
     return total
 
 
+def split_backward(b: float) -> tuple[float, float]:
+    """(I, W) of a split backward that takes ``b`` in all: paralab's ``W`` is ``torch.autograd.backward`` of
+    each unit's output limited to its parameters, so it walks the unit's activation gradients again (the
+    weights' gradients need them): of a whole backward's two halves (activation gradients, weight gradients)
+    ``I`` is one and ``W`` both, and ``b`` is (1 + REWALK) whole backwards."""
+    whole = b / (1 + REWALK)
+    return whole / 2, whole / 2 + REWALK * whole
+
+
 @lru_cache(maxsize=64)
 def _schedule(name: str, p: int, m: int, v: int):
     return build_schedule(name, p, m, v)
@@ -347,9 +360,11 @@ def _schedule(name: str, p: int, m: int, v: int):
 @lru_cache(maxsize=4096)
 def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: float) -> float:
     """The simulated step of schedule ``name`` at per-stage forward and backward times ``F``, ``B`` (a
-    zero-bubble schedule's backward split evenly into I and W), each transfer taking ``transfer`` seconds.
+    zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s.
     Layouts that differ only outside the pipeline (ZeRO stage, data parallelism) share one simulation."""
-    kw = dict(input_time=[x / 2 for x in B], weight_time=[x / 2 for x in B]) if spec_of(name).split_backward else {}
+    kw = dict(zip(("input_time", "weight_time"), zip(*map(split_backward, B)))) if spec_of(name).split_backward \
+        else {}
+    kw = {k: list(v) for k, v in kw.items()}
     timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
     return max((x.t1 for row in timeline for x in row), default=0.0)
 
