@@ -36,7 +36,8 @@ Per step on the busiest device (all times in seconds):
   once at the device's memory bandwidth.
 - **memory** (busiest device): model states from ``analysis/memory.py``
   (the stage's parameters over ``tp``, sharded over ``dp`` at the ZeRO stage;
-  fsdp's unit working set and step in backward at stages 2-3), plus each
+  the working set of the rank's largest unit, its flat gradient copy at
+  ZeRO-1; fsdp's step in backward at stages 2-3), plus each
   stage's activations for one microbatch x the schedule's peak microbatches
   alive on that rank (registry), one microbatch without a pipeline.
 """
@@ -217,11 +218,11 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                 hidden_gather = p == 1 and (lay.zero == 2 or t == 1 and C == 1)  # fsdp's asynchronous all-gather
                 dp_exposed = rs + (max(ag - first_forward, 0.0) if hidden_gather else ag)
     # ---------------------------------------------------------------- memory and optimizer
-    unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
-
-    def states_of(params: int):
-        return model_states(params, d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision, unit_max, t, e)
-    est, peak = states_of(stage_params[r_max])
+    def states_of(r: int):  # the working set is that of the rank's own largest unit
+        unit_max = max((work.units[i].parameters for s in ranks[r] for i in range(*stages[s])), default=0)
+        return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
+                            unit_max, t, e)
+    est = states_of(r_max)[0]
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
@@ -231,7 +232,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):
-        states = peak if stage_params[r] == stage_params[r_max] else states_of(stage_params[r])[1]
+        states = states_of(r)[1]
         if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
             states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
