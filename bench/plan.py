@@ -117,10 +117,11 @@ def model_args(args) -> list[str]:
 
 
 def partition(work, lay) -> list[str]:
-    """The plan's cut as ``--partition`` counts, so the run's stages are the ones predicted."""
-    if lay.pp == 1 or lay.virtual > 1:
+    """The plan's cut as ``--partition`` counts (all ``pp x v`` stages), so the run's stages are the ones
+    predicted."""
+    if lay.pp == 1:
         return []
-    return ["--partition", ",".join(str(hi - lo) for lo, hi in work.cut(lay.pp))]
+    return ["--partition", ",".join(str(hi - lo) for lo, hi in work.cut(lay.pp * lay.virtual))]
 
 
 def measured_memory(summary: dict) -> tuple[float, dict] | None:

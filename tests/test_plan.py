@@ -326,7 +326,8 @@ def test_paralab_gpt_activations_recomputed(recompute):
 
 def test_hsdp_and_sharding_under_a_pipeline():
     """HSDP holds model states over its shard group and sends only the shard across replica groups; ZeRO-3
-    under a pipeline holds the stage whole for the step (ZeRO-1's peak plus its own shard)."""
+    under a pipeline holds the stage whole for the step (ZeRO-1's peak plus its own shard; ZeRO-2's with one
+    microbatch)."""
     import dataclasses
     w, setting = small(), Setting(16, "fp32", "adam")
     fsdp = Layout(dp=4, tp=1, pp=1, zero=3, microbatch=4, microbatches=1)
@@ -343,4 +344,13 @@ def test_hsdp_and_sharding_under_a_pipeline():
     one = predict(w, dataclasses.replace(piped, zero=1), H100, setting).memory_parts["model_states"]
     stage = max(sum(u.parameters for u in w.units[lo:hi]) for lo, hi in w.cut(2))
     assert predict(w, piped, H100, setting).memory_parts["model_states"] == pytest.approx(one + stage / 2 * 4)
+    # one microbatch: its backward is the step's last, each unit's gradient reduced in it as it completes,
+    # so ZeRO-2's peak (stepped after backward) on each rank, with its own largest unit's working set
+    single = dataclasses.replace(piped, zero=2, microbatch=8, microbatches=1)
+    two, three = (predict(w, dataclasses.replace(single, zero=z), H100, setting) for z in (2, 3))
+    for r, (lo, hi) in enumerate(w.cut(2)):
+        params = sum(u.parameters for u in w.units[lo:hi])
+        zero2 = memory_per_worker(params, 2, 2, "adam", "fp32", unit_parameters=max(u.parameters for u in w.units[lo:hi]))
+        assert two.memory_by_rank[r][0] == pytest.approx(zero2.peak)
+        assert three.memory_by_rank[r][0] == pytest.approx(zero2.peak + params / 2 * 4)
 

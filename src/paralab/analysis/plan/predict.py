@@ -221,7 +221,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     def states_of(r: int):  # the working set is that of the rank's own largest unit
         unit_max = max((work.units[i].parameters for s in ranks[r] for i in range(*stages[s])), default=0)
         return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
-                            unit_max, t, e)
+                            unit_max, t, e, m)
     est = states_of(r_max)[0]
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
@@ -253,14 +253,16 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
 
 @lru_cache(maxsize=2 ** 16)
 def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer: str, precision: str,
-                 unit_max: int, t: int, e: int):
+                 unit_max: int, t: int, e: int, microbatches: int = 2):
     """(estimate, peak bytes) of ``params``' model states on a rank, over the ``shards`` ranks that shard
     them (HSDP: a shard group). Under a pipeline ZeRO-2/3 accumulate whole gradients over the microbatches
     and ZeRO-3 holds the stage gathered for the step, so their peak is ZeRO-1's (plus ZeRO-3's own
-    shard). Cached: a search asks for the same stages many times."""
-    stage = min(zero, 1) if pipelined else zero
+    shard); with one microbatch its backward is the step's last, each unit's gradient reduced in it as it
+    completes: ZeRO-2's peak, stepped after backward (plus ZeRO-3's shard). Cached: a search asks for the
+    same stages many times."""
+    stage = (min(zero, 1) if microbatches > 1 else min(zero, 2)) if pipelined else zero
     est = memory_per_worker(params, shards, stage, optimizer, precision, unit_parameters=unit_max if stage else None,
-                            step_in_backward=stage >= 2, model_parallel=t)
+                            step_in_backward=stage >= 2 and not pipelined, model_parallel=t)
     shard = params / t / shards * e if pipelined and zero == 3 else 0.0
     return est, est.peak + shard
 
