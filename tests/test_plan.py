@@ -37,6 +37,32 @@ def test_cnn_workload_on_the_meta_device():
     assert w.units[0].forward_flops == 2 * 3 * 9 * 64 * 32 * 32  # the first conv: 2 x Cin k^2 x output elements
 
 
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_cnn_stage_activations_are_what_a_stage_keeps(b):
+    """What a CNN's stage keeps for backward, against the saved-tensor probe on a real forward (CPU): per
+    sample, plus BatchNorm's statistics per microbatch whatever its size, and, for a stage after the
+    first, its received input, which the previous stage's last ReLU keeps too (the planner counted it
+    once, and BatchNorm's statistics once per sample)."""
+    import torch
+
+    from paralab.models import build_model
+    from paralab.run.held import parameter_storages
+    from paralab.training.saved import SavedActivations
+    w, model = cnn_workload("vgg11", 0.25), build_model("vgg11", width=0.25)
+    for lo, hi in ((0, 6), (6, 14), (3, 9)):
+        x = torch.randn(b, 3, 32, 32)
+        with torch.no_grad():
+            for unit in list(model)[:lo]:
+                x = unit(x)
+        probe = SavedActivations(parameter_storages([model]))
+        with probe.watch():
+            y = x.requires_grad_(lo > 0)  # received: a tensor of the stage's own
+            for unit in list(model)[lo:hi]:
+                y = unit(y)
+        assert probe.live == w.activation_bytes(lo, hi, b, 1, False, "none", 4), (lo, hi, b)
+        del y
+
+
 def test_every_layout_divides_the_model_the_workers_and_the_batch():
     w, workers, batch = small(), 8, 16
     layouts = enumerate_layouts(w, workers, batch, devices_per_node=8)
