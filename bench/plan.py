@@ -1,15 +1,16 @@
 """paralab plan against real runs: predict, then run a spread of layouts over the emulated network.
 
 ``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 10]``
-``python bench/plan.py --memory-only [--model vgg11]``: memory only (no network, 2 steps a run)
+``python bench/plan.py --memory-only [--model vgg11] [--add 'LABEL;...']``: memory only (no network, 2 steps a
+run; ``--add``: named layouts beside the spread)
 
 For each link rate: the cluster is ``this-machine`` (its calibration,
 measured again at the start: the matmul rate, a real unit's rate with the
-workers running at once, a unit's fixed cost), its collectives measured on the emulated link itself
-(``analysis/plan/collectives.py``: the workers in their namespaces compute a
-block, then call an all-reduce, all-gather, reduce-scatter, all-to-all or a
-transfer, for each group size and three sizes; ``a + S x c`` fitted to each),
-so a call costs what it costs between chunks of compute on shared cores, not
+workers running at once, a unit's fixed cost), its collectives measured
+on the emulated link itself (``analysis/plan/collectives.py``: the workers
+in their namespaces compute a block, then call an all-reduce, all-gather,
+reduce-scatter, all-to-all or a transfer, for each group size and four
+sizes, interpolated between), so a call costs what it costs between chunks of compute on shared cores, not
 what it costs on an idle wire.
 ``paralab plan``'s model ranks every layout of the gpt on the workers
 (recomputation left out: it adds compute only); ``--layouts`` of them, spread
@@ -19,9 +20,9 @@ and each one's measured step (the mean of the slowest rank's steps after
 ``--warmup``: what the run costs a step; a tenth of the collectives over an
 emulated link take five times the typical one, and the median would leave
 them out) is set beside its prediction, and so is its peak memory per
-device: the busiest rank's model states (fsdp's ledger where it keeps one,
-else what the rank measured it holds, ``run/held.py``) plus the peak of its
-saved activations (``training/saved.py``), against the plan's model states
+device: the busiest rank's model states (what the rank measured it holds,
+``run/held.py``, with the strategy's own ledgers where it keeps any) plus the
+peak of its saved activations (``training/saved.py``), against the plan's model states
 plus activations, with what paralab's own gpt keeps (``activations=
 "paralab"``). Each pipeline run is given the plan's cut (``--partition``).
 Per rate: every row's relative error of step time and of memory, their
@@ -66,6 +67,18 @@ def spread(ranked: list, count: int) -> list:
     return [distinct[round(i * step)] for i in range(count)]
 
 
+def added(ranked: list, labels: str, chosen: list) -> list:
+    """The predictions of the layouts named in ``labels`` (';'-separated) that ``chosen`` lacks."""
+    names = [x.strip() for x in labels.split(";") if x.strip()]
+    by_label = {x.layout.label(): x for x in ranked}
+    unknown = [n for n in names if n not in by_label]
+    if unknown:
+        raise ValueError(f"--add: no layout labelled {', '.join(map(repr, unknown))} in the plan; name one as the "
+                         f"plan prints it, e.g. {ranked[0].layout.label()!r}")
+    have = {x.layout.label() for x in chosen}
+    return [by_label[n] for n in dict.fromkeys(names) if n not in have]
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -97,27 +110,26 @@ def model_args(args) -> list[str]:
 
 
 def partition(work, lay) -> list[str]:
-    """The plan's cut as ``--partition`` counts, so the run's stages are the ones predicted."""
-    if lay.pp == 1 or lay.virtual > 1:
+    """The plan's cut as ``--partition`` counts (all ``pp x v`` stages), so the run's stages are the ones
+    predicted."""
+    if lay.pp == 1:
         return []
-    return ["--partition", ",".join(str(hi - lo) for lo, hi in work.cut(lay.pp))]
+    return ["--partition", ",".join(str(hi - lo) for lo, hi in work.cut(lay.pp * lay.virtual))]
 
 
 def measured_memory(summary: dict) -> tuple[float, dict] | None:
-    """The busiest rank's model states plus saved-activation peak, and its parts."""
+    """The busiest rank's model states plus saved-activation peak (``run/held.py``: with the strategy's
+    own ledgers where it keeps any), and its parts."""
     best = None
     for rank, det in (summary.get("strategy_details") or {}).items():
         held = det.get("held") if isinstance(det, dict) else None
         if not held:
             continue
-        ledger = ((det.get("memory") or {}).get("measured") or {}).get("peak_bytes")
-        states = sum(ledger.values()) + held["model_states_bytes"]["other"] if ledger else \
-            held["model_states_total_bytes"]
-        total = states + held["saved_activations_peak_bytes"]
-        parts = {"rank": int(rank), "model_states": states, "activations": held["saved_activations_peak_bytes"],
-                 "states_from": "fsdp's ledger + other held" if ledger else "held"}
-        if best is None or total > best[0]:
-            best = (total, parts)
+        states, activations = held["model_states_total_bytes"], held["saved_activations_peak_bytes"]
+        parts = {"rank": int(rank), "model_states": states, "activations": activations,
+                 "states_from": "held, with the strategy's ledgers" if "ledger" in held else "held"}
+        if best is None or states + activations > best[0]:
+            best = (states + activations, parts)
     return best
 
 
@@ -157,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--layouts", type=int, default=6)
+    p.add_argument("--add", default="", help="layouts run beside the spread, by their labels as the plan prints "
+                   "them, ';'-separated (e.g. 'dp4 m1xb4 zero3 hsdp2x2')")
     gpt_options(p, layers=4, embed=128, heads=4, context=64)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
@@ -192,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
                          shortlist=10 ** 6)
         chosen = spread(plan.ranked, args.layouts)
+        try:
+            chosen += added(plan.ranked, args.add, chosen)
+        except ValueError as exc:
+            p.error(str(exc))  # exits 2
         rows = []
         with tempfile.TemporaryDirectory(prefix="paralab-bench-plan-") as tmp:
             for i, pred in enumerate(chosen):

@@ -37,6 +37,32 @@ def test_cnn_workload_on_the_meta_device():
     assert w.units[0].forward_flops == 2 * 3 * 9 * 64 * 32 * 32  # the first conv: 2 x Cin k^2 x output elements
 
 
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_cnn_stage_activations_are_what_a_stage_keeps(b):
+    """What a CNN's stage keeps for backward, against the saved-tensor probe on a real forward (CPU): per
+    sample, plus BatchNorm's statistics per microbatch whatever its size, and, for a stage after the
+    first, its received input, which the previous stage's last ReLU keeps too (the planner counted it
+    once, and BatchNorm's statistics once per sample)."""
+    import torch
+
+    from paralab.models import build_model
+    from paralab.run.held import parameter_storages
+    from paralab.training.saved import SavedActivations
+    w, model = cnn_workload("vgg11", 0.25), build_model("vgg11", width=0.25)
+    for lo, hi in ((0, 6), (6, 14), (3, 9)):
+        x = torch.randn(b, 3, 32, 32)
+        with torch.no_grad():
+            for unit in list(model)[:lo]:
+                x = unit(x)
+        probe = SavedActivations(parameter_storages([model]))
+        with probe.watch():
+            y = x.requires_grad_(lo > 0)  # received: a tensor of the stage's own
+            for unit in list(model)[lo:hi]:
+                y = unit(y)
+        assert probe.live == w.activation_bytes(lo, hi, b, 1, False, "none", 4), (lo, hi, b)
+        del y
+
+
 def test_every_layout_divides_the_model_the_workers_and_the_batch():
     w, workers, batch = small(), 8, 16
     layouts = enumerate_layouts(w, workers, batch, devices_per_node=8)
@@ -331,7 +357,8 @@ def test_paralab_gpt_activations_recomputed(recompute):
 
 def test_hsdp_and_sharding_under_a_pipeline():
     """HSDP holds model states over its shard group and sends only the shard across replica groups; ZeRO-3
-    under a pipeline holds the stage whole for the step (ZeRO-1's peak plus its own shard)."""
+    under a pipeline holds the stage whole for the step (ZeRO-1's peak plus its own shard; ZeRO-2's with one
+    microbatch)."""
     import dataclasses
     w, setting = small(), Setting(16, "fp32", "adam")
     fsdp = Layout(dp=4, tp=1, pp=1, zero=3, microbatch=4, microbatches=1)
@@ -348,4 +375,13 @@ def test_hsdp_and_sharding_under_a_pipeline():
     one = predict(w, dataclasses.replace(piped, zero=1), H100, setting).memory_parts["model_states"]
     stage = max(sum(u.parameters for u in w.units[lo:hi]) for lo, hi in w.cut(2))
     assert predict(w, piped, H100, setting).memory_parts["model_states"] == pytest.approx(one + stage / 2 * 4)
+    # one microbatch: its backward is the step's last, each unit's gradient reduced in it as it completes,
+    # so ZeRO-2's peak (stepped after backward) on each rank, with its own largest unit's working set
+    single = dataclasses.replace(piped, zero=2, microbatch=8, microbatches=1)
+    two, three = (predict(w, dataclasses.replace(single, zero=z), H100, setting) for z in (2, 3))
+    for r, (lo, hi) in enumerate(w.cut(2)):
+        params = sum(u.parameters for u in w.units[lo:hi])
+        zero2 = memory_per_worker(params, 2, 2, "adam", "fp32", unit_parameters=max(u.parameters for u in w.units[lo:hi]))
+        assert two.memory_by_rank[r][0] == pytest.approx(zero2.peak)
+        assert three.memory_by_rank[r][0] == pytest.approx(zero2.peak + params / 2 * 4)
 

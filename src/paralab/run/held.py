@@ -4,17 +4,19 @@ A CPU has no allocator that counts (CUDA's ``max_memory_allocated`` is
 recorded where there is one, ``recorder.allocator_peaks``), so a rank
 measures what the memory model predicts, in the first step of each start
 of a run (a warm-up step unless ``--warmup 0``: the hooks cost a few
-microseconds per saved tensor, and no averaged step pays them):
+microseconds per saved tensor, and no averaged step pays them), with a
+:class:`Probe`:
 
 - **Saved activations** (``training/saved.py``): the peak of what autograd
-  held for backward over the step, once per storage, parameters left out.
+  held for backward over the step, once per storage. A save on a storage
+  the strategy held before the step (a parameter, the flat tensor fsdp
+  gathers a unit's parameters into, a bucket) is model state, counted
+  below, not an activation: each byte is counted once.
 - **Gradients**: the most gradient bytes alive at once during the step
   (most strategies free them after it; ZeRO-2/3 free each unit's after
   reducing it), counted from when autograd accumulates one into a
   parameter until it is freed, or, for a gradient a strategy assigns
-  itself (a shard's), as the optimizer steps. fsdp rebuilds its units'
-  parameters inside the step, so only its shards' gradients are seen here;
-  its own ledger (``kinds.MEMORY``) counts the full ones.
+  itself (a shard's), as the optimizer steps.
 - **The rest of the model states**, after the step: every tensor reachable
   from the strategy and its optimizers (``gc.get_referents``, so a
   ``--check`` reference model or a data batch is not counted), once per
@@ -22,21 +24,35 @@ microseconds per saved tensor, and no averaged step pays them):
   its local shard), optimizer state, and other (buffers, flat tensors,
   gradient buckets). What lives only in C++ (a torch-ddp reducer's
   buckets) is not seen.
+- **A strategy's own ledger** (``strategies/memory_ledger.py``, kept by
+  ``fsdp``, its ZeRO flavours under ``--pp``/``--tp``/``--ep``, and
+  ``torch-fsdp``): it counts the tensors the strategy makes and frees inside
+  the step that the two counts above cannot see (fsdp's gathered units and
+  their full gradients, the flat copy of a unit's gradient a flavour
+  reduce-scatters). Where the rank keeps any (several: a pipeline rank's
+  stages, the experts' flavour beside the dense one), they are added up
+  over the step, and their parameters and gradients at the moment they sum
+  to most (the resident peak), with the optimizer state after the step,
+  replace the three above; ``other`` stays the walk's.
 
-The record is a sum of peaks, as the memory model's formula is.
+The record is a sum of peaks (model states, saved activations), as the
+memory model's formula is.
 
 Records: ``strategy_details[rank]["held"]`` (``kinds.HELD``); the report's
-memory figure and ``bench/plan.py`` set it beside the prediction.
+memory figure, ``paralab calc memory RUN`` and ``bench/plan.py`` set it
+beside the prediction.
 """
 from __future__ import annotations
 
 import gc
 import types
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..strategies.memory_ledger import CATEGORIES, Ledger
 from ..training.saved import SavedActivations, storage
 
 
@@ -45,18 +61,19 @@ _OPAQUE = (type, str, bytes, int, float, types.ModuleType, types.BuiltinFunction
            types.FrameType)
 
 
-def reachable_tensors(roots: list) -> list[torch.Tensor]:
-    """Every tensor reachable from ``roots`` through Python references (and a tensor's ``.grad``)."""
+def reachable(roots: list) -> list:
+    """Every object reachable from ``roots`` through Python references (and a tensor's ``.grad``), but
+    code and namespaces; a tensor's own referents are not entered."""
     seen_obj: set[int] = set()
-    tensors: list[torch.Tensor] = []
+    found: list = []
     todo = list(roots)
     while todo:
         obj = todo.pop()
         if id(obj) in seen_obj or isinstance(obj, _OPAQUE):
             continue
         seen_obj.add(id(obj))
+        found.append(obj)
         if torch.is_tensor(obj):
-            tensors.append(obj)
             if obj.grad is not None:
                 todo.append(obj.grad)
             continue
@@ -68,7 +85,12 @@ def reachable_tensors(roots: list) -> list[torch.Tensor]:
             todo.append(obj.__self__)
             continue
         todo.extend(gc.get_referents(obj))
-    return tensors
+    return found
+
+
+def reachable_tensors(roots: list) -> list[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through Python references (and a tensor's ``.grad``)."""
+    return [t for t in reachable(roots) if torch.is_tensor(t)]
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -79,6 +101,13 @@ def is_parameter(t: torch.Tensor) -> bool:
 def parameter_storages(roots: list) -> set[int]:
     return {found[0] for t in reachable_tensors(roots) if is_parameter(t) for found in [storage(t)]
             if found is not None}
+
+
+def state_storages(roots: list) -> set[int]:
+    """The storages of every tensor reachable from ``roots``: what the strategy holds before a step
+    (parameters, optimizer state, buffers, the flat tensors fsdp gathers into, buckets), model state
+    whatever autograd saves of it during the step."""
+    return {found[0] for t in reachable_tensors(roots) for found in [storage(t)] if found is not None}
 
 
 def model_states(roots: list, optimizers: list) -> dict:
@@ -137,10 +166,77 @@ class Gradients:
         return max(self.peak, self.at_step)
 
 
-def record(saved: SavedActivations, states: dict, step: int) -> dict:
-    """The ``held`` record of one rank."""
-    return {"step": step, "saved_activations_peak_bytes": saved.peak, "saved_tensors": saved.tensors,
-            "model_states_bytes": states, "model_states_total_bytes": sum(states.values()),
-            "counted": "saved activations: saved_tensors_hooks per storage over the step; gradients: the most "
-                       "alive at once in the step; the rest: tensors reachable from the strategy and its "
-                       "optimizers after it (not what lives only in C++)"}
+class Ledgers:
+    """The memory ledgers reachable from ``roots`` added up over a step, as their tensors are made and
+    freed (``Ledger.listen``): each category's peak, and the resident peak of the step's tensors (the most
+    parameters and gradients held at once) with its split. The optimizer state is counted as it is after
+    the step: in a run's first step it is made as the step ends (or unit by unit, stepping in backward),
+    and from then on it is held throughout."""
+
+    def __init__(self, roots: list):
+        self.ledgers = [o for o in reachable(roots) if isinstance(o, Ledger)]
+        self.now = {c: sum(led.now[c] for led in self.ledgers) for c in CATEGORIES}
+        self.peak = dict(self.now)
+        self.split, self.where = dict(self.now), "before the step"
+        self._stop = [led.listen(self._change) for led in self.ledgers]
+
+    @staticmethod
+    def _resident(held: dict) -> int:
+        return held["params"] + held["grads"]
+
+    def _change(self, category: str, size: int, where: str) -> None:
+        self.now[category] += size
+        self.peak[category] = max(self.peak[category], self.now[category])
+        if self._resident(self.now) > self._resident(self.split):
+            self.split, self.where = dict(self.now), where
+
+    def close(self) -> dict | None:
+        """The step's figures (None if the strategy keeps no ledger)."""
+        for stop in self._stop:
+            stop()
+        self._stop = []
+        if not self.ledgers:
+            return None
+        split = {"params": self.split["params"], "grads": self.split["grads"], "optimizer": self.now["optimizer"]}
+        return {"ledgers": len(self.ledgers), "resident_peak_bytes": sum(split.values()),
+                "resident_peak_split": split, "resident_peak_at": self.where,
+                "peak_bytes": dict(self.peak), "sum_of_peaks_bytes": sum(self.peak.values())}
+
+
+class Probe:
+    """What a rank holds over one step: ``with probe.watch(): step``, then :meth:`record`."""
+
+    def __init__(self, roots: list, optimizers: list):
+        self.roots, self.optimizers = list(roots), list(optimizers)
+        self.saved = SavedActivations(state_storages(self.roots + self.optimizers))
+        self.gradients = Gradients(self.roots, self.optimizers)
+        self.ledgers = Ledgers(self.roots)
+
+    @contextmanager
+    def watch(self):
+        with self.saved.watch():
+            yield self
+
+    def record(self, step: int) -> dict:
+        """The ``held`` record of the step watched (stops the counting)."""
+        walked = model_states(self.roots, self.optimizers) | {"gradients": self.gradients.close()}
+        return record(self.saved, walked, step, self.ledgers.close())
+
+
+#: the ledger's categories under the record's names
+_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer"}
+
+
+def record(saved: SavedActivations, states: dict, step: int, ledger: dict | None = None) -> dict:
+    """The ``held`` record of one rank (``states``: the walk's, by kind; ``ledger``: :meth:`Ledgers.close`'s)."""
+    counted = ("saved activations: saved_tensors_hooks per storage over the step, less the storages the "
+               "strategy held before it; gradients: the most alive at once in the step; the rest: tensors "
+               "reachable from the strategy and its optimizers after it (not what lives only in C++)")
+    out = {"step": step, "saved_activations_peak_bytes": saved.peak, "saved_tensors": saved.tensors}
+    if ledger is not None:
+        out |= {"walked_bytes": dict(states), "ledger": ledger}
+        states = {_NAMES[k]: v for k, v in ledger["resident_peak_split"].items()} | {"other": states["other"]}
+        counted += ("; parameters and gradients: the strategy's ledgers at the most they held at once in the "
+                    "step, optimizer state: theirs after it (the walk's figures: walked_bytes)")
+    return out | {"model_states_bytes": states, "model_states_total_bytes": sum(states.values()),
+                  "counted": counted}

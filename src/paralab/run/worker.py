@@ -33,7 +33,6 @@ from ..progress import Progress
 from ..recorder import Recorder
 from ..training import recompute
 from ..training.lr_schedule import lr_at, set_lr
-from ..training.saved import SavedActivations
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
@@ -202,11 +201,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             x, y = source.batch(step)
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
         if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
-            probe, grads = SavedActivations(held.parameter_storages([strategy])), held.Gradients([strategy], s.optimizers)
+            probe = held.Probe([strategy], s.optimizers)
             with probe.watch():
                 result = strategy.train_step(x, y)
-            states = held.model_states([strategy], s.optimizers) | {"gradients": grads.close()}
-            held_record = held.record(probe, states, step)
+            held_record = probe.record(step)
         else:
             result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
         t1 = recorder.now()

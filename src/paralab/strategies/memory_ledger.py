@@ -6,7 +6,10 @@ with where it happened). It keeps each category's current bytes, each
 category's peak, and the peak of their sum (``resident_peak_bytes``) with
 its split and its place. ``fsdp`` counts its tensors where its primitives
 allocate them; ``torch-fsdp`` counts what it can see from outside PyTorch's
-FSDP. What the figures show is in ``docs/fsdp.md``.
+FSDP. What the figures show is in ``docs/fsdp.md``. A listener (:meth:`Ledger.listen`)
+is told every change as it happens: ``run/held.py`` adds up the ledgers of
+one rank (a pipeline stage's flavours, the experts' and the dense part's)
+over the step it measures.
 """
 from __future__ import annotations
 
@@ -37,8 +40,16 @@ class Ledger:
         self.peak_total = 0
         self.peak_split: dict[str, int] = dict(self.now)  # each category at the moment of peak_total
         self.peak_where = ""
+        self._listeners: list = []
+
+    def listen(self, fn):
+        """Call ``fn(category, change, where)`` at every change from now on; returns what stops it."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn)
 
     def add(self, category: str, size: int, where: str = "") -> None:
+        for fn in self._listeners:
+            fn(category, size, where)
         self.now[category] += size
         self.peak[category] = max(self.peak[category], self.now[category])
         total = sum(self.now.values())
@@ -46,6 +57,8 @@ class Ledger:
             self.peak_total, self.peak_split, self.peak_where = total, dict(self.now), where
 
     def sub(self, category: str, size: int) -> None:
+        for fn in self._listeners:
+            fn(category, -size, "")
         self.now[category] -= size
 
     def set(self, category: str, size: int, where: str = "") -> None:

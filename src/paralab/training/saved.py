@@ -5,9 +5,14 @@ step: every tensor autograd saves is counted once per storage (a view and
 its base are one allocation) from when it is saved until autograd lets it go
 (a ``weakref.finalize`` on the box the hook hands autograd), so ``peak`` is
 the most the step held at once: every microbatch's activations under GPipe,
-a few under 1F1B. Tensors on a parameter's storage (a weight kept for its
-input's gradient) are model state, not activations, and are not counted; a
-gathered copy (ZeRO-3's) is, as it is held.
+a few under 1F1B. Tensors on the storages it is given (``model_state``: a
+parameter's, a weight kept for its input's gradient; ``run/held.py`` gives
+every storage the strategy held before the step, so the flat tensor fsdp
+gathers a unit's parameters into, which its ledger counts, is one of them)
+are model state, not activations, and are not counted: a gathered unit is
+held for as long as the strategy keeps it gathered, not for as long as
+autograd keeps a view of it (fsdp frees it after the unit's forward and
+gathers it again for its backward).
 
 Only the innermost ``saved_tensors_hooks`` sees a save, so code that
 installs its own (a pipeline stage measuring its microbatches, a recomputed
@@ -36,15 +41,16 @@ def storage(t: torch.Tensor) -> tuple[int, int] | None:
 class SavedActivations:
     """Live bytes autograd holds for backward, per storage, and their peak (use :meth:`watch`)."""
 
-    def __init__(self, parameter_storages: set[int] = frozenset()):
+    def __init__(self, model_state: set[int] = frozenset()):
+        """``model_state``: the storage keys (:func:`storage`) whose saves are not counted."""
         self.live, self.peak, self.tensors = 0, 0, 0
-        self.parameters = parameter_storages
+        self.parameters = model_state
         self._count: dict[int, list[int]] = {}  # storage key -> [references, bytes]
 
     def _pack(self, t: torch.Tensor):
         found = storage(t)
         if found is None or found[0] in self.parameters:
-            return t  # a parameter kept as it is (or a view of one): model state, not an activation
+            return t  # a parameter (or a view of one), or another tensor of the model state, kept as it is
         key, size = found
         ref = self._count.setdefault(key, [0, size])
         if ref[0] == 0:

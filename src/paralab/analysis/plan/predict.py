@@ -41,7 +41,8 @@ Per step on the busiest device (all times in seconds):
   time; the experts' gradients over edp = dp / ep; their states over ep.
 - **memory** (busiest device): model states from ``analysis/memory.py``
   (the stage's parameters over ``tp``, sharded over ``dp`` at the ZeRO stage;
-  fsdp's unit working set and step in backward at stages 2-3), plus each
+  the working set of the rank's largest unit, its flat gradient copy at
+  ZeRO-1; fsdp's step in backward at stages 2-3), plus each
   stage's activations for one microbatch x the schedule's peak microbatches
   alive on that rank (registry), one microbatch without a pipeline.
 """
@@ -258,11 +259,11 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         if lay.ep > 1:  # the experts' gradients over edp only (two flavours)
             dp_total, dp_exposed = expert_data_parallel(lay, cluster, dp_link, *moe_held[r_max], e, last_backward)
     # ---------------------------------------------------------------- memory and optimizer
-    unit_max = max(work.units[i].parameters for s in ranks[r_max] for i in range(*stages[s]))
-
-    def states_of(params: int):
-        return model_states(params, d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision, unit_max, t, e)
-    est, peak = states_of(stage_params[r_max])
+    def states_of(r: int):  # the working set is that of the rank's own largest unit
+        unit_max = max((work.units[i].parameters for s in ranks[r] for i in range(*stages[s])), default=0)
+        return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
+                            unit_max, t, e, m)
+    est = states_of(r_max)[0]
     optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     moe_states = [expert_states(lay, setting, *moe_held[r], e) for r in range(p)] if moe_held else None
     if moe_states:  # a mixture of experts: its two parameter sets' states, ddp's buckets included
@@ -275,7 +276,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):
-        states = peak if stage_params[r] == stage_params[r_max] else states_of(stage_params[r])[1]
+        states = states_of(r)[1]
         if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
             states += stage_params[r] / t * e
         if moe_states:
@@ -299,14 +300,16 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
 
 @lru_cache(maxsize=2 ** 16)
 def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer: str, precision: str,
-                 unit_max: int, t: int, e: int):
+                 unit_max: int, t: int, e: int, microbatches: int = 2):
     """(estimate, peak bytes) of ``params``' model states on a rank, over the ``shards`` ranks that shard
     them (HSDP: a shard group). Under a pipeline ZeRO-2/3 accumulate whole gradients over the microbatches
     and ZeRO-3 holds the stage gathered for the step, so their peak is ZeRO-1's (plus ZeRO-3's own
-    shard). Cached: a search asks for the same stages many times."""
-    stage = min(zero, 1) if pipelined else zero
+    shard); with one microbatch its backward is the step's last, each unit's gradient reduced in it as it
+    completes: ZeRO-2's peak, stepped after backward (plus ZeRO-3's shard). Cached: a search asks for the
+    same stages many times."""
+    stage = (min(zero, 1) if microbatches > 1 else min(zero, 2)) if pipelined else zero
     est = memory_per_worker(params, shards, stage, optimizer, precision, unit_parameters=unit_max if stage else None,
-                            step_in_backward=stage >= 2, model_parallel=t)
+                            step_in_backward=stage >= 2 and not pipelined, model_parallel=t)
     shard = params / t / shards * e if pipelined and zero == 3 else 0.0
     return est, est.peak + shard
 

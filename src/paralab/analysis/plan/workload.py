@@ -46,6 +46,9 @@ class Unit:
     expert_parameters: int = 0   # a MoE block's E experts (in ``parameters``): whole on tp ranks, split over ep
     router_parameters: int = 0   # a MoE block's router (in ``parameters``): whole on every rank
     moe_flops: float = 0.0       # per sample, a MoE block's router and experts (in ``forward_flops``): not split by tp
+    kept_first: float = 0     # per sample, a CNN's: the same when the unit starts a stage (its input received)
+    kept_fixed: float = 0     # per microbatch, whatever its size (BatchNorm's statistics), in the chain
+    kept_first_fixed: float = 0  # and starting a stage
 
 
 @dataclass
@@ -128,10 +131,14 @@ class Workload:
         """Bytes units ``lo..hi-1`` keep for backward, for one microbatch of ``b`` samples, per tp rank
         (``ep``: a mixture of experts' dispatch across ranks keeps two more index arrays)."""
         if self.kind != "gpt":
-            kept = sum(u.kept_elements for u in self.units[lo:hi])
+            units = self.units[lo:hi]
+            kept = sum(u.kept_elements * b + u.kept_fixed for u in units)
+            if lo > 0 and units:  # a stage's received input is a tensor of its own
+                u = units[0]
+                kept += (u.kept_first - u.kept_elements) * b + u.kept_first_fixed - u.kept_fixed
             if recompute == "full":  # only each unit's input kept
-                kept = sum(self.units[i - 1].output_elements if i else 0 for i in range(lo, hi))
-            return kept * b * e
+                kept = b * sum(self.units[i - 1].output_elements if i else 0 for i in range(lo, hi))
+            return kept * e
         from ..tensor import activation_memory
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
@@ -259,37 +266,62 @@ def cnn_workload(name: str, width: float = 1.0) -> Workload:
     """A course CNN run on the meta device (nothing allocated): per unit, parameters, forward FLOPs, and
     what it keeps for backward, counted by the saved-tensor probe (``training/saved.py``) as the bytes
     autograd holds after the unit, less those before it, in fp32 elements (a max-pool's int64 indices
-    count as two)."""
+    count as two), at batch 1 and 2: so much per sample, and so much per microbatch whatever its size
+    (BatchNorm's statistics per channel). And the same when the unit starts a pipeline stage, run alone
+    on an input of its own: the input it keeps is then a received copy, where in the chain it is often
+    the previous unit's output that the previous unit keeps already (a ReLU's), one allocation."""
     import torch
     import torch.nn as nn
 
     from ...models import build_model
-    from ...training.saved import SavedActivations
     with torch.device("meta"):
         model = build_model(name, width=width)
-        x = torch.empty(1, 3, 32, 32)
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    probe = SavedActivations(parameters)
-    units, outputs = [], []
+    units = []
+    (one, first_one, outputs), (two, first_two, _) = (_kept_per_unit(model, parameters, b) for b in (1, 2))
+    for i, unit in enumerate(model):
+        flops = 0.0
+
+        def hook(mod, inp, out):
+            nonlocal flops
+            if isinstance(mod, nn.Conv2d):
+                k = mod.weight.shape[1] * mod.weight.shape[2] * mod.weight.shape[3]
+                flops += 2.0 * k * out.numel()
+            elif isinstance(mod, nn.Linear):
+                flops += 2.0 * mod.in_features * out.numel()
+        leaves = [m for m in unit.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        with torch.no_grad():
+            unit(torch.empty_like(outputs[i - 1]) if i else torch.empty(1, 3, 32, 32, device="meta"))
+        for hd in handles:
+            hd.remove()
+        kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
+            "linear" if any(isinstance(m, nn.Linear) for m in leaves) else "other"
+        units.append(Unit(kind, sum(p.numel() for p in unit.parameters()), flops, outputs[i].numel(),
+                          kept_elements=(two[i] - one[i]) / 4, kept_first=(first_two[i] - first_one[i]) / 4,
+                          kept_fixed=(2 * one[i] - two[i]) / 4, kept_first_fixed=(2 * first_one[i] - first_two[i]) / 4))
+    return Workload(name, units, 1, "cnn", dict(width=width))
+
+
+def _kept_per_unit(model, parameters: set[int], batch: int) -> tuple[list[int], list[int], list]:
+    """Bytes each unit keeps for backward at ``batch`` images, in the chain and run alone (a stage's
+    first unit; the first unit's are the same), and each unit's output at batch 1."""
+    import torch
+
+    from ...training.saved import SavedActivations
+    probe, chained, outputs = SavedActivations(parameters), [], []
+    x = torch.empty(batch, 3, 32, 32, device="meta")
     with probe.watch():
         for unit in model:
-            flops, before = 0.0, probe.live
-
-            def hook(mod, inp, out):
-                nonlocal flops
-                if isinstance(mod, nn.Conv2d):
-                    k = mod.weight.shape[1] * mod.weight.shape[2] * mod.weight.shape[3]
-                    flops += 2.0 * k * out.numel()
-                elif isinstance(mod, nn.Linear):
-                    flops += 2.0 * mod.in_features * out.numel()
-            leaves = [m for m in unit.modules() if not list(m.children())]
-            handles = [m.register_forward_hook(hook) for m in leaves]
+            before = probe.live
             x = unit(x)
             outputs.append(x)  # alive until the end, so nothing the probe counted is let go
-            for hd in handles:
-                hd.remove()
-            kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
-                "linear" if any(isinstance(m, nn.Linear) for m in leaves) else "other"
-            units.append(Unit(kind, sum(p.numel() for p in unit.parameters()), flops, x.numel(),
-                              (probe.live - before) / 4))
-    return Workload(name, units, 1, "cnn", dict(width=width))
+            chained.append(probe.live - before)
+    alone = chained[:1]
+    for i in range(1, len(outputs)):
+        received = SavedActivations(parameters)
+        with received.watch():
+            out = model[i](torch.empty_like(outputs[i - 1]).requires_grad_())
+        alone.append(received.live)
+        del out
+    return chained, alone, [o[:1] for o in outputs]

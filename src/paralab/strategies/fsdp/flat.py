@@ -79,7 +79,7 @@ class FlatUnit:
                 del owner._parameters[attr]
                 setattr(owner, attr, None)
         self.sharded = False                       # only the shard is held; the full parameters are gathered
-        self.full: torch.Tensor | None = None      # the full flat parameters, when materialised
+        self.full: torch.Tensor | None = None      # the full flat parameters (sharded: storage empty until gathered)
         self.resident = False                      # full's storage is allocated (gathered or in flight)
         self.pending = None                        # an in-flight asynchronous all-gather
         self.shard: nn.Parameter | None = None     # rank's slice: the optimizer's parameter
@@ -118,6 +118,10 @@ class FlatUnit:
         self.initial = None
         self.sharded = True
         self.ledger.add("params", self.shard_bytes, "init")
+        # the storage every gather fills, one for the run and empty until then: a unit's parameter views
+        # (and autograd's saves of them) always point at it, model state whenever it is measured
+        self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        self.full.untyped_storage().resize_(0)
 
     def release_full(self) -> None:
         """From :meth:`hold_full` to holding only the shard (the ZeRO-3 flavour): the shard gets storage of
@@ -158,13 +162,10 @@ class FlatUnit:
 
     # ------------------------------------------------------------ primitives: parameters
     def gather(self, async_op: bool) -> None:
-        """All-gather every rank's shard into ``full``: a sharded unit's into storage allocated now,
+        """All-gather every rank's shard into ``full``: a sharded unit's into its storage, refilled now,
         a unit holding its full parameters in place (after a step updated this rank's slice)."""
         if not self.resident:
-            if self.full is None:
-                self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-            else:
-                self.full.untyped_storage().resize_(self.full_bytes)
+            self.full.untyped_storage().resize_(self.full_bytes)
             self.resident = True
             self.ledger.add("params", self.full_bytes, f"gather unit {self.index}")
         pending = self.comm.all_gather_into(self.full, self.shard.detach(), name="all_gather_params",

@@ -76,7 +76,21 @@ class ZeroOneReplicas(Replicas):
             self.units.append(fu)
         if len({id(p) for fu in self.units for p in fu.params}) != sum(len(fu.params) for fu in self.units):
             raise ValueError("zero1: a parameter is shared between units; it cannot be sharded")
+        # the ledger counts each full gradient from when autograd first accumulates it in the step (its
+        # first microbatch's backward), so that it is right at every moment, not only after backward
+        self._counted: set[int] = set()  # ids of the parameters whose gradient the ledger holds
+        for fu in self.units:
+            for p in fu.params:
+                p.register_post_accumulate_grad_hook(self._accumulated)
         super().__init__(module, optim_fn, comm, ctx)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        if p.grad is not None and id(p) not in self._counted:
+            self._counted.add(id(p))
+            self.ledger.add("grads", nbytes(p.grad), "backward")
+
+    def start(self) -> None:
+        self._counted = set()
 
     def build_optimizer(self, optim_fn) -> torch.optim.Optimizer:
         return optim_fn([fu.shard for fu in self.units])
@@ -91,7 +105,7 @@ class ZeroOneReplicas(Replicas):
         for p in self.params:
             if p.grad is None:  # unused in this step: a zero gradient, as the reduction expects one
                 p.grad = torch.zeros_like(p)
-        self.ledger.add("grads", sum(nbytes(p.grad) for p in self.params), "backward")
+                self._accumulated(p)
         for fu in self.units:
             flat_grad = fu.flatten_grads([p.grad for p in fu.params])
             for p in fu.params:

@@ -40,7 +40,6 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ...comm import nbytes
 from .flat import FlatUnit, step_shards
 from .zero1 import ZeroOneReplicas
 
@@ -56,21 +55,18 @@ class ZeroTwoReplicas(ZeroOneReplicas):
         super().__init__(module, optim_fn, comm, ctx)
         self._last = False
         self._arrived: dict[int, int] = {}   # unit position -> parameters whose gradient is complete
-        self._counted: set[int] = set()      # ids of the parameters whose full gradient the ledger counts
         self.in_backward = 0                 # reductions made by the hooks, since the start
         for n, fu in enumerate(self.units):
             for p in fu.params:
                 p.register_post_accumulate_grad_hook(partial(self._arrive, n))
 
     def start(self) -> None:
+        super().start()
         self._arrived = {}
 
     @contextmanager
     def last_backward(self):
         """The step's last backward: each unit is reduced as its gradient completes."""
-        held = [p for p in self.params if p.grad is not None]  # accumulated by the earlier microbatches
-        self._counted = {id(p) for p in held}
-        self.ledger.add("grads", sum(nbytes(p.grad) for p in held), "microbatches")
         self._last = True
         try:
             yield
@@ -88,9 +84,11 @@ class ZeroTwoReplicas(ZeroOneReplicas):
     def _reduce(self, n: int) -> None:
         """Unit ``n``'s full gradient flattened, reduce-scattered to this rank's shard, and dropped."""
         fu: FlatUnit = self.units[n]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fu.params]
-        self.ledger.add("grads", sum(nbytes(g) for p, g in zip(fu.params, grads) if id(p) not in self._counted),
-                        f"backward unit {fu.index}")
+        for p in fu.params:
+            if p.grad is None:  # unused in this step: a zero gradient, as the reduction expects one
+                p.grad = torch.zeros_like(p)
+                self._accumulated(p)
+        grads = [p.grad for p in fu.params]
         flat_grad = fu.flatten_grads(grads)
         del grads
         for p in fu.params:
