@@ -1,4 +1,5 @@
 """A mixture-of-experts gpt and expert parallelism (--experts, --ep): routing, the dispatchers, --check end to end."""
+import json
 import math
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from paralab.analysis import moe as moe_analysis
 from paralab.models import build_model, count_parameters
-from paralab.models.moe import MoE, route, take_aux_loss
+from paralab.models.moe import MoE, route, scores, take_aux_loss
 
 GPT = ["--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "2", "--context", "16", "--batch-size", "16",
        "--dataset", "synthetic-text", "--experts", "4", "--check"]
@@ -73,6 +74,57 @@ def test_router_gates_are_the_probabilities_and_the_choice_is_top_k():
         for e in probs[n].topk(2).indices.tolist():
             expected[n] += probs[n, e] * layer.experts[e](x[n:n + 1])[0]
     assert torch.allclose(layer(x[None])[0], expected, atol=1e-14)
+
+
+def test_sigmoid_gating_normalises_the_chosen_scores():
+    """--gating sigmoid: the K largest sigmoid scores chosen, their gates summing to 1 over the K; the same
+    logits under softmax give other gates (the same experts: both are increasing in the logits)."""
+    torch.manual_seed(2)
+    logits = torch.randn(7, 5, dtype=torch.float64) * 2
+    sig = scores(logits, "sigmoid")
+    assert torch.equal(sig, torch.sigmoid(logits)) and not torch.allclose(sig.sum(-1), torch.ones(7, dtype=torch.float64))
+    r = route(sig, 2, None, torch.float64, "sigmoid")
+    assert torch.allclose(r.gate.sum(-1), torch.ones(7, dtype=torch.float64), atol=1e-15)
+    assert r.expert.tolist() == sig.topk(2, dim=-1).indices.tolist()
+    chosen = sig.gather(1, r.expert)
+    assert torch.allclose(r.gate, chosen / chosen.sum(-1, keepdim=True), atol=1e-15)
+    assert r.stats["min_margin"] == pytest.approx(float((sig.topk(3).values[:, 1] - sig.topk(3).values[:, 2]).min()))
+    soft = route(scores(logits, "softmax"), 2, None, torch.float64, "softmax")
+    assert soft.expert.tolist() == r.expert.tolist()
+    assert (soft.gate - r.gate).abs().max() > 0.1  # softmax's gates are the probabilities, < 1 in sum
+    # the aux loss: P is each token's scores over all E, normalised, so an even load still gives 1
+    even = torch.tensor([[0.9, 0.2], [0.2, 0.9], [0.8, 0.3], [0.3, 0.8]], dtype=torch.float64)
+    assert float(route(even, 1, None, torch.float64, "sigmoid").aux) == pytest.approx(1.0)
+    share = sig / sig.sum(-1, keepdim=True)
+    f = torch.bincount(r.expert.reshape(-1), minlength=5).double() / 14
+    assert float(r.aux) == pytest.approx(float(5 * (f * share.mean(0)).sum()), abs=1e-15)
+    assert float(r.aux) != pytest.approx(float(soft.aux), abs=1e-6)
+
+
+def test_sigmoid_layer_output_and_gradients():
+    """A sigmoid-gated layer's output is the normalised-gate sum of its top-2 experts; the router gets gradients
+    from the output and from the aux loss; with top-1 every gate is 1 (only the aux loss trains the router)."""
+    torch.manual_seed(1)
+    layer = MoE(8, 4, 2, 16, None, 0.01, gating="sigmoid").double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    sig = torch.sigmoid(x @ layer.router.weight.t())
+    expected = torch.zeros_like(x)
+    for n in range(6):
+        top = sig[n].topk(2)
+        for s_, e in zip(top.values.tolist(), top.indices.tolist()):
+            expected[n] += s_ / top.values.sum() * layer.experts[e](x[n:n + 1])[0]
+    out = layer(x[None])[0]
+    assert torch.allclose(out, expected, atol=1e-14)
+    softmax_layer = MoE(8, 4, 2, 16, None, 0.01).double()
+    softmax_layer.load_state_dict(layer.state_dict())
+    assert (softmax_layer(x[None])[0] - out).abs().max() > 1e-3
+    out.sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+    one = MoE(8, 4, 1, 16, None, 0.01, gating="sigmoid").double()
+    one(x[None]).sum().backward()
+    assert one.router.weight.grad is None or one.router.weight.grad.abs().max() < 1e-12
+    with pytest.raises(ValueError, match="unknown gating"):
+        MoE(8, 4, 1, 16, None, 0.01, gating="relu")
 
 
 # ---------------------------------------------------------------- the two dispatchers against all experts local
@@ -210,6 +262,23 @@ def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab, capsys):
                                    for line in table), table
 
 
+def test_sigmoid_gating_ep2_fp64_top2_records_the_gating(paralab):
+    """--gating sigmoid under ep 2, top-2, fp64 at lr 0.1 for 20 steps: --check passes; the records name it."""
+    r = paralab("train", "allreduce", "--workers", "2", "--ep", "2", "--top-k", "2", "--gating", "sigmoid",
+                *GPT, *FP64, fast=False)
+    s = _passed(r)
+    assert s["check"]["max_weight_dev"] <= 1e-9
+    assert s["moe"]["gating"] == "sigmoid"
+    assert json.loads((r.out / "config.json").read_text())["gating"] == "sigmoid"
+
+
+def test_sigmoid_gating_fp32_course_setting(paralab):
+    r = paralab("train", "ddp", "--workers", "2", "--ep", "2", "--top-k", "2", "--gating", "sigmoid", *GPT, *COURSE,
+                fast=False)
+    _passed(r)
+    assert r.summary["moe"]["gating"] == "sigmoid"
+
+
 def test_calc_moe_even_load():
     """Parameters active vs total, and the token all-to-all bytes per rank and step under an even load."""
     from paralab.analysis import moe as m
@@ -310,6 +379,9 @@ def test_fp64_lr0_1_20_steps(paralab, args):
      "drop --sequence-parallel"),
     (["torch-pipeline", "--workers", "2", "--model", "gpt", "--experts", "4"], "not yet under"),
     (["fsdp", "--workers", "2", "--model", "gpt", "--experts", "4"], "not yet under"),
+    (["single", "--model", "gpt", "--gating", "sigmoid"], "--gating shape a mixture of experts: add --experts E"),
+    (["ddp", "--workers", "2", "--gating", "sigmoid"], "--gating: a mixture of experts replaces the gpt's MLPs"),
+    (["single", "--model", "gpt", "--experts", "2", "--gating", "relu"], "--gating"),
 ])
 def test_bad_moe_input_exits_2_before_start(paralab, tmp_path, args, message):
     out = tmp_path / "refused"

@@ -164,14 +164,14 @@ def moe_parameter_counts(layers: int, embed: int, experts: int, top_k: int, expe
 
 def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB, *,
         experts: int = 0, top_k: int = 1, expert_hidden: int = 0, capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.01, router_skew: float = 0.0) -> nn.Sequential:
+        aux_loss_coef: float = 0.01, router_skew: float = 0.0, gating: str = "softmax") -> nn.Sequential:
     """The gpt; with ``experts > 0`` every block's MLP is a mixture of experts (``moe.py``)."""
     if embed % heads:
         raise ValueError(f"--embed {embed} must be divisible by --heads {heads}")
     if experts and top_k > experts:
         raise ValueError(f"--top-k {top_k} must be at most --experts {experts}")
     moe = dict(experts=experts, top_k=top_k, hidden=expert_hidden or 4 * embed, capacity_factor=capacity_factor,
-               aux_loss_coef=aux_loss_coef, router_skew=router_skew) if experts else None
+               aux_loss_coef=aux_loss_coef, router_skew=router_skew, gating=gating) if experts else None
     model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads, moe) for _ in range(layers)),
                           Head(embed, vocab))
     init_weights(model, layers)

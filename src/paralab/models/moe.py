@@ -2,19 +2,28 @@
 
 Per block, for the ``N`` tokens of one forward (``--experts E --top-k K``)::
 
-    probs   = softmax(x W_router)             [N, E], computed in float64 (below)
-    choice  = the K largest probs per token    expert ids [N, K], gates = their probs
+    scores  = softmax(x W_router)             [N, E], computed in float64 (below)
+              (--gating sigmoid: sigmoid(x W_router))
+    choice  = the K largest scores per token   expert ids [N, K], gates = their scores
+              (sigmoid: the K chosen scores divided by their sum)
     kept    = all (dropless), or per expert the first C = ceil(F N K / E) choices
               (--capacity-factor F), first choices before second ones, tokens in order
     y[n]    = sum over kept (n, j) of gate[n, j] * expert[choice[n, j]](x[n])
 
 A dropped choice adds nothing: the token goes on by the residual alone
-(GShard's rule), and the drops are counted. Gates are the softmax
-probabilities themselves, not renormalised over the K chosen (so top-1 still
-trains the router, as in Switch). The load-balancing loss of Switch/GShard,
-``aux = E * sum_i f_i P_i`` (``f_i``: the share of the N K choices that went
-to expert i; ``P_i``: the mean probability of expert i), is 1 when the load is
-even; the training loss adds ``--aux-loss-coef`` times the sum over blocks
+(GShard's rule), and the drops are counted. Under softmax gating (the
+default) the gates are the softmax probabilities themselves, not renormalised
+over the K chosen (so top-1 still trains the router, as in Switch). Under
+sigmoid gating (DeepSeek-V3's) each expert's score is an independent
+``sigmoid(logit)``; the K largest are chosen and the gates are the chosen
+scores normalised to sum to 1 over those K (so with top-1 the gate is always 1
+and the router learns from the auxiliary loss alone). The load-balancing loss
+of Switch/GShard, ``aux = E * sum_i f_i P_i`` (``f_i``: the share of the N K
+choices that went to expert i; ``P_i``: the mean over tokens of expert i's
+share of the token's scores: its softmax probability, or under sigmoid its
+score divided by the sum of the token's E scores, so that ``P`` stays a
+distribution and ``aux`` is 1 at an even load for both), is 1 when the load
+is even; the training loss adds ``--aux-loss-coef`` times the sum over blocks
 (:func:`take_aux_loss`). Everything is per forward, on the tokens of that
 forward: a data-parallel shard's microbatch, whichever rank holds the experts.
 
@@ -22,8 +31,14 @@ Why the router runs in float64: a top-K choice is discontinuous, so a near-tie
 that rounding flips changes the step. In float64 the products of float32
 inputs are exact and the sums round at 1e-16, so the choice does not depend on
 how tokens are batched; each forward also records the smallest gap between the
-K-th and the (K+1)-th probability it decided on (``min_margin``), the deviation
-a run would need before any choice could flip.
+K-th and the (K+1)-th score it decided on (``min_margin``), the deviation
+a run would need before any choice could flip. Both gatings choose on float64
+scores and record that gap alike. Both are increasing functions of the logits,
+so they choose the same experts from the same logits (they differ in the gates
+and the auxiliary loss); a sigmoid's slope is at most 1/4, so a score gap g
+means a logit gap of at least 4 g: the margin recorded is the stricter one. A
+sigmoid rounds to exactly 1.0 in float64 above a logit of about 37, where
+distinct logits would tie: such a tie shows as a ``min_margin`` of 0.
 
 How the experts are reached is the *dispatcher*: here, all on this rank
 (:func:`local_dispatch`); under expert parallelism (``strategies/expert/``)
@@ -40,6 +55,9 @@ import torch.nn.functional as F
 
 from ..options import option
 
+#: how router logits become gates (``--gating``; the module docstring)
+GATINGS = ("softmax", "sigmoid")
+
 
 @dataclass
 class MoEOptions:
@@ -55,6 +73,10 @@ class MoEOptions:
                                            type=float, minimum=0, above=True, identity=True)
     aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (Switch/GShard) in the training loss",
                                   minimum=0, identity=True)
+    gating: str = option("softmax", "how router logits become gates: softmax (probabilities over the experts; "
+                                    "the K chosen keep their probabilities) or sigmoid (DeepSeek-V3: an independent "
+                                    "sigmoid score per expert; the K largest chosen, their scores normalised to sum "
+                                    "to 1)", choices=GATINGS, identity=True)
     router_skew: float = option(0.0, "added to expert 0's router logit: a knob that sends it more tokens, to "
                                      "measure what imbalance costs (benchmarks); 0: none", minimum=0, identity=True)
 
@@ -75,7 +97,7 @@ class Expert(nn.Module):
 class Routing:
     """One forward's routing decisions (``N`` tokens, ``K`` choices each)."""
     expert: torch.Tensor     # [N, K] expert ids
-    gate: torch.Tensor       # [N, K] their probabilities (the activations' dtype; carries the router's gradient)
+    gate: torch.Tensor       # [N, K] their gates (the activations' dtype; carries the router's gradient)
     kept: torch.Tensor       # [N, K] bool: not dropped by the capacity
     aux: torch.Tensor        # the load-balancing loss (a scalar, float64)
     stats: dict = field(default_factory=dict)  # counts per expert, dropped, min_margin
@@ -89,14 +111,32 @@ class Routing:
         return order // k, self.gate.reshape(-1)[order], self.stats["counts"]
 
 
-def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: torch.dtype) -> Routing:
-    """Top-``k`` choices, the capacity's drops, the auxiliary loss (see the module docstring)."""
+def scores(logits: torch.Tensor, gating: str = "softmax") -> torch.Tensor:
+    """The router's scores ``[N, E]`` from its logits: softmax probabilities, or independent sigmoids."""
+    if gating == "softmax":
+        return F.softmax(logits, dim=-1)
+    if gating == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"unknown gating {gating!r}; choose one of {', '.join(GATINGS)}")
+
+
+def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: torch.dtype,
+          gating: str = "softmax") -> Routing:
+    """Top-``k`` choices, the capacity's drops, the auxiliary loss (see the module docstring).
+
+    ``probs``: the router's :func:`scores` under ``gating``. Softmax: the gates are the chosen
+    probabilities as they are. Sigmoid: the gates are the chosen scores normalised to sum to 1 over the
+    ``k`` chosen, and the auxiliary loss's ``P`` is each token's scores normalised over all experts."""
     n, e = probs.shape
     top = probs.topk(min(k + 1, e), dim=-1)
     gate, expert = top.values[:, :k], top.indices[:, :k]
+    share = probs  # each token's distribution over the experts, for the auxiliary loss
+    if gating == "sigmoid":
+        gate = gate / gate.sum(-1, keepdim=True)
+        share = probs / probs.sum(-1, keepdim=True)
     margin = float((top.values[:, k - 1] - top.values[:, k]).min().detach()) if k < e and n else float("inf")
     chosen = torch.bincount(expert.reshape(-1), minlength=e)
-    aux = e * ((chosen.to(probs.dtype) / max(n * k, 1)) * probs.mean(0)).sum() if n else probs.sum() * 0
+    aux = e * ((chosen.to(probs.dtype) / max(n * k, 1)) * share.mean(0)).sum() if n else probs.sum() * 0
     if capacity_factor is None:
         kept = torch.ones_like(expert, dtype=torch.bool)
     else:
@@ -126,12 +166,15 @@ class MoE(nn.Module):
     """The block's MLP as ``E`` experts behind a router; ``dispatch`` reaches them (this rank's by default)."""
 
     def __init__(self, embed: int, experts: int, top_k: int, hidden: int, capacity_factor: float | None,
-                 aux_loss_coef: float, router_skew: float = 0.0):
+                 aux_loss_coef: float, router_skew: float = 0.0, gating: str = "softmax"):
         super().__init__()
         self.router = nn.Linear(embed, experts, bias=False)
         self.experts = nn.ModuleList(Expert(embed, hidden) for _ in range(experts))
         self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.aux_loss_coef, self.router_skew = aux_loss_coef, router_skew
+        if gating not in GATINGS:
+            raise ValueError(f"unknown gating {gating!r}; choose one of {', '.join(GATINGS)}")
+        self.gating = gating
         self.dispatch = local_dispatch
         self.aux_loss: torch.Tensor | None = None  # the last training forward's, until taken
         self.history: list[dict] = []               # per training forward: counts, dropped, aux, min_margin
@@ -143,8 +186,7 @@ class MoE(nn.Module):
         logits = F.linear(tokens.double(), self.router.weight.double())
         if self.router_skew:
             logits = logits + logits.new_tensor([self.router_skew] + [0.0] * (self.num_experts - 1))
-        probs = F.softmax(logits, dim=-1)
-        routing = route(probs, self.top_k, self.capacity_factor, tokens.dtype)
+        routing = route(scores(logits, self.gating), self.top_k, self.capacity_factor, tokens.dtype, self.gating)
         out = self.dispatch(tokens, routing, self.experts)
         if self.training and torch.is_grad_enabled():
             self.aux_loss = routing.aux

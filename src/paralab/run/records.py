@@ -273,6 +273,7 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
         summary["restarts"] = cfg.restarts
     if getattr(cfg, "experts", 0):  # a mixture of experts: active vs total, and the load the routers saw
         summary["moe"] = moe_analysis.parameters(cfg) | {"experts": cfg.experts, "top_k": cfg.top_k,
+                                                         "gating": cfg.gating,
                                                          "capacity_factor": cfg.capacity_factor, "ep": cfg.ep,
                                                          "load": moe_analysis.load(steps)}
     write_json(run_dir / "summary.json", summary)
