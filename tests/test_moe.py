@@ -205,7 +205,7 @@ def test_ep2_fp64_top2_capacity_records(paralab):
     assert ops["all_to_all"]["calls"] > 0 and ops["all_to_all"]["bytes"] > 0
 
 
-def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
+def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys, tmp_path):
     """The token all-to-all of a layer sends exactly its kept choices' rows (the counts say how many)."""
     r = paralab("train", "ddp", "--workers", "2", "--ep", "2", "--top-k", "1", *GPT, *COURSE, fast=False)
     _passed(r)
@@ -232,6 +232,17 @@ def test_ep2_dispatch_bytes_are_routed_rows(paralab, capsys):
         assert [int(c) for c in lines[rank][-5:-1]] == counts, (lines, counts)
     assert main(["plot", "moe-load", str(r.out), "-o", str(r.out / "load.png")]) == 0
     assert (r.out / "load.png").stat().st_size > 0
+    # the compare report gives a mixture of experts its own section: the load figure and the same table
+    import shutil
+
+    from paralab.report.page import build_compare_report
+    report = tmp_path / "report"
+    shutil.copytree(r.out, report / "ep2")
+    entry = {"strategy": "ddp", "workers": 2, "status": "ok", "error": None, "command": "", "run_dir": "ep2",
+             "log": None, "seconds": 1.0}
+    build_compare_report(report, [entry], [], "paralab compare", {}, 1.0)
+    md = (report / "report.md").read_text()
+    assert "Mixture of experts: load" in md and (report / "plots" / "moe_load.png").stat().st_size > 0
 
 
 def test_ep2_pp2_1f1b_records_each_layer_and_routed_bytes(paralab, capsys):
