@@ -123,8 +123,10 @@ def test_zero3_tp2_pp2_3d_fp64(paralab):
      "2", "--microbatches", "2", "--partition", "params", *GPT, *FP64],
     ["fsdp", "--workers", "4", "--pp", "2", "--zero-stage", "2", "--schedule", "zb-h2", "--microbatches", "4", *GPT,
      *FP64],
+    ["fsdp", "--workers", "4", "--tp", "2", "--zero-stage", "3", *GPT, *COURSE],
+    ["torch-fsdp", "--workers", "4", "--tp", "2", *GPT, *COURSE],
 ], ids=["3d-course", "zero3-pp2-zbh1", "vgg-zero3-tp2-fp64", "vgg-zero2-tp2-nonorm", "zero2-pp2-fp64",
-        "zero3-interleaved", "zero2-zbh2"])
+        "zero3-interleaved", "zero2-zbh2", "zero3-tp2-course", "torch-fsdp-tp2-course"])
 def test_more_compositions_pass_check(paralab, args):
     _passed(paralab("train", *args, fast=False), "fp64" if "fp64" in args else "fp32")
 

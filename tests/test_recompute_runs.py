@@ -1,5 +1,6 @@
 """``--recompute full|selective`` under every strategy: ``--check`` in float64 at lr 0.1 with momentum, 20 steps,
-and in float32 at the course setting (lr 1e-3, 2 steps).
+and in float32 at the course setting (lr 1e-3, 2 steps). Context parallelism (pure cp with ring and all-to-all
+attention on 2 workers, and cp composed with dp, tp and pp on 4) has a matrix of its own.
 
 Recomputation must not change one bit of the arithmetic, so every layout's check must pass as it does
 without it (tests/test_fp64.py). The jobs run inside one set of worker processes per world size, as
@@ -51,6 +52,17 @@ JOBS4 = [
     ("gpt-ddp-tp2-pp2", "tp", GPT | {"pp": 2, "schedule": "1f1b", "microbatches": 2}),
 ]
 
+# context parallelism (the gpt's sequence split over cp ranks): pure cp with each method, and cp composed
+JOBS_CP2 = [
+    ("gpt-cp-ring", "cp", GPT | {"cp_method": "ring"}),
+    ("gpt-cp-a2a", "cp", GPT | {"cp_method": "all-to-all"}),
+]
+JOBS_CP4 = [
+    ("gpt-dp2-cp2", "allreduce", GPT | {"cp": 2}),
+    ("gpt-cp2-tp2-a2a", "ddp", GPT | {"cp": 2, "tp": 2, "cp_method": "all-to-all"}),
+    ("gpt-cp2-pp2", "allreduce", GPT | {"cp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 2}),
+]
+
 
 def at_course_setting(table: list) -> list:
     """Every job again in fp32 at the course setting, but tensor parallelism of a BatchNorm CNN (fp32
@@ -58,7 +70,8 @@ def at_course_setting(table: list) -> list:
     return [(f"fp32-{n}", s, e | COURSE) for n, s, e in table if not (s == "tp" and e.get("model") != "gpt")]
 
 
-JOBS1, JOBS2, JOBS4 = (t + at_course_setting(t) for t in (JOBS1, JOBS2, JOBS4))
+JOBS1, JOBS2, JOBS4, JOBS_CP2, JOBS_CP4 = (t + at_course_setting(t)
+                                           for t in (JOBS1, JOBS2, JOBS4, JOBS_CP2, JOBS_CP4))
 #: in the default suite: a CNN under ddp, the gpt under tp, a zero-bubble pipeline (I and W apart)
 FAST = {("ddp", "full"), ("gpt-tp", "selective"), ("gpt-pipeline-zb-h1", "full")}
 
@@ -128,3 +141,33 @@ def test_pipeline_records_what_recompute_frees(paralab):
         peaks[mode] = [details[str(k)]["peak_activation_bytes"] for k in range(2)]
     assert peaks["full"][0] * 5 < peaks["none"][0]
     assert peaks["full"][1] == peaks["none"][1] > 0
+
+
+@pytest.fixture(scope="module")
+def cp_summaries(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recompute-cp")
+    # each job also without recomputation: what a recompute sends again is counted against it
+    jobs2, jobs4 = ([(n, s, e, m) for n, s, e in table for m in ("none", "full", "selective")]
+                    for table in (JOBS_CP2, JOBS_CP4))
+    summaries = run_jobs(root / "w2", 2, jobs2) | run_jobs(root / "w4", 4, jobs4)
+    return {name: (summary, json.loads(next(root.glob(f"w*/{name}/config.json")).read_text()))
+            for name, summary in summaries.items()}
+
+
+def _messages(summary) -> int:
+    return sum(op["calls"] for op in summary["comm_ops"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [f"{n}-{m}" for n, _, _, m in _jobs(JOBS_CP2 + JOBS_CP4, False)])
+def test_recompute_check_passes_under_context_parallelism(cp_summaries, name):
+    """Full recomputation re-runs each block, selective the attention core: either way the ring's K/V rotations
+    or Ulysses' all-to-alls run again in backward (more messages than without recomputation), and neither may
+    change a bit of what --check compares."""
+    summary, config = cp_summaries[name]
+    _assert_pass(summary)
+    mode = name.rsplit("-", 1)[1]
+    assert config["recompute"] == mode and config["mesh"]["shape"]["cp"] == 2, config
+    without = cp_summaries[name[:-len(mode)] + "none"][0]
+    assert _messages(summary) > _messages(without), (summary["comm_ops"], without["comm_ops"])

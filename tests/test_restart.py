@@ -71,6 +71,42 @@ def test_a_restarted_run_equals_one_never_interrupted(paralab, layout, faults):
     assert not r.left_running()
 
 
+# a learning rate that changes every step: linear scaling (0.1 x 32 / 256) reached by a warm-up over the first
+# epoch, which is 8 steps of 256 synthetic samples at a global batch of 32; 10 steps cross into the second epoch
+SCHEDULE = ["--synthetic-size", "256", "--lr-scaling", "linear", "--warmup-epochs", "1", "--num-batches", "10"]
+
+
+@pytest.mark.slow
+def test_a_restart_replays_the_learning_rate_schedule_and_the_epochs(paralab):
+    """Killed inside the warm-up (step 5, resumed from 4) and, after the schedule has settled and the second
+    epoch's shuffle has begun, an exception (step 9, resumed from 8): every step's loss and the final state
+    equal an uninterrupted run's, which they could not if a restart ran the schedule or the data from its
+    start, or held the rate it was killed at. (steps.jsonl records no learning rate: the losses and weights
+    are where it shows.)"""
+    from paralab.training.lr_schedule import lr_at
+    rates = [lr_at(step, lr=0.1, scaling="linear", global_batch=32, warmup_epochs=1, steps_per_epoch=8)
+             for step in range(10)]
+    assert len(set(rates[:9])) == 9 and rates[8] == rates[9] == 0.1 * 32 / 256  # what the runs below follow
+    args = ["ddp", "--workers", "2", *EXACT, *SCHEDULE]
+    plain = paralab("train", *args)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    constant = paralab("train", "ddp", "--workers", "2", *EXACT, *SCHEDULE[:2], "--num-batches", "10")
+    assert constant.returncode == 0, constant.stderr[-3000:]
+    first = losses(plain.out)
+    scheduled, held = ({step: loss for rank, step, loss in rows if rank == 0} for rows in (first, losses(constant.out)))
+    # the first update is at lr itself, every later one at another rate: the losses part from the third step on
+    assert [scheduled[k] == held[k] for k in range(10)] == [True, True] + [False] * 8, (scheduled, held)
+    faults = "1:5:kill:1,0:9:raise:2"
+    r = paralab("train", *args, "--max-restarts", "2", env={"PARALAB_FAULT": faults})
+    assert r.returncode == 0, r.stderr[-3000:]
+    restarts = r.summary["restarts"]
+    assert [(x["rank"], x["reached_step"], x["resumed_from_step"], x["steps_lost"]) for x in restarts] == [
+        (1, 5, 4, 1), (0, 9, 8, 1)], restarts
+    assert losses(r.out) == first and len(first) == 10 * 2
+    assert same(state(r.out, 2), state(plain.out, 2))
+    assert not r.left_running()
+
+
 def test_a_rank_that_keeps_dying_uses_the_restarts_up(paralab):
     r = paralab("train", "ddp", "--workers", "2", *EXACT, "--max-restarts", "1", env={"PARALAB_FAULT": "1:3:kill"})
     assert r.returncode == 1
