@@ -205,7 +205,26 @@ MATRIX = {
                                                   ["allreduce", "--workers", "2", "--accumulate", "2"], VGG),
     "gpt-fsdp1-tp2-w4-to-tp-pp": (["fsdp", "--workers", "4", "--zero-stage", "1", "--tp", "2"],
                                   ["tp", "--workers", "4", "--pp", "2", "--microbatches", "2"], GPT),
+    "gpt-pipeline-w2-to-tp-pp-w4": (["pipeline", "--workers", "2", "--microbatches", "2"],
+                                    ["tp", "--workers", "4", "--pp", "2", "--microbatches", "2"], GPT),
 }
+
+
+def test_a_resume_says_what_it_cannot_carry():
+    """PowerSGD's error feedback and warm start are not in a checkpoint: a resume from such a run says so
+    at start; a run without them is not told."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    from paralab.run.checkpoint import carried_notes
+    new = SimpleNamespace(strategy="ddp", world=2, compress=None)
+    model = nn.Sequential(nn.Linear(2, 2))
+    said = carried_notes(SimpleNamespace(strategy="ddp", world=4, compress="powersgd"), new, model)
+    assert any(n.startswith("NOT carried: PowerSGD") for n in said)
+    assert not any("PowerSGD" in n for n in carried_notes(SimpleNamespace(strategy="ddp", world=4, compress=None),
+                                                           new, model))
+
 
 
 @pytest.mark.slow
