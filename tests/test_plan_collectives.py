@@ -125,3 +125,18 @@ def test_a_split_backward_walks_the_activation_gradients_twice():
     plain = predict(work, Layout(1, 1, 2, schedule="1f1b", microbatch=2, microbatches=8), cluster, setting)
     zb = predict(work, Layout(1, 1, 2, schedule="zb-h1", microbatch=2, microbatches=8), cluster, setting)
     assert zb.compute == pytest.approx(plain.compute * (1 + 2 * 1.5) / 3)
+
+
+def test_context_parallel_messages_twice_under_a_split_backward():
+    """Both passes of a zero-bubble backward walk back through the attention: its backward messages go twice
+    (as calc cp counts them where a run's records show a split backward)."""
+    work = gpt_workload(4, 128, 4, 64, 256, activations="paralab")
+    cluster, setting = PRESETS["a100-sxm"], Setting(16, "fp32", "sgd-momentum")
+    for method in ("ring", "all-to-all"):
+        slow = dataclasses.replace(cluster, inter_gbps=0.01, intra_gbps=0.01)  # the messages outlast the attention
+        one = predict(work, Layout(1, 1, 2, schedule="1f1b", microbatch=2, microbatches=4, cp=2, cp_method=method),
+                      slow, setting)
+        zb = predict(work, Layout(1, 1, 2, schedule="zb-h1", microbatch=2, microbatches=4, cp=2, cp_method=method),
+                     slow, setting)
+        forward, backward = (1, 3) if method == "ring" else (4, 4)  # messages per block and microbatch
+        assert zb.cp_comm / one.cp_comm == pytest.approx((forward + 2 * backward) / (forward + backward), rel=0.02)

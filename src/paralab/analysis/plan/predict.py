@@ -163,8 +163,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         per = (cluster.collective("all_gather", act_msg, t, tp_link)
                + cluster.collective("reduce_scatter", act_msg, t, tp_link)) if lay.sp else \
             cluster.collective("all_reduce", act_msg, t, tp_link)
-    cp_block = cp_exposed(work, lay, b, e, cp_link, cluster) if C > 1 else 0.0
     split = p > 1 and spec_of(lay.schedule).split_backward  # zero bubble: I, then W walks the units again
+    cp_block = cp_exposed(work, lay, b, e, cp_link, cluster, split) if C > 1 else 0.0
     for lo, hi in stages:
         f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
@@ -314,21 +314,26 @@ def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer
     return est, est.peak + shard
 
 
-def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], cluster: Cluster) -> float:
+def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], cluster: Cluster,
+               split: bool = False) -> float:
     """One block's context-parallel communication left exposed per microbatch (forward + backward), from
     ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
-    hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous."""
+    hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous. Under a split backward
+    (``split``: zero bubble) both its passes walk back through the attention: the backward's messages and
+    the attention's backward happen twice."""
     from ..context import cp_messages
     sh, C = work.shape, lay.cp
     msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e)
+    times = {name: 2 if split and name.endswith("_backward") else 1 for name in msgs}
     if lay.cp_method == "ring":
-        sends = sum(n for n, _ in msgs.values())
+        sends = sum(times[name] * n for name, (n, _) in msgs.items())
         kv = next(iter(msgs.values()))[1] / max(next(iter(msgs.values()))[0], 1)
-        attention = 3 * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / cluster.rate(
-            "bf16" if e == 2 else "fp32")  # forward + backward
+        attention = (1 + 2 * (2 if split else 1)) * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / \
+            cluster.rate("bf16" if e == 2 else "fp32")  # forward + backward
         gbps, lat = link  # the hops overlap the attention: their wire time, not a measured call
         return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0)
-    return sum(cluster.collective("all_to_all", size, C, link, calls=calls) for calls, size in msgs.values())
+    return sum(times[name] * cluster.collective("all_to_all", size, C, link, calls=calls)
+               for name, (calls, size) in msgs.items())
 
 
 def replicated_sums(work: Workload, lo: int, hi: int, cluster: Cluster, t: int, link: tuple[float, float],
