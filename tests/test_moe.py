@@ -300,6 +300,19 @@ def test_calc_moe_even_load():
     assert capped["choices"] == 4 * math.ceil(0.5 * 100 / 4)
 
 
+def test_calc_moe_model_state_per_rank(capsys):
+    """calc moe --ep: the parameters a rank holds (the rest whole, its experts 1/ep) and their model state,
+    as the planner counts them; every expert on one rank without --ep."""
+    from paralab.analysis.plan import gpt_workload
+    from paralab.cli import main
+    w = gpt_workload(4, 128, 4, 64, 256, experts=8, top_k=1)
+    rest, experts = w.held_parameters(0, len(w.units), 1, 4)
+    held = int(rest + experts)
+    assert main(["calc", "moe", "--experts", "8", "--top-k", "1", "--ep", "4", "--optimizer", "sgd-momentum"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "model state per rank" in x)
+    assert f"({held:,} parameters held)" in line and f"{held * 4 * 3 / 1e6:.4g} MB" in line, (line, held)
+
+
 @pytest.mark.parametrize("args", [
     ["single"],
     ["torch-ddp", "--workers", "2"],
