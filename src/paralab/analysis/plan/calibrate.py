@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ...progress import Progress
 from .cluster import Cluster
+from .collectives import answers
 
 SMALL, LARGE = 1024, 16 * 2 ** 20  # all-reduce sizes in bytes
 REPEATS = 10
@@ -157,20 +158,7 @@ def _block_worker(dtype: str, out) -> None:
 def parallel_block_rate(dtype: str, workers: int, timeout: float = 120.0) -> float:
     """The block's rate per process with ``workers`` processes running it at once (one thread each): what
     one worker achieves when the workers share the cores (and whatever else runs here). The median."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_block_worker, args=(dtype, out)) for _ in range(workers)]
-    for p in procs:
-        p.start()
-    try:
-        rates = [out.get(timeout=timeout) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    return statistics.median(rates)
+    return statistics.median(answers(_block_worker, [(dtype,)] * workers, workers, timeout))
 
 
 def _rank(rank: int, world: int, store: str, out) -> None:
@@ -202,22 +190,9 @@ def _rank(rank: int, world: int, store: str, out) -> None:
 
 def link_times(world: int = 2, timeout: float = 60.0) -> dict[int, float]:
     """{bytes: best seconds} of a ``world``-process gloo all-reduce on loopback."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            times = out.get(timeout=timeout)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
-    return times
+        return answers(_rank, [(r, world, store) for r in range(world)], 1, timeout)[0]
 
 
 def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:

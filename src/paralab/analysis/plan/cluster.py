@@ -21,6 +21,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from ...errors import UsageError
+from .collectives import interpolate
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -47,13 +48,12 @@ class Cluster:
         ``link``: interpolated between measured calls where the cluster has them for ``op`` at ``n``
         (``collectives.py``; each call moving ``size / calls``), else the ring
         (``all_reduce`` and ``all_reduce_burst``: ``2(n-1)/n S/B + 2(n-1) a``; ``all_gather``,
-        ``reduce_scatter``, ``all_to_all``: half that; ``send``: ``S/B + a``). ``S`` is the whole buffer (an all-gather's output, a reduce-scatter's
-        input)."""
+        ``reduce_scatter``, ``all_to_all``: half that; ``send``: ``S/B + a``). ``S`` is the whole buffer (an
+        all-gather's output, a reduce-scatter's input)."""
         if n <= 1 or calls <= 0:
             return 0.0
         measured = self.collectives and self.collectives.get(op, {}).get(str(n))
         if measured:
-            from .collectives import interpolate
             return calls * interpolate(measured, size / calls)
         gbps, lat = link
         if op == "send":

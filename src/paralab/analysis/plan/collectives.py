@@ -139,28 +139,35 @@ def _call(comm, op: str, size: int, g: int, torch):
     return lambda: comm.recv(full, 0)
 
 
-def measure(workers: int, gbps: float, repeats: int = 30, join=None, record: dict | None = None,
-            init_method: str | None = None, timeout: float = 300.0) -> dict:
-    """Every group size, operation and size timed in the loop (``join``, ``record``, ``init_method``: the
-    emulated network's, as ``paralab.run.network`` gives them; none: loopback). Returns the rows, the
-    fits and the chunk's slowdown."""
+def answers(target, args: list[tuple], count: int, timeout: float) -> list:
+    """Start a spawned process per entry of ``args`` (each runs ``target(*entry, queue)``), take ``count``
+    answers from the queue, and end every process however that goes: the measuring processes of this module
+    and of ``calibrate.py``."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, out)) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=timeout) for _ in range(count)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+
+
+def measure(workers: int, gbps: float, repeats: int = 30, join=None, record: dict | None = None,
+            init_method: str | None = None, timeout: float = 300.0) -> dict:
+    """Every group size, operation and size timed in the loop (``join``, ``record``, ``init_method``: the
+    emulated network's, as ``paralab.run.network`` gives them; none: loopback). Returns the rows and
+    their points by operation and group size (:func:`points`)."""
     sizes = sizes_for(gbps)
     with tempfile.TemporaryDirectory() as tmp:
         init = init_method or f"file://{Path(tmp) / 'store'}"
-        procs = [ctx.Process(target=_rank, args=(r, workers, init, join, record, sizes, repeats, out))
-                 for r in range(workers)]
-        for p in procs:
-            p.start()
-        try:
-            everyone = out.get(timeout=timeout)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
+        everyone = answers(_rank, [(r, workers, init, join, record, sizes, repeats) for r in range(workers)], 1,
+                           timeout)[0]
     rows = []
     for i, (op, g, size, _) in enumerate(everyone[0]["rows"]):
         # a call's time: the mean over the ranks (a send: its receiver's, which waits for the bytes)

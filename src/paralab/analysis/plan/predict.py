@@ -48,7 +48,6 @@ Per step on the busiest device (all times in seconds):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -370,9 +369,10 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
     """The simulated step of schedule ``name`` at per-stage forward and backward times ``F``, ``B`` (a
     zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s.
     Layouts that differ only outside the pipeline (ZeRO stage, data parallelism) share one simulation."""
-    kw = dict(zip(("input_time", "weight_time"), zip(*map(split_backward, B)))) if spec_of(name).split_backward \
-        else {}
-    kw = {k: list(v) for k, v in kw.items()}
+    kw = {}
+    if spec_of(name).split_backward:
+        inputs, weights = zip(*map(split_backward, B))
+        kw = dict(input_time=list(inputs), weight_time=list(weights))
     timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
     return max((x.t1 for row in timeline for x in row), default=0.0)
 
