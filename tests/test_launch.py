@@ -99,6 +99,24 @@ def test_per_worker_batch_and_core_pinning(paralab):
         assert config["environment"]["cores_available"] == 1
 
 
+
+def test_a_gpu_rank_leaves_half_its_cores_to_the_driver():
+    """On CUDA a rank's host threads only feed the GPU: half its share of the cores (the CUDA driver's and
+    NCCL's threads get the rest); on CPU a lone worker keeps torch's own count; --cores-per-worker wins."""
+    import torch
+    from paralab.run.rendezvous import pin
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    before = torch.get_num_threads()
+    try:
+        pin(0, RunConfig(device="cuda"), 1)
+        assert torch.get_num_threads() == max(1, cores // 2)
+        torch.set_num_threads(before)
+        pin(0, RunConfig(device="cpu"), 1)
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------ failures
 def consequences(stderr: str) -> dict[int, str]:
     """The launcher's list of ranks that failed because of the first one: rank -> how."""

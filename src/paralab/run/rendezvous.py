@@ -228,8 +228,18 @@ def pin(local_rank: int, cfg: RunConfig, local_workers: int) -> None:
                 print(f"paralab: rank {local_rank}: could not pin to cores {mine} ({exc}); running unpinned",
                       file=sys.stderr, flush=True)
         torch.set_num_threads(c)
+    elif on_gpu(cfg):
+        # the host only feeds the GPU (augmentation, launches): half of a rank's share of the cores, so that
+        # the CUDA driver's and NCCL's threads do not preempt one of its pool's threads mid-batch, which
+        # stalls the whole pool (docs/gpu.md#host-threads)
+        torch.set_num_threads(max(1, len(allowed) // local_workers // 2))
     elif local_workers > 1:
         torch.set_num_threads(max(1, len(allowed) // local_workers))
+
+
+def on_gpu(cfg: RunConfig) -> bool:
+    """Whether the ranks will train on CUDA devices (``--device cuda``, or ``auto`` with a GPU visible)."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def interface_towards(host: str) -> str | None:

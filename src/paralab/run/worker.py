@@ -26,6 +26,7 @@ from . import checkpoint, hangs, held, records
 from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
+from .rendezvous import on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, model_shape
@@ -43,7 +44,7 @@ at_step: int | None = None
 
 
 def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if on_gpu(cfg):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
