@@ -13,8 +13,8 @@ having run nothing. Steps, each recorded even when it fails:
 2. every registered strategy's ``--check`` on the GPU(s): at 1 worker where
    the strategy runs there (torch-dp: ``--gpus 1``), else at 2 workers where
    2 GPUs are visible, else left out with why;
-3. benchmarks at 1 GPU: samples/s of ``single``, ``ddp`` and ``fsdp`` on
-   VGG-11 (width 1, batch 256), and model FLOPs utilisation (MFU) for VGG-11
+3. benchmarks at 1 GPU: samples/s of ``single``, ``ddp``, ``torch-ddp``,
+   ``fsdp`` and ``torch-fsdp`` on VGG-11 (width 1, batch 256), and model FLOPs utilisation (MFU) for VGG-11
    and ``--model gpt``: FLOPs of one training step counted by
    ``torch.utils.flop_counter`` over the measured step time, against the
    device's dense peak (the table below; an unknown device gets no MFU).
@@ -206,7 +206,8 @@ def peak_flops(device_name: str | None, arithmetic: str) -> float | None:
     return None
 
 
-BENCH = [("single", "vgg11", []), ("ddp", "vgg11", []), ("fsdp", "vgg11", []), ("single", "gpt", [])]
+BENCH = [("single", "vgg11", []), ("ddp", "vgg11", []), ("torch-ddp", "vgg11", []), ("fsdp", "vgg11", []),
+         ("torch-fsdp", "vgg11", []), ("single", "gpt", [])]
 
 
 def benchmarks(device: str, tmp: Path, steps: int) -> list[dict]:
@@ -225,7 +226,8 @@ def benchmarks(device: str, tmp: Path, steps: int) -> list[dict]:
                                     "--eval-batches", "1", "--no-progress", *dataset, *extra, "--out", str(out))
         s = read_summary(out)
         row = {"strategy": strategy, "model": model, "width": 1.0, "batch": batch, "returncode": rc,
-               "seconds_per_iter": s.get("seconds_per_iter"), "samples_per_s": s.get("samples_per_s")}
+               "seconds_per_iter": s.get("seconds_per_iter"), "samples_per_s": s.get("samples_per_s"),
+               "seconds_per_iter_median": s.get("seconds_per_iter_median")}
         if rc != 0:
             row["output_tail"] = text
         try:
@@ -241,6 +243,17 @@ def benchmarks(device: str, tmp: Path, steps: int) -> list[dict]:
         print(f"gpu-check: bench {strategy} {model}: {row.get('samples_per_s')} samples/s, MFU {row.get('mfu')}",
               flush=True)
     return rows
+
+
+def host_cpu() -> str | None:
+    """The host CPU's model name (the data path and the launches run there)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def write(name: str, obj: dict) -> Path:
@@ -271,7 +284,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name(0)
     gpus = torch.cuda.device_count()
     header = {"device": device, "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
-              "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+              "python": sys.version.split()[0], "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
+              "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     print(f"gpu-check: {gpus} x {device}, torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True)
     failed = False
     with tempfile.TemporaryDirectory(prefix="paralab-gpu-") as d:
