@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# a `paralab serve` the developer left running must not run the tests' commands (tests/test_serve.py
+# starts its own, in a folder of its own)
+os.environ["PARALAB_SERVE"] = "off"
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` skip, saying why, where no CUDA device is visible (`make gpu-check` runs them)."""

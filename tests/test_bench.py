@@ -69,7 +69,7 @@ def test_mesh_bench(tmp_path):
 @pytest.mark.slow  # a few runs of each start-up path (no compare): about half a minute
 def test_startup_bench(tmp_path):
     d = bench(tmp_path, "startup", "--repeats", "1", "--no-compare")
-    assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run"}
+    assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run", "train (served)"}
     assert all(v > 0 for v in d["median_seconds"].values()) and d["over_import_torch"]["import torch"] == 1.0
     assert "compare" not in d
 

@@ -117,6 +117,22 @@ def test_a_gpu_rank_leaves_half_its_cores_to_the_driver():
         torch.set_num_threads(before)
 
 
+
+def test_a_peer_that_never_joins_is_named_and_nothing_is_left(tmp_path):
+    """A manual launch whose other rank never starts: rank 0 says the group did not form and who to start;
+    a lone rank 1 says rank 0's rendezvous did not answer. One line each, no traceback, no run folder."""
+    ports = [free_port(), free_port()]
+    outs = [tmp_path / "alone0", tmp_path / "alone1"]
+    results = run_ranks([rank_cmd(r, ports[r], outs[r], "--timeout", "3") for r in (0, 1)], timeout=120)
+    for (code, _, err), out in zip(results, outs):
+        assert code == 1 and "Traceback" not in err, err[-2000:]
+        assert not out.exists()
+    assert ("paralab: rank 0: the group of 2 did not form within --timeout 3 s" in results[0][2]
+            and f"127.0.0.1:{ports[0]}: start every other rank (--rank 1 to 1" in results[0][2]), results[0][2][-1500:]
+    assert ("paralab: rank 1: could not join the group within --timeout 3 s: rank 0's rendezvous at "
+            f"127.0.0.1:{ports[1]} did not answer" in results[1][2]), results[1][2][-1500:]
+
+
 # ------------------------------------------------------------------ failures
 def consequences(stderr: str) -> dict[int, str]:
     """The launcher's list of ranks that failed because of the first one: rank -> how."""

@@ -4,4 +4,4 @@ A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int`` (raise UsageError for bad input). The CLI registers every
 module listed in ``COMMANDS`` that exists.
 """
-COMMANDS = ("compare", "plot", "calc", "plan", "partition", "sweep", "export")
+COMMANDS = ("compare", "plot", "calc", "plan", "partition", "sweep", "export", "serve")

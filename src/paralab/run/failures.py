@@ -25,6 +25,25 @@ PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "timed out", "DistNetworkError", "DistBackendError", "Connection refused")
 
 
+class GroupNotFormed(RuntimeError):
+    """The ranks did not all join the process group within ``--timeout``: one never started, or cannot
+    reach rank 0's rendezvous. Said in one line, with what to do; no traceback."""
+
+
+def group_not_formed(rank: int, world: int, where: str, timeout: float, said: BaseException) -> GroupNotFormed:
+    """The error a rank raises when its rendezvous at ``where`` (``host:port``) times out."""
+    torch_said = (str(said).strip().splitlines() or [type(said).__name__])[0]
+    if rank == 0:
+        return GroupNotFormed(
+            f"rank 0: the group of {world} did not form within --timeout {timeout:g} s ({torch_said}). Rank 0 "
+            f"serves the rendezvous at {where}: start every other rank (--rank 1 to {world - 1}, with the same "
+            "--world-size, --master-addr and --master-port), or raise --timeout if they start later")
+    return GroupNotFormed(
+        f"rank {rank}: could not join the group within --timeout {timeout:g} s: rank 0's rendezvous at "
+        f"{where} did not answer ({torch_said}). Start rank 0 (it serves the rendezvous), check --master-addr "
+        "and --master-port, and that this host can reach that address")
+
+
 # ---------------------------------------------------------------------------- entry points
 def describe(exc: BaseException) -> str:
     """``Type: message``, as the last line of a traceback says it (bounded)."""

@@ -42,7 +42,7 @@ import traceback
 
 from ..progress import emit
 from .config import RunConfig
-from .failures import describe, is_peer_loss, resume_hint
+from .failures import GroupNotFormed, describe, is_peer_loss, resume_hint
 from .hangs import explain_hang
 from .local import die_with_parent, run_local
 from .rendezvous import choose_gloo_interface, free_port, pin, slurm_place, tcp_url, under_torchrun
@@ -178,6 +178,10 @@ def _run_here(cfg, rank, world, local_rank, init_method, run_dir) -> int:
         return 0
     except SystemExit as exc:  # an orderly non-zero exit (check FAIL, diverged loss)
         return int(exc.code or 0)
+    except GroupNotFormed as exc:  # nothing ran: what to do, without a traceback
+        print(f"paralab: {exc}", file=sys.stderr, flush=True)
+        emit("error", rank=rank, message=describe(exc), resume=None)
+        return 1
     except Exception as exc:  # noqa: BLE001 - report the traceback, exit non-zero
         traceback.print_exc()
         lost = is_peer_loss(traceback.format_exc())  # then it is a consequence: another rank failed first

@@ -26,6 +26,7 @@ from . import checkpoint, hangs, held, records
 from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
+from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
@@ -107,11 +108,16 @@ def fault_injection(rank: int, step: int, attempt: int = 1) -> None:
 def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     kwargs = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout))
-    if init_method is None:  # torchrun: its store, under a prefix of this start of the group
-        dist.init_process_group(store=torchrun_store(rank, world, cfg.timeout), rank=rank, world_size=world,
-                                **kwargs)
-    else:
-        dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
+    try:
+        if init_method is None:  # torchrun: its store, under a prefix of this start of the group
+            dist.init_process_group(store=torchrun_store(rank, world, cfg.timeout), rank=rank, world_size=world,
+                                    **kwargs)
+        else:
+            dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:  # a rank never came, or rank 0 cannot be reached
+        where = (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if init_method is None
+                 else init_method.removeprefix("tcp://"))
+        raise group_not_formed(rank, world, where, cfg.timeout, exc) from None
     return backend
 
 
@@ -139,7 +145,11 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_meth
     if world > 1:
         oplog.open_log(hangs.log_path(run_dir, rank), rank, world)
     device = pick_device(cfg, local_rank)
-    backend = init_group(cfg, rank, world, device, init_method)
+    try:
+        backend = init_group(cfg, rank, world, device, init_method)
+    except GroupNotFormed:  # nothing ran: leave nothing behind
+        hangs.remove_log(run_dir, created)
+        raise
     try:
         train(cfg, rank, world, device, backend, run_dir)
     except SystemExit:  # an orderly exit every rank takes together

@@ -1,0 +1,274 @@
+"""A warm server: `paralab serve` keeps torch imported so that later commands start warm.
+
+A command's first seconds go to importing torch and ``torch._dynamo`` (which every ``torch.optim``
+optimizer imports; ``warm.py``). Within one command, ranks already fork from a process that has
+imported them; across commands nothing was kept. ``paralab serve`` starts a server in the background
+that imports them once (:data:`PRELOAD`: torch only, never paralab, so edits to paralab's code are
+seen by the next command) and then waits on a Unix socket.
+
+The command line's entry (:func:`delegate`, called by ``paralab.front`` before anything heavy is
+imported) looks for the socket. If a server answers, it sends the command (arguments, working
+directory, environment) with its own standard input, output and error (the file descriptors
+themselves, ``SCM_RIGHTS``), and the server forks a child that becomes the command: a new session
+(so signals reach it and every rank it starts), the client's descriptors as its own, the client's
+directory and environment, then ``paralab.cli.main``. The client forwards Ctrl-C (SIGINT), SIGTERM
+and SIGHUP to the child's process group and exits with the child's exit code, which the server
+sends when it reaps the child (a signal's death as 128 + its number, the shell's convention).
+
+The server refuses a command (and the client runs it itself, as without a server) when the command
+would differ from a cold one: another Python or paralab checkout, environment variables that torch
+reads while it loads set differently (:data:`LOAD_TIME`), or torch or this module changed on disk
+since the server started (then the server also exits). It accepts only its own user (the socket's
+folder is private, and the peer's uid is checked), reads only JSON, and exits after ``--idle``
+minutes without a command. ``PARALAB_SERVE=off`` (the tests set it) or ``--start spawn`` keeps a
+command away from it. Why a server and not more preloading: docs/architecture.md, "Starting processes".
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+#: what the server imports before it listens (torch only: paralab's own modules load fresh per command)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+#: prefixes of the environment variables read while torch and its libraries load
+LOAD_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "LD_",
+             "PYTHON", "GLOO_")
+
+
+def folder(create: bool = False) -> Path | None:
+    """The server's private folder (socket, pid, log), or None where it is missing (``create``: make
+    it) or not this user's alone: then no server is used."""
+    path = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"paralab-serve-{os.getuid()}"
+    if create:
+        path.mkdir(mode=0o700, exist_ok=True)
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    import stat
+    return path if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 else None
+
+
+def socket_path() -> Path | None:
+    where = folder()
+    return where / "serve.sock" if where else None
+
+
+def load_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME)}
+
+
+def identity() -> dict:
+    """What makes a command run here run the same as in a cold process (see the module's docstring)."""
+    import paralab
+    return {"python": os.path.realpath(sys.executable), "paralab": os.path.dirname(os.path.realpath(paralab.__file__)),
+            "env": load_env(os.environ)}
+
+
+# ---------------------------------------------------------------------------- the client (stdlib only)
+def delegate(argv: list[str]) -> int | None:
+    """Run ``argv`` in the warm server if one answers and takes it: the command's exit code; else None
+    (no server, or it refused: the caller runs the command itself)."""
+    if os.environ.get("PARALAB_SERVE", "").lower() in ("off", "0", "no") or not argv or argv[0] == "serve" \
+            or "--start" in argv and argv[argv.index("--start") + 1:argv.index("--start") + 2] == ["spawn"]:
+        return None
+    path = socket_path()
+    if path is None or not path.exists():
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "identity": identity()}
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        reader = conn.makefile("r")
+        reply = json.loads(reader.readline() or "{}")
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    if "pid" not in reply:  # refused (another identity, a stale server): run cold
+        conn.close()
+        return None
+    child = reply["pid"]
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(child, signum)
+        except ProcessLookupError:
+            pass
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, forward)
+    try:
+        line = reader.readline()
+        return int(json.loads(line)["exit"]) if line else _lost()
+    except (OSError, ValueError, KeyError):
+        return _lost()
+
+
+def _lost() -> int:
+    print("paralab: the warm server went away before the command ended (paralab serve --stop; run it again)",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+# ---------------------------------------------------------------------------- the server
+def _fingerprint() -> dict:
+    """Files whose change makes this server stale: torch's version file and this module."""
+    import torch
+    files = [Path(torch.__file__).with_name("version.py"), Path(__file__)]
+    return {str(f): f.stat().st_mtime_ns for f in files if f.exists()}
+
+
+def serve(idle_seconds: float) -> None:
+    """The server's loop (the process ``paralab serve`` starts in the background)."""
+    import importlib
+    me, before = identity(), dict(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # what importing set in the environment (torch._dynamo: TORCHINDUCTOR_CACHE_DIR), as a cold command's
+    # imports would set it in its own
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    fingerprint = _fingerprint()
+    path = folder(create=True) / "serve.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    listener.bind(str(tmp))
+    os.chmod(tmp, 0o600)
+    listener.listen(16)
+    os.replace(tmp, path)  # clients see the socket only once it listens
+    inode = path.stat().st_ino
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `paralab serve --stop`: leave in order
+    children: dict[int, tuple] = {}  # running commands: pid -> (the client's connection, the command)
+    last = time.monotonic()
+    try:
+        while children or time.monotonic() - last < idle_seconds:
+            ready, _, _ = select.select([listener], [], [], 0.2)
+            _reap(children)
+            if not ready:
+                continue
+            conn, _ = listener.accept()
+            last = time.monotonic()
+            if _fingerprint() != fingerprint:  # torch or this module changed: refuse, and stop serving
+                _reply(conn, {"refused": "stale"})
+                break
+            taken = _take(conn, me, added)
+            if taken:
+                children[taken[0]] = (conn, taken[1])
+    finally:
+        try:
+            if path.stat().st_ino == inode:  # still ours (a newer server may have replaced it)
+                path.unlink()
+        except OSError:
+            pass
+        listener.close()
+        while children:  # leaving: running commands go on; their clients still learn the exit code
+            _reap(children, block=True)
+
+
+def _reply(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+    if "pid" not in message:
+        conn.close()
+
+
+def _take(conn: socket.socket, me: dict, added: dict) -> tuple[int, list[str]] | None:
+    """Read one command; fork its child; (the child's pid, the command) or None (refused: said, closed)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    if struct.unpack("3i", creds)[1] != os.getuid():
+        conn.close()
+        return None
+    try:
+        conn.settimeout(10)
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                raise ValueError("cut short")
+            data += more
+        request = json.loads(data)
+        conn.settimeout(None)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    if request.get("identity") != me or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        differs = sorted(k for k in me if (request.get("identity") or {}).get(k) != me[k])
+        print(f"refused `paralab {' '.join(request.get('argv', []))}`: {', '.join(differs) or 'descriptors'} "
+              "not the server's; it runs cold", flush=True)
+        _reply(conn, {"refused": "identity"})
+        return None
+    pid = os.fork()
+    if pid == 0:  # the command
+        _become(request, fds, added)
+    for fd in fds:
+        os.close(fd)
+    _reply(conn, {"pid": pid})
+    return pid, request["argv"]
+
+
+def _become(request: dict, fds: list[int], added: dict) -> None:
+    """In the forked child: take the client's descriptors, directory and environment; run the command."""
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update({**added, **request["env"]})
+        sys.stdin, sys.stdout, sys.stderr = _stream(0, "r"), _stream(1, "w"), _stream(2, "w")
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+        sys.argv = ["paralab", *request["argv"]]
+        from ..cli import main
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as a cold command would: the traceback, exit 1
+        import traceback
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _stream(fd: int, mode: str):
+    """A standard stream on ``fd`` as a cold interpreter would open it: line-buffered to a terminal
+    (stderr always), unbuffered under PYTHONUNBUFFERED (from the client's environment), else buffered."""
+    import io
+    unbuffered = mode == "w" and bool(os.environ.get("PYTHONUNBUFFERED"))
+    raw = open(fd, mode + "b", buffering=0 if unbuffered else -1, closefd=False)
+    return io.TextIOWrapper(raw, line_buffering=mode == "w" and (fd == 2 or os.isatty(fd)),
+                            write_through=unbuffered, errors="backslashreplace" if fd == 2 else "strict")
+
+
+def _reap(children: dict, block: bool = False) -> None:
+    """Tell each client whose command has ended its exit code (``block``: wait for one to end)."""
+    for pid in list(children):
+        done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            code = code if code >= 0 else 128 - code
+            conn, argv = children.pop(pid)
+            print(f"pid {pid}: `paralab {' '.join(argv)}` exited {code}", flush=True)  # the server's log
+            _reply(conn, {"exit": code})
+
+
+if __name__ == "__main__":  # python -m paralab.run.serve IDLE_SECONDS (what `paralab serve` starts)
+    serve(float(sys.argv[1]))

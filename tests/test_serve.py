@@ -1,0 +1,101 @@
+"""`paralab serve`: commands forked from a warm server behave as cold ones (output, exit code, losses,
+Ctrl-C), the server refuses what it would run differently, and it stops in order."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import FAST
+
+
+def served_env(folder: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PARALAB_SERVE"}  # conftest turns the server off
+    return {**env, "XDG_RUNTIME_DIR": str(folder), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def paralab(folder: Path, *args: str, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paralab", *args], capture_output=True, text=True, timeout=180,
+                          env=served_env(folder, **extra))
+
+
+def log_lines(folder: Path) -> list[str]:
+    path = folder / f"paralab-serve-{os.getuid()}" / "serve.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def losses(run: Path) -> list:
+    rows = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    return sorted((r["step"], r["rank"], r["loss"]) for r in rows)
+
+
+def test_a_served_command_is_a_cold_one_and_the_server_refuses_what_it_would_change(tmp_path):
+    folder = tmp_path / "xdg"
+    folder.mkdir(mode=0o700)
+    r = paralab(folder, "serve", "--idle", "5")
+    assert r.returncode == 0 and "paralab serve: ready" in r.stdout, r.stderr
+    try:
+        assert paralab(folder, "serve", "--status").returncode == 0
+        assert "already running" in paralab(folder, "serve").stdout
+
+        # a run through the server: its output, records and losses are a cold run's
+        args = ["train", "ddp", "--workers", "2", "--num-batches", "3", *FAST]
+        served = paralab(folder, *args, "--out", str(tmp_path / "served"))
+        assert served.returncode == 0, served.stderr[-2000:]
+        assert "records written to" in served.stdout
+        assert any("`paralab train ddp" in line and line.endswith("exited 0") for line in log_lines(folder))
+        cold = paralab(folder, *args, "--out", str(tmp_path / "cold"), PARALAB_SERVE="off")
+        assert cold.returncode == 0 and len(log_lines(folder)) == 1
+        assert losses(tmp_path / "served") == losses(tmp_path / "cold")
+
+        # bad input: the cold command's exit code and message
+        bad = paralab(folder, "train", "ddp", "--workers", "0", "--out", str(tmp_path / "bad"))
+        assert bad.returncode == 2 and "paralab: error:" in bad.stderr and not (tmp_path / "bad").exists()
+        assert log_lines(folder)[-1].endswith("exited 2")
+
+        # an environment variable torch reads while it loads, set otherwise: refused, so it runs cold
+        other = paralab(folder, *args, "--out", str(tmp_path / "other"), OMP_NUM_THREADS="1")
+        assert other.returncode == 0 and "refused `paralab train ddp" in log_lines(folder)[-1]
+
+        # Ctrl-C at the client reaches the command and its ranks; the client exits with its code
+        proc = subprocess.Popen([sys.executable, "-m", "paralab", "train", "ddp", "--workers", "2",
+                                 "--num-batches", "100000", *FAST, "--out", str(tmp_path / "long")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=served_env(folder))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "long" / "oplog").exists() and time.monotonic() < deadline:  # the ranks run
+            time.sleep(0.1)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode not in (0, None), err[-2000:]
+        last = log_lines(folder)[-1]
+        assert "--num-batches 100000" in last and last.endswith(f"exited {proc.returncode}"), last
+        assert paralab(folder, "serve", "--status").returncode == 0
+    finally:
+        stop = paralab(folder, "serve", "--stop")
+    assert stop.returncode == 0 and "stopped" in stop.stdout
+    assert paralab(folder, "serve", "--status").returncode == 1
+
+
+def test_a_server_whose_code_changed_refuses_and_leaves(tmp_path):
+    """The server's own module newer than the server (an edit, a pull): the command runs cold, the server
+    exits and takes its socket with it."""
+    from paralab.run import serve
+    folder = tmp_path / "xdg"
+    folder.mkdir(mode=0o700)
+    assert paralab(folder, "serve", "--idle", "5").returncode == 0
+    try:
+        os.utime(serve.__file__)  # as an edit would (the content stays)
+        r = paralab(folder, "calc", "--help")
+        assert r.returncode == 0 and "usage: paralab calc" in r.stdout
+        deadline = time.monotonic() + 30
+        while paralab(folder, "serve", "--status").returncode == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert paralab(folder, "serve", "--status").returncode == 1
+    finally:
+        paralab(folder, "serve", "--stop")
+    assert not (folder / f"paralab-serve-{os.getuid()}" / "serve.sock").exists()
