@@ -110,6 +110,10 @@ def main(argv: list[str]) -> int:
                                                     str(tmp)))
                 times["warm run"].append(warm_run(tmp, str(rep)))
                 times["train (served)"].append(timed([*cli, "--out", str(tmp / f"served-{rep}")], str(tmp), served))
+            log = next(served.glob("paralab-serve-*/serve.log")).read_text().splitlines()
+            refused = [line for line in log if line.startswith("refused")]
+            if refused:  # the server ran none of them: the figure would be a cold one
+                raise RuntimeError("the warm server refused the command line: " + refused[0])
             compare = None
             if args.compare:
                 compare = {}

@@ -17,7 +17,7 @@ import pytest
 
 #: module -> the only modules (besides its own package's) that may import it
 ONLY_IMPORTED_BY = {
-    "paralab.cli": ("paralab.__main__",),   # the command line is the top: nothing builds on it
+    "paralab.cli": ("paralab.__main__", "paralab.front"),   # the command line is the top: nothing builds on it
     "paralab.commands": ("paralab.cli",),   # subcommands are registered by the command line alone
 }
 #: the layers, bottom first (docs/architecture.md draws them): a module imports only from its own layer
@@ -31,7 +31,7 @@ LAYERS = [
     ("one run", ("paralab.run",)),
     ("what people read", ("paralab.report",)),
     ("commands", ("paralab.commands",)),
-    ("the command line", ("paralab.cli", "paralab.__main__")),
+    ("the command line", ("paralab.cli", "paralab.__main__", "paralab.front")),
 ]
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "paralab"

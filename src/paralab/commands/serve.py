@@ -86,7 +86,7 @@ def run(args) -> int:
         return 0
     t0 = time.monotonic()
     with open(where / "serve.log", "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "paralab.run.serve", str(args.idle * 60)],
+        process = subprocess.Popen([sys.executable, "-m", "paralab.front", str(args.idle * 60)],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                    env={**os.environ, "PARALAB_SERVE": "off"})
     (where / "serve.pid").write_text(str(process.pid))

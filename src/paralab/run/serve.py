@@ -3,8 +3,8 @@
 A command's first seconds go to importing torch and ``torch._dynamo`` (which every ``torch.optim``
 optimizer imports; ``warm.py``). Within one command, ranks already fork from a process that has
 imported them; across commands nothing was kept. ``paralab serve`` starts a server in the background
-that imports them once (:data:`PRELOAD`: torch only, never paralab, so edits to paralab's code are
-seen by the next command) and then waits on a Unix socket.
+(``python -m paralab.front IDLE``) that imports them once (:data:`PRELOAD`: torch only, never
+paralab, so edits to paralab's code are seen by the next command) and then waits on a Unix socket.
 
 The command line's entry (:func:`delegate`, called by ``paralab.front`` before anything heavy is
 imported) looks for the socket. If a server answers, it sends the command (arguments, working
@@ -68,16 +68,17 @@ def load_env(env: dict) -> dict:
 def identity() -> dict:
     """What makes a command run here run the same as in a cold process (see the module's docstring)."""
     import paralab
-    return {"python": os.path.realpath(sys.executable), "paralab": os.path.dirname(os.path.realpath(paralab.__file__)),
-            "env": load_env(os.environ)}
+    return {"python": os.path.realpath(sys.executable),
+            "paralab": os.path.dirname(os.path.realpath(paralab.__file__)), "env": load_env(os.environ)}
 
 
 # ---------------------------------------------------------------------------- the client (stdlib only)
 def delegate(argv: list[str]) -> int | None:
     """Run ``argv`` in the warm server if one answers and takes it: the command's exit code; else None
     (no server, or it refused: the caller runs the command itself)."""
+    spawn = "--start=spawn" in argv or any(a == "--start" and b == "spawn" for a, b in zip(argv, argv[1:]))
     if os.environ.get("PARALAB_SERVE", "").lower() in ("off", "0", "no") or not argv or argv[0] == "serve" \
-            or "--start" in argv and argv[argv.index("--start") + 1:argv.index("--start") + 2] == ["spawn"]:
+            or spawn:  # asked for fresh interpreters: cold, as asked
         return None
     path = socket_path()
     if path is None or not path.exists():
@@ -119,14 +120,15 @@ def _lost() -> int:
 
 # ---------------------------------------------------------------------------- the server
 def _fingerprint() -> dict:
-    """Files whose change makes this server stale: torch's version file and this module."""
+    """Files whose change makes this server stale: torch's version file, this module and the entry."""
     import torch
-    files = [Path(torch.__file__).with_name("version.py"), Path(__file__)]
+    files = [Path(torch.__file__).with_name("version.py"), Path(__file__), Path(__file__).parents[1] / "front.py"]
     return {str(f): f.stat().st_mtime_ns for f in files if f.exists()}
 
 
-def serve(idle_seconds: float) -> None:
-    """The server's loop (the process ``paralab serve`` starts in the background)."""
+def serve(idle_seconds: float, command) -> None:
+    """The server's loop (the process ``paralab serve`` starts in the background); ``command()`` is what
+    each forked child runs once it has become the client's command (the command line's ``main``)."""
     import importlib
     me, before = identity(), dict(os.environ)
     for name in PRELOAD:
@@ -158,7 +160,7 @@ def serve(idle_seconds: float) -> None:
             if _fingerprint() != fingerprint:  # torch or this module changed: refuse, and stop serving
                 _reply(conn, {"refused": "stale"})
                 break
-            taken = _take(conn, me, added)
+            taken = _take(conn, me, added, command)
             if taken:
                 children[taken[0]] = (conn, taken[1])
     finally:
@@ -181,7 +183,7 @@ def _reply(conn: socket.socket, message: dict) -> None:
         conn.close()
 
 
-def _take(conn: socket.socket, me: dict, added: dict) -> tuple[int, list[str]] | None:
+def _take(conn: socket.socket, me: dict, added: dict, command) -> tuple[int, list[str]] | None:
     """Read one command; fork its child; (the child's pid, the command) or None (refused: said, closed)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     if struct.unpack("3i", creds)[1] != os.getuid():
@@ -210,14 +212,14 @@ def _take(conn: socket.socket, me: dict, added: dict) -> tuple[int, list[str]] |
         return None
     pid = os.fork()
     if pid == 0:  # the command
-        _become(request, fds, added)
+        _become(request, fds, added, command)
     for fd in fds:
         os.close(fd)
     _reply(conn, {"pid": pid})
     return pid, request["argv"]
 
 
-def _become(request: dict, fds: list[int], added: dict) -> None:
+def _become(request: dict, fds: list[int], added: dict, command) -> None:
     """In the forked child: take the client's descriptors, directory and environment; run the command."""
     code = 1
     try:
@@ -232,8 +234,7 @@ def _become(request: dict, fds: list[int], added: dict) -> None:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
         sys.argv = ["paralab", *request["argv"]]
-        from ..cli import main
-        code = main()
+        code = command()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - as a cold command would: the traceback, exit 1
@@ -268,7 +269,3 @@ def _reap(children: dict, block: bool = False) -> None:
             conn, argv = children.pop(pid)
             print(f"pid {pid}: `paralab {' '.join(argv)}` exited {code}", flush=True)  # the server's log
             _reply(conn, {"exit": code})
-
-
-if __name__ == "__main__":  # python -m paralab.run.serve IDLE_SECONDS (what `paralab serve` starts)
-    serve(float(sys.argv[1]))
