@@ -160,7 +160,7 @@ def serve(idle_seconds: float, command) -> None:
             if _fingerprint() != fingerprint:  # torch or this module changed: refuse, and stop serving
                 _reply(conn, {"refused": "stale"})
                 break
-            taken = _take(conn, me, added, command)
+            taken = _take(conn, me, added, command, [listener, conn, *(c for c, _ in children.values())])
             if taken:
                 children[taken[0]] = (conn, taken[1])
     finally:
@@ -183,8 +183,9 @@ def _reply(conn: socket.socket, message: dict) -> None:
         conn.close()
 
 
-def _take(conn: socket.socket, me: dict, added: dict, command) -> tuple[int, list[str]] | None:
-    """Read one command; fork its child; (the child's pid, the command) or None (refused: said, closed)."""
+def _take(conn: socket.socket, me: dict, added: dict, command, sockets: list) -> tuple[int, list[str]] | None:
+    """Read one command; fork its child; (the child's pid, the command) or None (refused: said, closed).
+    ``sockets``: the server's, which the child closes (a command must not hold the server's connections)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     if struct.unpack("3i", creds)[1] != os.getuid():
         conn.close()
@@ -212,6 +213,8 @@ def _take(conn: socket.socket, me: dict, added: dict, command) -> tuple[int, lis
         return None
     pid = os.fork()
     if pid == 0:  # the command
+        for s in sockets:
+            s.close()
         _become(request, fds, added, command)
     for fd in fds:
         os.close(fd)
