@@ -68,7 +68,7 @@ def load_env(env: dict) -> dict:
 def identity() -> dict:
     """What makes a command run here run the same as in a cold process (see the module's docstring)."""
     import paralab
-    return {"python": os.path.realpath(sys.executable),
+    return {"python": os.path.realpath(sys.executable), "prefix": sys.prefix,  # the interpreter, its venv
             "paralab": os.path.dirname(os.path.realpath(paralab.__file__)), "env": load_env(os.environ)}
 
 
