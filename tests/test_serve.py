@@ -99,3 +99,13 @@ def test_a_server_whose_code_changed_refuses_and_leaves(tmp_path):
     finally:
         paralab(folder, "serve", "--stop")
     assert not (folder / f"paralab-serve-{os.getuid()}" / "serve.sock").exists()
+
+
+def test_a_folder_open_to_others_is_refused(tmp_path):
+    """The socket's folder must be this user's alone: one open to others gets exit 2 and what to do."""
+    folder = tmp_path / "xdg"
+    (folder / f"paralab-serve-{os.getuid()}").mkdir(parents=True, mode=0o755)
+    os.chmod(folder / f"paralab-serve-{os.getuid()}", 0o755)
+    r = paralab(folder, "serve")
+    assert r.returncode == 2 and "is not a folder of this user's alone" in r.stderr, r.stderr
+    assert not (folder / f"paralab-serve-{os.getuid()}" / "serve.sock").exists()

@@ -60,8 +60,8 @@ def run(args) -> int:
         raise UsageError(f"--idle must be a positive number of minutes (got {args.idle:g})")
     where = serve.folder(create=not (args.status or args.stop))
     if where is None and not (args.status or args.stop):
-        raise UsageError(f"{serve.folder.__doc__.split(',')[0]} cannot be this user's alone; "
-                         "set XDG_RUNTIME_DIR to a private folder")
+        raise UsageError(f"{serve.folder_path()} is not a folder of this user's alone (owned by uid {os.getuid()}, "
+                         "mode 0700): remove it, or set XDG_RUNTIME_DIR to a private folder")
     path = where / "serve.sock" if where else None
     pid = read_pid(where) if where else None
     if args.status:

@@ -42,10 +42,15 @@ LOAD_TIME = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH_", "
              "PYTHON", "GLOO_")
 
 
+def folder_path() -> Path:
+    """Where the server's private folder (socket, pid, log) is: $XDG_RUNTIME_DIR, else /tmp."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"paralab-serve-{os.getuid()}"
+
+
 def folder(create: bool = False) -> Path | None:
-    """The server's private folder (socket, pid, log), or None where it is missing (``create``: make
-    it) or not this user's alone: then no server is used."""
-    path = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"paralab-serve-{os.getuid()}"
+    """The server's private folder, or None where it is missing (``create``: make it) or not this user's
+    alone (owned by another, or open to others): then no server is used."""
+    path = folder_path()
     if create:
         path.mkdir(mode=0o700, exist_ok=True)
     try:
