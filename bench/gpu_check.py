@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import cpu_name  # bench/common.py: the standard library only
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SRC = ROOT / "src"
@@ -245,17 +247,6 @@ def benchmarks(device: str, tmp: Path, steps: int) -> list[dict]:
     return rows
 
 
-def host_cpu() -> str | None:
-    """The host CPU's model name (the data path and the launches run there)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def write(name: str, obj: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
@@ -284,7 +275,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name(0)
     gpus = torch.cuda.device_count()
     header = {"device": device, "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
-              "python": sys.version.split()[0], "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
+              "python": sys.version.split()[0], "host_cpu": cpu_name(), "host_cores": os.cpu_count(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     print(f"gpu-check: {gpus} x {device}, torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True)
     failed = False

@@ -17,9 +17,9 @@ what it costs on an idle wire.
 evenly over that ranking and each a different dp x tp x pp / ZeRO / schedule,
 are then trained with ``paralab train ... --network RATE`` on synthetic text,
 and each one's measured step (the mean of the slowest rank's steps after
-``--warmup``: what the run costs a step; a tenth of the collectives over an
-emulated link take five times the typical one, and the median would leave
-them out) is set beside its prediction, and so is its peak memory per
+``--warmup``: what the run costs a step; a few collectives over an emulated
+link take several times the typical one, and the median would leave them
+out) is set beside its prediction, and so is its peak memory per
 device: the busiest rank's model states (what the rank measured it holds,
 ``run/held.py``, with the strategy's own ledgers where it keeps any) plus the
 peak of its saved activations (``training/saved.py``), against the plan's model states

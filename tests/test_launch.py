@@ -99,10 +99,9 @@ def test_per_worker_batch_and_core_pinning(paralab):
         assert config["environment"]["cores_available"] == 1
 
 
-
 def test_a_gpu_rank_leaves_half_its_cores_to_the_driver():
     """On CUDA a rank's host threads only feed the GPU: half its share of the cores (the CUDA driver's and
-    NCCL's threads get the rest); on CPU a lone worker keeps torch's own count; --cores-per-worker wins."""
+    NCCL's threads get the rest); on CPU a lone worker keeps torch's own count."""
     import torch
     from paralab.run.rendezvous import pin
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -115,7 +114,6 @@ def test_a_gpu_rank_leaves_half_its_cores_to_the_driver():
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
-
 
 
 def test_a_peer_that_never_joins_is_named_and_nothing_is_left(tmp_path):

@@ -146,19 +146,13 @@ def _moe(args) -> dict:
     """The mixture-of-experts options, checked as ``paralab train`` checks them (exit 2 saying what to change)."""
     import dataclasses
 
+    from ..models.moe import check_shape
     from ..options import flag, name_of
     names = [name_of(x) for x in MOE]
     given = {n: getattr(args, n) for n in names}
     check(dataclasses.replace(MoEOptions(), **given), MoEOptions)
     changed = [flag(n) for n in names if given[n] != MoEOptions.__dataclass_fields__[n].default]
-    if args.model != "gpt" and changed:
-        raise UsageError(f"{', '.join(changed)}: a mixture of experts replaces the gpt's MLPs; --model {args.model} "
-                         "has none: use --model gpt or drop them")
-    if not args.experts and changed:
-        raise UsageError(f"{', '.join(changed)} shape a mixture of experts: add --experts E")
-    if args.experts and args.top_k > args.experts:
-        raise UsageError(f"--top-k {args.top_k} must be at most --experts {args.experts} (each token goes to "
-                         "top-k different experts)")
+    check_shape(changed, args.model, args.model == "gpt", args.experts, args.top_k)
     return given if args.experts else {}
 
 

@@ -6,7 +6,7 @@
 
 While it runs, every `paralab` command of this user (same Python, same paralab checkout, the same
 environment variables that torch reads while it loads) is forked from it instead of importing torch
-itself: a one-step 2-worker run then starts in about the time of an `import paralab` (figures:
+itself: a command then pays for paralab's own imports and its run, not torch's (figures:
 docs/benchmarks.md). Output, Ctrl-C and the exit code are the command's own, as without a server.
 The server imports torch only, never paralab, so a change to paralab's code is seen by the next
 command; a change to torch stops it. PARALAB_SERVE=off, or --start spawn, keeps a command away from it.

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UsageError
 from ..options import option
 
 #: how router logits become gates (``--gating``; the module docstring)
@@ -79,6 +80,20 @@ class MoEOptions:
                                     "to 1)", choices=GATINGS, identity=True)
     router_skew: float = option(0.0, "added to expert 0's router logit: a knob that sends it more tokens, to "
                                      "measure what imbalance costs (benchmarks); 0: none", minimum=0, identity=True)
+
+
+def check_shape(flags: list[str], model: str, text: bool, experts: int, top_k: int) -> None:
+    """UsageError where the mixture-of-experts options a command was given (``flags``: those set away from
+    their defaults) do not fit the model (``text``: a gpt, the one with MLPs) or each other; what
+    ``paralab train`` and ``paralab plan`` both check."""
+    if flags and not text:
+        raise UsageError(f"{', '.join(flags)}: a mixture of experts replaces the gpt's MLPs; --model {model} "
+                         "has none: use --model gpt or drop them")
+    if flags and not experts:
+        raise UsageError(f"{', '.join(flags)} shape a mixture of experts: add --experts E")
+    if experts and top_k > experts:
+        raise UsageError(f"--top-k {top_k} must be at most --experts {experts} (each token goes to "
+                         "top-k different experts)")
 
 
 class Expert(nn.Module):

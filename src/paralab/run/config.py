@@ -295,16 +295,10 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
 def check_moe(cfg: RunConfig, modality: str) -> None:
     """The mixture-of-experts options (models/moe.py) against the model and each other."""
     from ..models import MoEOptions
+    from ..models.moe import check_shape
     given = [options.flag(f.name) for f in options.option_fields(MoEOptions)
              if getattr(cfg, f.name) != f.default]
-    if modality != "text" and (given or cfg.ep > 1):
-        raise UsageError(f"{', '.join(given or ['--ep'])}: a mixture of experts replaces the gpt's MLPs; "
-                         f"--model {cfg.model} has none: use --model gpt or drop them")
-    if not cfg.experts and (given or cfg.ep > 1):
-        raise UsageError(f"{', '.join(given or ['--ep'])} shape a mixture of experts: add --experts E")
-    if cfg.experts and cfg.top_k > cfg.experts:
-        raise UsageError(f"--top-k {cfg.top_k} must be at most --experts {cfg.experts} (each token goes to "
-                         "top-k different experts)")
+    check_shape(given or (["--ep"] if cfg.ep > 1 else []), cfg.model, modality == "text", cfg.experts, cfg.top_k)
     if cfg.experts and cfg.sequence_parallel:
         raise UsageError("--experts with --sequence-parallel: each tp rank would route only its sequence "
                          "shard (another capacity and load-balancing loss than one process's); drop "

@@ -30,6 +30,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -57,7 +58,6 @@ def folder(create: bool = False) -> Path | None:
         st = path.lstat()
     except OSError:
         return None
-    import stat
     return path if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 else None
 
 

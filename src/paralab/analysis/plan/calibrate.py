@@ -254,7 +254,7 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
     if key and (key not in found.setdefault("block_flops_by_workers", {})
                 or workers > 1 and key not in found.get("link_by_workers", {})):
         bar = Progress(2, f"calibrating: {workers} workers at once", enabled=progress)
-        # the best of three: the least disturbed (another process here can halve one)
+        # the best of three: the least disturbed (another process here can slow one down)
         found["block_flops_by_workers"][key] = max(parallel_block_rate(dtype, workers) for _ in range(3))
         bar.update(1, f"a gpt block {found['block_flops_by_workers'][key] / 1e9:.1f} GFLOP/s per worker")
         if workers > 1:
@@ -279,7 +279,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
     share = min(1.0, cores / workers)
     rate = cal["matmul_flops"] * share
     together = cal.get("block_flops_by_workers", {}).get(str(workers))
-    alone = block_flops(8) / cal["block_seconds"]["8"] if "block_seconds" in cal else cal["block_flops"]
+    alone = block_flops(8) / cal["block_seconds"]["8"]
     slowdown = alone / together if together is not None else 1 / share  # of a unit, the workers at once
     block = cal["block_flops"] / slowdown
     efficiency = min(1.0, block / rate)

@@ -19,8 +19,8 @@ each operation (``all_reduce``, ``all_gather``, ``reduce_scatter``,
 a pipeline's)
 and four sizes. A call's time is the mean over its repeats and over the
 ranks (a transfer's: its receiver's). The mean, not the median: over an
-emulated link about a tenth of the calls take five times the typical one
-(TCP behind the token bucket), and a step pays for every call.
+emulated link a few calls take several times the typical one (TCP's
+delayed acknowledgements; docs/plan.md), and a step pays for every call.
 :meth:`~.cluster.Cluster.collective` interpolates between the sizes (:func:`interpolate`) instead of using the
 ring formula.
 

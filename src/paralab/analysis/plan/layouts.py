@@ -131,9 +131,8 @@ def enumerate_layouts(work: Workload, workers: int, global_batch: int, devices_p
         return []  # why_none says what
     pick = lambda key, options: [fixed[key]] if fixed.get(key) is not None else options  # noqa: E731
     moe = work.moe
+    # a MoE layer records its routing in each forward: no recomputation (a pinned one is refused above)
     recompute = pick("recompute", ["none"] if moe else list(RECOMPUTE) if work.kind == "gpt" else ["none", "full"])
-    if moe and set(recompute) != {"none"}:
-        return []  # paralab records a MoE layer's routing in each forward: no recomputation
     out: list[Layout] = []
     tps = [t for t in work.tp_options() if workers % t == 0 and (t <= devices_per_node or "tp" in fixed)]
     for tp in pick("tp", tps):

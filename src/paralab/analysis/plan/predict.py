@@ -163,7 +163,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                + cluster.collective("reduce_scatter", act_msg, t, tp_link)) if lay.sp else \
             cluster.collective("all_reduce", act_msg, t, tp_link)
     split = p > 1 and spec_of(lay.schedule).split_backward  # zero bubble: I, then W walks the units again
-    cp_block = cp_exposed(work, lay, b, e, cp_link, cluster, split) if C > 1 else 0.0
+    cp_block = cp_exposed(work, lay, b, e, cp_link, cluster, rate, split) if C > 1 else 0.0
+    ep_block = ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep), split) if lay.ep > 1 else 0.0
     for lo, hi in stages:
         f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
@@ -175,7 +176,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             if lay.sp:  # replicated parameters applied to a rank's tokens only: their gradients summed
                 comm += replicated_sums(work, lo, hi, cluster, t, tp_link, e)
         cp = blocks * cp_block
-        ep = blocks * ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep)) if lay.ep > 1 else 0.0
+        ep = blocks * ep_block
         fwd.append(f)
         bwd.append((2 * f + extra) * (1 + REWALK if split else 1))
         tpc.append(comm + cp + ep)
@@ -226,7 +227,9 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
         d_all = d * C  # the ranks that average each gradient
-        if R > 1:
+        if lay.ep > 1:  # the experts' gradients over edp only (two flavours)
+            dp_total, dp_exposed = expert_data_parallel(lay, cluster, dp_link, *moe_held[r_max], e, last_backward)
+        elif R > 1:
             S = d // R
             shard_link = cluster.link(t * S)
             rs = cluster.collective("reduce_scatter", grad_bytes, S, shard_link, calls=units_with_params)
@@ -255,18 +258,17 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                 # pipeline's drain waits for every stage's in turn
                 dp_exposed += sum(cluster.collective("reduce_scatter", stage_params[r] / t * e, d_all, dp_link,
                                                      calls=units_of[r]) for r in range(p) if r != r_max)
-        if lay.ep > 1:  # the experts' gradients over edp only (two flavours)
-            dp_total, dp_exposed = expert_data_parallel(lay, cluster, dp_link, *moe_held[r_max], e, last_backward)
     # ---------------------------------------------------------------- memory and optimizer
     def states_of(r: int):  # the working set is that of the rank's own largest unit
         unit_max = max((work.units[i].parameters for s in ranks[r] for i in range(*stages[s])), default=0)
         return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
                             unit_max, t, e, m)
-    est = states_of(r_max)[0]
-    optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     moe_states = [expert_states(lay, setting, *moe_held[r], e) for r in range(p)] if moe_held else None
     if moe_states:  # a mixture of experts: its two parameter sets' states, ddp's buckets included
         optimizer = 2 * moe_states[r_max][0] / (cluster.memory_gbs * 1e9)
+    else:
+        est = states_of(r_max)[0]
+        optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
     for r, held in enumerate(ranks):
@@ -275,11 +277,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):
-        states = states_of(r)[1]
-        if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
-            states += stage_params[r] / t * e
         if moe_states:
             states = moe_states[r][1]
+        else:
+            states = states_of(r)[1]
+            if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
+                states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
     memory, states, activations, r_mem = max(mem_by_rank)
     step = pipe + dp_exposed + optimizer
@@ -314,12 +317,12 @@ def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer
 
 
 def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], cluster: Cluster,
-               split: bool = False) -> float:
+               rate: float, split: bool = False) -> float:
     """One block's context-parallel communication left exposed per microbatch (forward + backward), from
     ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
     hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous. Under a split backward
     (``split``: zero bubble) both its passes walk back through the attention: the backward's messages and
-    the attention's backward happen twice."""
+    the attention's backward happen twice. ``rate``: the arithmetic's FLOP/s (forward + backward)."""
     from ..context import cp_messages
     sh, C = work.shape, lay.cp
     msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e)
@@ -327,8 +330,7 @@ def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, f
     if lay.cp_method == "ring":
         sends = sum(times[name] * n for name, (n, _) in msgs.items())
         kv = next(iter(msgs.values()))[1] / max(next(iter(msgs.values()))[0], 1)
-        attention = (1 + 2 * (2 if split else 1)) * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / \
-            cluster.rate("bf16" if e == 2 else "fp32")  # forward + backward
+        attention = (1 + 2 * (2 if split else 1)) * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / rate
         gbps, lat = link  # the hops overlap the attention: their wire time, not a measured call
         return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0)
     return sum(times[name] * cluster.collective("all_to_all", size, C, link, calls=calls)
@@ -378,7 +380,8 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
 
 
 # ---------------------------------------------------------------- a mixture of experts, expert parallelism
-def ep_exposed(work: Workload, lay: Layout, b: int, e: int, cluster: Cluster, link: tuple[float, float]) -> float:
+def ep_exposed(work: Workload, lay: Layout, b: int, e: int, cluster: Cluster, link: tuple[float, float],
+               split: bool = False) -> float:
     """One MoE layer's expert-parallel all-to-alls per microbatch, forward + backward, at an even load (all
     synchronous in paralab): forward the counts (E integers), the dispatch and the combine of the kept
     choices' rows (``analysis/moe.step_volume``: choices x h x e bytes each way), backward both token
@@ -389,7 +392,7 @@ def ep_exposed(work: Workload, lay: Layout, b: int, e: int, cluster: Cluster, li
     sh = work.shape
     one = step_volume(b * sh["context"], moe["top_k"], moe["experts"], sh["embed"], 1, ep, e,
                       moe["capacity_factor"])["per_transfer"]
-    backward = 2 * (2 if lay.pp > 1 and spec_of(lay.schedule).split_backward else 1)
+    backward = 2 * (2 if split else 1)
     return (cluster.collective("all_to_all", 8 * moe["experts"], ep, link)
             + (2 + backward) * cluster.collective("all_to_all", one, ep, link))
 
