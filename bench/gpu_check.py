@@ -12,15 +12,18 @@ having run nothing. Steps, each recorded even when it fails:
    where pytest is installed (else: said, and left out);
 2. every registered strategy's ``--check`` on the GPU(s): at 1 worker where
    the strategy runs there (torch-dp: ``--gpus 1``), else at 2 workers where
-   2 GPUs are visible, else left out with why;
-3. benchmarks at 1 GPU: samples/s of ``single``, ``ddp``, ``torch-ddp``,
+   2 GPUs are visible, else left out with why; then the gpt's dimensions
+   (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker;
+3. the warm start: a ``--check`` forked from a ``paralab serve`` server (which
+   must not have initialised CUDA), timed beside the same run started cold;
+4. benchmarks at 1 GPU: samples/s of ``single``, ``ddp``, ``torch-ddp``,
    ``fsdp`` and ``torch-fsdp`` on VGG-11 (width 1, batch 256), and model FLOPs utilisation (MFU) for VGG-11
    and ``--model gpt``: FLOPs of one training step counted by
    ``torch.utils.flop_counter`` over the measured step time, against the
    device's dense peak (the table below; an unknown device gets no MFU).
 
-Writes ``bench/results/gpu-check.json`` (steps 1-2) and
-``bench/results/gpu-bench.json`` (step 3), naming the device; exits 1 if a
+Writes ``bench/results/gpu-check.json`` (steps 1-3) and
+``bench/results/gpu-bench.json`` (step 4), naming the device; exits 1 if a
 test or a check failed.
 """
 from __future__ import annotations
@@ -90,11 +93,12 @@ def env() -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
-def paralab(*args: str, timeout: float = 600) -> tuple[int, str, float]:
+def paralab(*args: str, timeout: float = 600, served: bool = False) -> tuple[int, str, float]:
+    """Run one paralab command; a running `paralab serve` server takes it only where ``served``."""
     t = time.monotonic()
     try:
         p = subprocess.run([sys.executable, "-m", "paralab", *args], capture_output=True, text=True,
-                           timeout=timeout, env=env(), cwd=ROOT)
+                           timeout=timeout, env={**env(), "PARALAB_SERVE": "on" if served else "off"}, cwd=ROOT)
         return p.returncode, (p.stdout + p.stderr)[-4000:], time.monotonic() - t
     except subprocess.TimeoutExpired as exc:
         return 124, f"timed out after {timeout}s: {(exc.stdout or '')[-2000:]}", time.monotonic() - t
@@ -153,6 +157,30 @@ def plan_checks(gpus: int) -> list[tuple[str, int, list[str], str | None]]:
     return out
 
 
+#: the gpt (fp64, 20 steps at lr 0.1 with momentum: exact, docs/correctness.md) and its dimensions at one GPU
+GPT_CHECK = ["--device", "cuda", "--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "2", "--context", "16",
+             "--batch-size", "16", "--dataset", "synthetic-text", "--precision", "fp64", "--lr", "0.1", "--momentum", "0.9",
+             "--num-batches", "20", "--eval-batches", "1", "--no-progress", "--check"]
+DIMENSIONS = [("single", []), ("single", ["--experts", "4", "--top-k", "2"]), ("single", ["--recompute", "full"]),
+              ("single", ["--recompute", "selective"]), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
+              ("pipeline", ["--microbatches", "2"]), ("torch-tp", []), ("ddp", ["--experts", "4"])]
+
+
+def check_row(name: str, workers: int, extra: list[str], out: Path, rc: int, text: str, seconds: float) -> dict:
+    s = read_summary(out)
+    details = s.get("strategy_details") or {}
+    row = {"strategy": name, "workers": workers, "args": extra, "returncode": rc, "seconds": round(seconds, 1),
+           "check": (s.get("check") or {}).get("result"), "status": "passed" if rc == 0 else "FAILED",
+           "allocator_peak_bytes": {r: (d.get("allocator") or {}).get("peak_bytes") for r, d in details.items()},
+           "collectives_timed": {r: d.get("collectives_timed") for r, d in details.items()
+                                 if "collectives_timed" in d} or None}
+    if rc != 0:
+        row["output_tail"] = text
+    print(f"gpu-check: {name} {' '.join(extra)} at {workers} worker(s): {row['status']} (check {row['check']}, "
+          f"{seconds:.0f}s)", flush=True)
+    return row
+
+
 def strategy_checks(gpus: int, tmp: Path) -> list[dict]:
     rows = []
     for name, workers, extra, why in plan_checks(gpus):
@@ -163,19 +191,40 @@ def strategy_checks(gpus: int, tmp: Path) -> list[dict]:
         out = tmp / f"check-{name}"
         rc, text, seconds = paralab("train", name, "--workers", str(workers), *CHECK_ARGS, *extra, "--out", str(out),
                                     timeout=600)
-        s = read_summary(out)
-        details = s.get("strategy_details") or {}
-        row = {"strategy": name, "workers": workers, "returncode": rc, "seconds": round(seconds, 1),
-               "check": (s.get("check") or {}).get("result"), "status": "passed" if rc == 0 else "FAILED",
-               "allocator_peak_bytes": {r: (d.get("allocator") or {}).get("peak_bytes") for r, d in details.items()},
-               "collectives_timed": {r: d.get("collectives_timed") for r, d in details.items()
-                                     if "collectives_timed" in d} or None}
-        if rc != 0:
-            row["output_tail"] = text
-        rows.append(row)
-        print(f"gpu-check: {name} at {workers} worker(s): {row['status']} (check {row['check']}, {seconds:.0f}s)",
-              flush=True)
+        rows.append(check_row(name, workers, extra, out, rc, text, seconds))
+    for i, (name, extra) in enumerate(DIMENSIONS):
+        out = tmp / f"gpt-{i}-{name}"
+        rc, text, seconds = paralab("train", name, "--workers", "1", *GPT_CHECK, *extra, "--out", str(out))
+        rows.append(check_row(name, 1, ["--model", "gpt", *extra], out, rc, text, seconds))
     return rows
+
+
+def warm_start(tmp: Path) -> dict:
+    """One ddp --check at one GPU forked from a `paralab serve` server, beside the same run started cold.
+
+    The server imports torch but must not initialise CUDA (a forked child could not use it): the served
+    run passing its check on the GPU is the proof. Timed twice each, alternating."""
+    serve = lambda *a: paralab("serve", *a, served=True, timeout=120)  # noqa: E731
+    rc, text, _ = serve()
+    if rc != 0:
+        return {"status": "FAILED", "why": "paralab serve did not start", "output_tail": text}
+    rows, times = [], {"served": [], "cold": []}
+    try:
+        for i in range(4):
+            kind = "served" if i % 2 == 0 else "cold"
+            out = tmp / f"warm-{i}"
+            rc, text, seconds = paralab("train", "ddp", "--workers", "1", *CHECK_ARGS, "--out", str(out),
+                                        served=kind == "served")
+            row = check_row(f"ddp ({kind})", 1, [], out, rc, text, seconds)
+            rows.append(row)
+            if rc == 0:
+                times[kind].append(round(seconds, 2))
+        _, status, _ = serve("--status")
+    finally:
+        serve("--stop")
+    failed = any(r["status"] == "FAILED" for r in rows)
+    return {"status": "FAILED" if failed else "passed", "runs": rows, "seconds": times,
+            "server_status": status.strip()[-400:]}
 
 
 # ---------------------------------------------------------------------------- benchmarks
@@ -259,7 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="leave out the CUDA-marked tests")
     p.add_argument("--skip-checks", action="store_true", help="leave out the strategies' --check runs")
     p.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
-    p.add_argument("--bench-steps", type=int, default=30, help="training steps per benchmark run (5 warm-up)")
+    p.add_argument("--bench-steps", type=int, default=200, help="training steps per benchmark run (5 warm-up)")
     a = p.parse_args(argv)
     if os.environ.get("PARALAB_GPU_CHECK_CHILD") != "1":
         python, said = choose_python()
@@ -291,6 +340,11 @@ def main(argv=None) -> int:
         if not a.skip_checks:
             result["checks"] = strategy_checks(gpus, tmp)
             failed |= any(r["status"] == "FAILED" for r in result["checks"])
+            write("gpu-check.json", result)
+            result["warm_start"] = warm_start(tmp)
+            failed |= result["warm_start"]["status"] == "FAILED"
+            print(f"gpu-check: warm start: {result['warm_start']['status']}, seconds {result['warm_start'].get('seconds')}",
+                  flush=True)
             write("gpu-check.json", result)
         if not a.skip_bench:
             path = write("gpu-bench.json", {**header, "runs": benchmarks(device, tmp, a.bench_steps)})

@@ -110,3 +110,52 @@ def test_tp_bench_runs_at_a_toy_size(tmp_path):
     assert set(d["best"]) == {"single", "tp2", "torch-tp2", "tp2-sp"}
     assert {"tp2_over_torch_tp2", "tp2_over_single", "tp2_sp_over_tp2"} <= set(d["ratios"])
     assert d["best"]["tp2"]["comm_bytes_per_step"] > 0 and d["cpu"]
+
+
+def _step_with_foreach_optimizer(rank, out):
+    """One rank of tp 1: torch-tp built with an optimizer factory that defaults to the multi-tensor
+    ("foreach") kernels, as torch does on CUDA; training steps before and after a resume."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from paralab.comm import Comm
+    from paralab.models import build_model
+    from paralab.recorder import Recorder
+    from paralab.strategies.base import Context
+    from paralab.strategies.torch_tp import TorchTP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        rec = Recorder(0)
+        ctx = Context(0, 1, torch.device("cpu"), Comm(rec, 0, 1), rec,
+                      options=SimpleNamespace(sequence_parallel=False))
+        made = []
+
+        def optim_fn(params, foreach=True, **how):
+            made.append(torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=foreach, **how))
+            return made[-1]
+
+        torch.manual_seed(0)
+        strategy = TorchTP(ctx, lambda: build_model("gpt", layers=1, heads=2, embed=16, context=8), optim_fn)
+        x = torch.randint(0, 256, (2, 8))
+        for _ in range(2):  # the second step uses the momentum buffers
+            strategy.train_step(x, x)
+        state = strategy.state_dict()
+        for group in state["optimizer"]["param_groups"]:
+            group["foreach"] = True  # a checkpoint from before the fix says None: on CUDA, foreach
+        strategy.load_state_dict(state)
+        strategy.train_step(x, x)
+        (out / "ok").write_text(str(made[0].defaults["foreach"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_tp_steps_where_the_optimizer_defaults_to_foreach(tmp_path):
+    """LayerNorms and the position table stay plain tensors beside the DTensors; torch's foreach kernels
+    (its default on CUDA) refuse such a mixed list, which first failed on a GPU (bench/gpu_check.py)."""
+    from spawn_ranks import spawn
+    spawn(_step_with_foreach_optimizer, (tmp_path,), 1)
+    assert (tmp_path / "ok").read_text() == "False"

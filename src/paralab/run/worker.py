@@ -52,13 +52,14 @@ def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
 
 
 def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
-    """A factory strategies call on the parameters they own; ``created`` collects the
+    """A factory strategies call on the parameters they own (``how``: settings of the torch optimizer's
+    implementation, e.g. ``foreach=False``, never of its arithmetic); ``created`` collects the
     optimizers so the loop can drive the learning-rate schedule of all of them."""
-    def make(params):
+    def make(params, **how):
         if cfg.optimizer == "adam":
-            opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **how)
         else:
-            opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how)
         if created is not None:
             created.append(opt)
         return opt

@@ -124,7 +124,11 @@ class TorchTP(Strategy):
             unit.attn.heads //= self.tp.world
         self.layout = {k: d for k, v in self.model.state_dict().items() if (d := _shard_dim(v)) is not None}
         self.params = list(self.model.parameters())
-        self.optimizer = optim_fn(self.params)
+        # the LayerNorms and the position table are not in the plan, so they stay plain tensors beside the
+        # DTensors; the optimizers' multi-tensor ("foreach") kernels, torch's default on CUDA, refuse a
+        # list that mixes the two kinds, so this optimizer updates tensor by tensor (the default on CPU;
+        # the same arithmetic)
+        self.optimizer = optim_fn(self.params, foreach=False)
 
     # ------------------------------------------------------------ gathering through comm.py
     def _gather(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
@@ -163,6 +167,8 @@ class TorchTP(Strategy):
         if state["tp"]["size"] != self.tp.world:
             raise ValueError(f"checkpoint is from tp {state['tp']['size']}; this run has tp {self.tp.world}")
         load_local_state(self.model, self.optimizer, self.params, state)
+        for group in self.optimizer.param_groups:  # a loaded group brings its saved settings: keep ours
+            group["foreach"] = False
 
     @classmethod
     def consolidate(cls, states, model):
