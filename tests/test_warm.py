@@ -141,3 +141,36 @@ def test_ctrl_c_or_sigterm_ends_the_forked_ranks_too(tmp_path, how):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+LEAVE = """
+import atexit, sys
+from paralab.front import main
+class Teardown:
+    def __del__(self):
+        print("torn down", flush=True)
+kept = Teardown()  # a module global: freed (and heard) only when the interpreter tears down
+atexit.register(lambda: print("exit handler ran"))
+sys.argv = ["paralab", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_a_cold_command_ends_without_the_interpreters_teardown(tmp_path):
+    """The command line exits straight after its exit handlers and a flush
+    (front.leave): block-buffered output arrives whole, the exit code is the command's, and no module
+    object is freed (what cost more than half a second with torch._dynamo loaded)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import FAST
+    env = {**os.environ, "PARALAB_SERVE": "off"}
+    ok = subprocess.run([sys.executable, "-c", LEAVE, "train", "single", *FAST, "--out", str(tmp_path / "run")],
+                        capture_output=True, text=True, timeout=240, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "records written to" in ok.stdout and ok.stdout.rstrip().endswith("exit handler ran"), ok.stdout
+    assert "torn down" not in ok.stdout
+    again = subprocess.run([sys.executable, "-c", LEAVE, "train", "single", *FAST, "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
+    assert "exit handler ran" in again.stdout and "torn down" not in again.stdout
