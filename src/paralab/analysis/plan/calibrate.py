@@ -289,7 +289,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         "this-machine", {cal["dtype"]: rate / 1e12}, cal["memory_bytes"] / workers / 1e9,
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=gbps,
         intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
-        unit_overhead_us=cal["unit_overhead_s"] * 1e6 * slowdown,
+        unit_overhead_us=cal["unit_overhead_s"] * 1e6 * slowdown, crowding=slowdown if share < 1 else 0.0,
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")

@@ -42,6 +42,7 @@ class Cluster:
     usable_fraction: float = 0.9  # of device memory a run may fill (allocator, context, workspaces)
     unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
     collectives: dict | None = None  # measured: {op: {group size: [[bytes, seconds], ...]}} (collectives.py)
+    crowding: float = 0.0  # workers sharing fewer cores: a unit's slowdown with all computing at once (0: a device each)
 
     def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
         """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on

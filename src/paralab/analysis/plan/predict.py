@@ -56,6 +56,7 @@ from ...strategies.pipeline.simulate import simulate
 from ..memory import memory_per_worker
 from .cluster import Cluster
 from .layouts import Layout
+from .shared_cores import simulate_shared
 from .workload import Workload
 
 BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
@@ -198,7 +199,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         F = [fwd[s] + tpc[s] / 2 for s in range(p * v)]
         B = [bwd[s] + tpc[s] / 2 for s in range(p * v)]
         spec = spec_of(lay.schedule)
-        if simulate_pipeline:
+        if simulate_pipeline and cluster.crowding:  # workers sharing cores: stages take turns (shared_cores.py)
+            free, real, compute = shared_makespans(lay.schedule, p, m, v, tuple(fwd), tuple(bwd), tuple(tpc),
+                                                   transfer, cluster.crowding)
+            busy[r_max] = compute + tp_comm + cp_comm + ep_comm
+            simulated = True
+        elif simulate_pipeline:
             free = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), 0.0)
             real = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), transfer)
             simulated = True
@@ -377,6 +383,22 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
         kw = dict(input_time=list(inputs), weight_time=list(weights))
     timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
     return max((x.t1 for row in timeline for x in row), default=0.0)
+
+
+@lru_cache(maxsize=4096)
+def shared_makespans(name: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, comm: tuple, transfer: float,
+                     crowding: float) -> tuple[float, float, float]:
+    """(step at free transfers, step, the busiest rank's compute) of schedule ``name`` on workers that share
+    cores (``shared_cores.py``): ``fwd``, ``bwd`` a stage's compute at the all-at-once rate, ``comm`` its tp,
+    cp and ep communication (half in forward, half in backward), which leaves the cores to the others."""
+    half = [c / 2 for c in comm]
+    kw = {}
+    if spec_of(name).split_backward:
+        inputs, weights = zip(*map(split_backward, bwd))
+        kw = dict(input_time=list(inputs), weight_time=list(weights))
+    free, busy = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, 0.0, crowding, **kw)
+    real, _ = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, transfer, crowding, **kw)
+    return free, real, max(busy)
 
 
 # ---------------------------------------------------------------- a mixture of experts, expert parallelism
