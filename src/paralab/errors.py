@@ -7,3 +7,9 @@ exits with code 2 before any worker starts or any run directory exists.
 
 class UsageError(Exception):
     """Bad input; the message says what to change."""
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The process exit code ``raise SystemExit(x)`` asks for: ``x`` if an integer, 0 for None, else 1 (a
+    message), as the interpreter's own exit gives it."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

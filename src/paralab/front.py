@@ -15,13 +15,14 @@ def command_line() -> int:
 
 
 def main() -> int:
+    from .errors import exit_code
     from .run.serve import delegate
     code = delegate(sys.argv[1:])
     if code is None:  # no server, or one that cannot run this command as a cold process would
         try:
             code = command_line()
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            code = exit_code(exc)
             if not isinstance(exc.code, (int, type(None))):
                 print(exc.code, file=sys.stderr)
         leave(code)

@@ -20,6 +20,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
+from ..errors import exit_code
 from ..progress import emit
 from . import restart
 from .config import RunConfig
@@ -62,7 +63,7 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         worker.run_worker(cfg, rank, world, rank, init_method, run_dir)
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)
-        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        code = exit_code(exc)
         if code:
             reports.put({"rank": rank, "kind": "exit", "time": time.time(), "code": code,
                          "summary": f"an orderly exit (code {code})"})

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import exit_code
+
 #: what the server imports before it listens (torch only: paralab's own modules load fresh per command)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 #: prefixes of the environment variables read while torch and its libraries load
@@ -244,7 +246,7 @@ def _become(request: dict, fds: list[int], added: dict, command) -> None:
         sys.argv = ["paralab", *request["argv"]]
         code = command()
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_code(exc)
     except BaseException:  # noqa: BLE001 - as a cold command would: the traceback, exit 1
         import traceback
         traceback.print_exc()

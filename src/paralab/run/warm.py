@@ -34,6 +34,8 @@ import os
 import sys
 import threading
 
+from ..errors import exit_code
+
 #: what a rank imports before its first step; preloaded by :func:`prepare` and by the forkserver
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "paralab.run.worker", "paralab.run.launch",
            "paralab.check.verdict")
@@ -176,7 +178,7 @@ def _child(target, args, output, errors, env, cwd) -> None:
     try:
         code = target(*args)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_code(exc)
     except BaseException:  # noqa: BLE001 - a traceback in the output, exit 1
         import traceback
         traceback.print_exc()

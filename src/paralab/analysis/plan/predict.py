@@ -367,6 +367,15 @@ def split_backward(b: float) -> tuple[float, float]:
     return whole / 2, whole / 2 + REWALK * whole
 
 
+def _split(name: str, B) -> dict:
+    """A zero-bubble schedule's ``input_time`` and ``weight_time`` per stage (:func:`split_backward` of each
+    whole backward in ``B``); nothing for the others."""
+    if not spec_of(name).split_backward:
+        return {}
+    inputs, weights = zip(*map(split_backward, B))
+    return dict(input_time=list(inputs), weight_time=list(weights))
+
+
 @lru_cache(maxsize=64)
 def _schedule(name: str, p: int, m: int, v: int):
     return build_schedule(name, p, m, v)
@@ -377,11 +386,7 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
     """The simulated step of schedule ``name`` at per-stage forward and backward times ``F``, ``B`` (a
     zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s.
     Layouts that differ only outside the pipeline (ZeRO stage, data parallelism) share one simulation."""
-    kw = {}
-    if spec_of(name).split_backward:
-        inputs, weights = zip(*map(split_backward, B))
-        kw = dict(input_time=list(inputs), weight_time=list(weights))
-    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **kw)
+    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **_split(name, B))
     return max((x.t1 for row in timeline for x in row), default=0.0)
 
 
@@ -392,10 +397,7 @@ def shared_makespans(name: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, 
     cores (``shared_cores.py``): ``fwd``, ``bwd`` a stage's compute at the all-at-once rate, ``comm`` its tp,
     cp and ep communication (half in forward, half in backward), which leaves the cores to the others."""
     half = [c / 2 for c in comm]
-    kw = {}
-    if spec_of(name).split_backward:
-        inputs, weights = zip(*map(split_backward, bwd))
-        kw = dict(input_time=list(inputs), weight_time=list(weights))
+    kw = _split(name, bwd)
     free, busy = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, 0.0, crowding, **kw)
     real, _ = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, transfer, crowding, **kw)
     return free, real, max(busy)
