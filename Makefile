@@ -19,6 +19,7 @@ $(VENV)/.paralab-setup: pyproject.toml
 	  $(PY) -m venv $(VENV) && $(BIN)/pip install -q $(TORCH_PIN); \
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m compileall -q src  # bytecode now, as a wheel install has: a shell may forbid writing it later
 	@touch $@
 
 # Real data offline: Debian's dataset-fashion-mnist and jargon-text (the text for --model gpt),

@@ -19,13 +19,20 @@ each as the median wall time of ``--repeats`` rounds:
   they did before warm starts (a fresh interpreter for each run and each of its ranks). One round
   each (about a minute and a half for the cold one on 2 cores); the two tables must agree.
 
+paralab's own modules are compiled to bytecode first (``compileall``, as ``make setup`` and a wheel install
+do), so the figures hold on a machine whose shell sets ``PYTHONDONTWRITEBYTECODE`` (this project's VMs do):
+without a cached ``.pyc`` every process compiles paralab's source again. One more row shows that cost: the
+command line on an uncompiled copy of the source (``train (uncompiled)``).
+
 Ratios reported: each one-step run over ``import torch`` (target: within 2x from the command line) and the
 cold compare over the warm one (target: 2x or more). Writes ``bench/results/startup.json``.
 """
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
+import shutil
 import os
 import statistics
 import subprocess
@@ -48,19 +55,19 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def env(served: Path | None = None) -> dict:
+def env(served: Path | None = None, src: Path = SRC) -> dict:
     """The commands' environment: paralab from ``src``; a warm server only where ``served`` names its
     folder (XDG_RUNTIME_DIR), else none (PARALAB_SERVE=off: one the user left running is not used)."""
-    base = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = {**os.environ, "PYTHONPATH": str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if served is None:
         return {**base, "PARALAB_SERVE": "off"}
     base.pop("PARALAB_SERVE", None)
     return {**base, "XDG_RUNTIME_DIR": str(served)}
 
 
-def timed(cmd: list[str], cwd: str, served: Path | None = None) -> float:
+def timed(cmd: list[str], cwd: str, served: Path | None = None, environ: dict | None = None) -> float:
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env(served), cwd=cwd)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=environ or env(served), cwd=cwd)
     seconds = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
@@ -93,10 +100,14 @@ def main(argv: list[str]) -> int:
     py = sys.executable
     cli = [py, "-m", "paralab", "train", "ddp", "--workers", "2", *TINY]
     times: dict[str, list[float]] = {"import torch": [], "train (auto)": [], "train (spawn)": [], "warm run": [],
-                                     "train (served)": []}
+                                     "train (served)": [], "train (uncompiled)": []}
     started = time.time()
+    compileall.compile_dir(str(SRC / "paralab"), quiet=1)  # what `make setup` does: .pyc files beside the source
     with tempfile.TemporaryDirectory(prefix="paralab-bench-startup-") as tmp:
         tmp = Path(tmp)
+        bare = tmp / "src"  # the same source, never compiled, and nothing may write its bytecode
+        shutil.copytree(SRC / "paralab", bare / "paralab", ignore=shutil.ignore_patterns("__pycache__"))
+        uncompiled = {**env(src=bare), "PYTHONDONTWRITEBYTECODE": "1"}
         served = tmp / "xdg"
         served.mkdir(mode=0o700)
         try:
@@ -110,6 +121,8 @@ def main(argv: list[str]) -> int:
                                                     str(tmp)))
                 times["warm run"].append(warm_run(tmp, str(rep)))
                 times["train (served)"].append(timed([*cli, "--out", str(tmp / f"served-{rep}")], str(tmp), served))
+                times["train (uncompiled)"].append(timed([*cli, "--out", str(tmp / f"bare-{rep}")], str(tmp),
+                                                         environ=uncompiled))
             log = next(served.glob("paralab-serve-*/serve.log")).read_text().splitlines()
             refused = [line for line in log if line.startswith("refused")]
             if refused:  # the server ran none of them: the figure would be a cold one
@@ -131,10 +144,11 @@ def main(argv: list[str]) -> int:
     unit = median["import torch"]
     print(f"\nmedian wall seconds over {args.repeats} rounds (CPU: {cpu_name()}, {os.cpu_count()} cores)")
     for k, v in median.items():
-        print(f"  {k:<16} {v:6.2f} s   {v / unit:5.2f} x import torch")
+        print(f"  {k:<18} {v:6.2f} s   {v / unit:5.2f} x import torch")
     result = {"cpu": cpu_name(), "cores": os.cpu_count(), "repeats": args.repeats, "seconds": times,
               "median_seconds": median, "over_import_torch": {k: v / unit for k, v in median.items()},
-              "wall_s": time.time() - started}
+              "wall_s": time.time() - started,
+              "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
     if compare:
         warm, cold = compare["warm"], compare["before (--start spawn)"]
         result["compare"] = {"warm_s": warm["seconds"], "before_s": cold["seconds"],
