@@ -153,3 +153,21 @@ def test_bf16_refused_on_a_cpu_without_bf16_instructions(capsys, tmp_path, monke
     err = refused(capsys, tmp_path, "single", *FAST, "--precision", "bf16", "--device", "cpu")
     assert "this CPU (AMD EPYC) has no bfloat16 instructions" in err and "avx512_bf16" in err
     assert "--allow-slow-bf16" in err
+
+
+def test_more_workers_than_gpus(capsys, tmp_path, monkeypatch):
+    """On a machine with one GPU: `--device cuda --workers 2` is refused before start (rank 1 would find no
+    device 1); `auto` trains 2 workers on the CPU and 1 on the GPU; a rank launched by torchrun keeps its GPU."""
+    import torch
+
+    from paralab.run.config import RunConfig
+    from paralab.run.rendezvous import on_gpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = refused(capsys, tmp_path, "ddp", "--workers", "2", "--device", "cuda", *FAST)
+    assert "--workers 2 on CUDA needs a GPU for each worker and 1 is visible: use --workers 1" in err
+    assert not on_gpu(RunConfig(strategy="ddp", workers=2))
+    assert on_gpu(RunConfig(strategy="ddp", workers=1))
+    assert on_gpu(RunConfig(strategy="ddp", workers=1, world_size=4))  # one rank of four, its own GPU
+    assert on_gpu(RunConfig(strategy="ddp", workers=1, launched_by="torchrun"))
+    assert not on_gpu(RunConfig(strategy="ddp", workers=2, device="cpu"))

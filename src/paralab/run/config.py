@@ -242,6 +242,11 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             import torch
             if not torch.cuda.is_available():
                 raise UsageError("CUDA/NCCL asked for but no GPU is visible; use --device cpu (gloo)")
+            gpus = torch.cuda.device_count()
+            if self.world_size is None and self.launched_by == "local" and self.workers > gpus:
+                raise UsageError(f"--workers {self.workers} on CUDA needs a GPU for each worker and "
+                                 f"{gpus} {'is' if gpus == 1 else 'are'} visible: use --workers {gpus} or fewer, "
+                                 "or --device cpu")
         if self.precision == "bf16" and not self.allow_slow_bf16:
             refuse_slow_bf16(self)
         world = self.world

@@ -238,8 +238,14 @@ def pin(local_rank: int, cfg: RunConfig, local_workers: int) -> None:
 
 
 def on_gpu(cfg: RunConfig) -> bool:
-    """Whether the ranks will train on CUDA devices (``--device cuda``, or ``auto`` with a GPU visible)."""
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    """Whether the ranks will train on CUDA devices: ``--device cuda``, or ``auto`` with a GPU visible for
+    each local rank (``--workers 2`` on a machine with one GPU trains on the CPU; a launch by torchrun, Slurm
+    or ``--rank`` is one rank here, on the GPU of its local rank)."""
+    if cfg.device != "auto":
+        return cfg.device == "cuda"
+    if not torch.cuda.is_available():
+        return False
+    return cfg.world_size is not None or cfg.launched_by != "local" or cfg.workers <= torch.cuda.device_count()
 
 
 def interface_towards(host: str) -> str | None:
