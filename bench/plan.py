@@ -3,15 +3,17 @@
 ``python bench/plan.py [--model gpt|vgg11] [--workers 4] [--rates 100mbit,1gbit] [--layouts 6] [--steps 10]``
 ``python bench/plan.py --memory-only [--model vgg11] [--add 'LABEL;...']``: memory only (no network, 2 steps a
 run; ``--add``: named layouts beside the spread)
+``python bench/plan.py --repredict FILE [FILE ...]``: no runs; each file's measured steps predicted again by
+the model as it is now, from that file's own calibration and in-situ collectives, beside what it recorded
 
 For each link rate: the cluster is ``this-machine`` (its calibration,
 measured again at the start: the matmul rate, a real unit's rate with the
 workers running at once, a unit's fixed cost), its collectives measured
 on the emulated link itself (``analysis/plan/collectives.py``: the workers
 in their namespaces compute a block, then call an all-reduce, all-gather,
-reduce-scatter, all-to-all or a transfer, for each group size and four
-sizes, interpolated between), so a call costs what it costs between chunks of compute on shared cores, not
-what it costs on an idle wire.
+reduce-scatter or all-to-all, for each group size and four sizes, a
+latency and a bandwidth fitted to them), so a call costs what it costs
+between chunks of compute on shared cores, not what it costs on an idle wire.
 ``paralab plan``'s model ranks every layout of the gpt on the workers
 (recomputation left out: it adds compute only); ``--layouts`` of them, spread
 evenly over that ranking and each a different dp x tp x pp / ZeRO / schedule,
@@ -160,6 +162,67 @@ def errors_of(rows: list[dict], key: str) -> dict:
     return {"median": statistics.median(errors) if errors else None, "worst": max(errors) if errors else None}
 
 
+def step_summary(rows: list[dict]) -> dict:
+    """Over the rows measured: step time's median and worst |error|, Spearman, the predicted best's place."""
+    ok = [r for r in rows if "measured_s" in r]
+    fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
+    best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
+    err = errors_of(rows, "error")
+    return {"median_abs_error": err["median"], "worst_abs_error": err["worst"],
+            "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if ok else None,
+            "predicted_best_among_two_fastest": best in fastest if best else None}
+
+
+def repredict(paths: list[str], p2p_us: float | None = None) -> int:
+    """Each file's measured steps predicted again by the current model, from the file's calibration and
+    in-situ collectives (transfers, which the model no longer takes from them, left out), side by side.
+    ``p2p_us``: a pipeline send's or receive's processor time for files calibrated before it was measured."""
+    import dataclasses
+    import json
+
+    from paralab.analysis.plan.layouts import Layout
+    from paralab.analysis.plan.predict import predict
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        st = data["settings"]
+        work = gpt_workload(st["layers"], st["embed"], st["heads"], st["context"], 256, activations="paralab") \
+            if st["model"] == "gpt" else cnn_workload(st["model"], st["width"])
+        setting = Setting(st["global_batch"], "fp32", "sgd-momentum")
+        cal = data["calibration"]
+        if "p2p_overhead_s" not in cal:
+            print(f"{path}: its calibration predates the send/receive time: "
+                  + (f"{p2p_us} us given" if p2p_us is not None else "0 (give one with --p2p-us)"))
+            cal = {**cal, "p2p_overhead_s": (p2p_us or 0.0) * 1e-6}
+        base = this_machine(cal, st["workers"], path)
+        for rate, v in data["rates"].items():
+            gbps = parse(rate).gbps
+            pts = {op: by for op, by in ((v.get("collectives") or {}).get("points") or {}).items() if op != "send"}
+            cluster = dataclasses.replace(base, intra_gbps=gbps, inter_gbps=gbps, collectives=pts or None)
+            rows = []
+            for r in v["rows"]:
+                if "measured_s" not in r:
+                    continue
+                lay = Layout(**{k: x for k, x in r["predicted"]["layout"].items() if k != "label"})
+                words = r["command"].split()
+                cut, lo = None, 0
+                if "--partition" in words:
+                    cut = []
+                    for n in map(int, words[words.index("--partition") + 1].split(",")):
+                        cut.append((lo, lo + n))
+                        lo += n
+                step = predict(work, lay, cluster, setting, cut=cut).step
+                rows.append({"layout": r["layout"], "predicted_s": step, "measured_s": r["measured_s"],
+                             "error": (step - r["measured_s"]) / r["measured_s"], "recorded": r["error"]})
+            now, then = step_summary(rows), step_summary([{**r, "error": r["recorded"]} for r in rows])
+            print(f"{path} {rate}: median |error| {100 * then['median_abs_error']:.1f} % -> "
+                  f"{100 * now['median_abs_error']:.1f} %, worst {100 * then['worst_abs_error']:.1f} % -> "
+                  f"{100 * now['worst_abs_error']:.1f} %, Spearman {now['spearman']:.2f}, predicted best among the "
+                  f"two fastest: {now['predicted_best_among_two_fastest']}")
+            for r in rows:
+                print(f"  {r['layout']:<44} {100 * r['recorded']:+6.1f} % -> {100 * r['error']:+6.1f} %")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/plan.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt", choices=("gpt", "vgg11"))
@@ -176,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="default bench/results/plan[-memory][-MODEL].json")
+    p.add_argument("--repredict", nargs="+", metavar="FILE", help="run nothing: predict each results file's "
+                   "measured steps again with the current model, from its own calibration and collectives")
+    p.add_argument("--p2p-us", type=float, help="with --repredict: a send's or receive's processor time (us) for "
+                   "files calibrated before it was measured")
     args = p.parse_args(argv)
+    if args.repredict:
+        return repredict(args.repredict, args.p2p_us)
     if args.memory_only:
         args.steps, args.warmup, args.rates = 2, 1, "none"
     name = "plan" + ("-memory" if args.memory_only else "") + ("" if args.model == "gpt" else f"-{args.model}")
@@ -216,15 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench plan: {rate or 'memory'} {pred.layout.label()} ({i + 1}/{len(chosen)}) ...", flush=True)
                 rows.append(run_layout(pred, work, args, rate, Path(tmp) / f"run{i}"))
         ok = [r for r in rows if "measured_s" in r]
-        fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
-        best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
-        step_err, mem_err = errors_of(rows, "error"), errors_of(rows, "memory_error")
+        mem_err = errors_of(rows, "memory_error")
         summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "collectives": situ, "measured": len(ok),
-                   "failed": sum(1 for r in rows if "failed" in r),
-                   "median_abs_error": step_err["median"], "worst_abs_error": step_err["worst"],
-                   "memory_median_abs_error": mem_err["median"], "memory_worst_abs_error": mem_err["worst"],
-                   "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if ok else None,
-                   "predicted_best_among_two_fastest": best in fastest if best else None}
+                   "failed": sum(1 for r in rows if "failed" in r), **step_summary(rows),
+                   "memory_median_abs_error": mem_err["median"], "memory_worst_abs_error": mem_err["worst"]}
         result["rates"][rate or "none"] = summary
         print(f"\n{rate or 'memory'}:")
         print(f"  {'layout':<40}{'predicted':>12}{'measured':>12}{'error':>9}{'pred MB':>10}{'meas MB':>10}{'error':>9}")

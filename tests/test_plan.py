@@ -216,13 +216,20 @@ def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
     cache = tmp_path / "cal.json"
     cache.write_text(json.dumps({"fp32": cal}))
     monkeypatch.setattr("paralab.analysis.plan.calibrate.measure", lambda *a, **k: pytest.fail("measured again"))
+    # a cache from before the pipeline's per-action time: that alone is measured, once, and kept
+    monkeypatch.setattr("paralab.analysis.plan.calibrate.p2p_time", lambda: 3e-4)
     got, where = calibration("fp32", cache)
-    assert got == cal and str(cache) in where
+    assert got == {**cal, "p2p_overhead_s": 3e-4} and "measured now" in where
+    monkeypatch.setattr("paralab.analysis.plan.calibrate.p2p_time", lambda: pytest.fail("measured again"))
+    cal = got
+    got, where = calibration("fp32", cache)
+    assert got == cal and str(cache) in where and "read from" in where
     c = this_machine(got, 4, where)
     assert c.peak("fp32") == pytest.approx(0.5e11)  # 4 workers share 2 cores
     # the block alone on 8 sequences 4e10 FLOP/s, 1e10 with 4 at once: 4 x slower, its fixed cost 4 x longer
     assert c.efficiency == pytest.approx(0.25) and c.rate("fp32") == pytest.approx(1.25e10)
     assert c.unit_overhead_us == pytest.approx(200)
+    assert c.p2p_overhead_us == pytest.approx(300)  # alone: the replay on shared cores shares it
     assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
 
 
@@ -385,3 +392,11 @@ def test_hsdp_and_sharding_under_a_pipeline():
         assert two.memory_by_rank[r][0] == pytest.approx(zero2.peak)
         assert three.memory_by_rank[r][0] == pytest.approx(zero2.peak + params / 2 * 4)
 
+
+
+def test_a_pipelines_send_or_receive_is_measured_through_the_executor():
+    """Two processes run a tiny pipeline through paralab's executor: what each send or receive costs the
+    processor beside compute and waiting is positive and far below a millisecond-scale step's compute."""
+    from paralab.analysis.plan.calibrate import p2p_time
+    t = p2p_time()
+    assert 1e-6 < t < 0.05

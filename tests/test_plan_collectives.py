@@ -9,20 +9,21 @@ import pytest
 
 from paralab.analysis.plan import Setting, gpt_workload
 from paralab.analysis.plan.cluster import PRESETS, load_cluster
-from paralab.analysis.plan.collectives import OPS, group_sizes, interpolate, measure, sizes_for
+from paralab.analysis.plan.collectives import OPS, group_sizes, fitted, measure, sizes_for
 from paralab.analysis.plan.layouts import Layout
 from paralab.analysis.plan.predict import buckets_of, ddp_exposed, predict, replicated_sums
 from paralab.errors import UsageError
 
 
-def test_interpolate_between_measured_calls():
-    pts = [[1000, 1.0], [2000, 3.0], [4000, 4.0]]
-    assert interpolate(pts, 10) == 1.0                      # below the smallest: the smallest's time
-    assert interpolate(pts, 1500) == pytest.approx(2.0)     # between two: linear
-    assert interpolate(pts, 3000) == pytest.approx(3.5)
-    assert interpolate(pts, 6000) == pytest.approx(5.0)     # beyond the largest: the last two's line
-    assert interpolate([[1000, 2.0]], 5000) == 2.0
-    assert interpolate([[1000, 2.0], [2000, 1.0]], 5000) == 2.0  # never under the smallest call
+def test_a_call_is_the_line_fitted_to_every_measured_size():
+    line = [[1000, 1.0], [2000, 1.5], [4000, 2.5], [8000, 4.5]]  # 0.5 s + 1 s per 2000 bytes
+    assert fitted(line, 3000) == pytest.approx(2.0) and fitted(line, 16000) == pytest.approx(8.5)
+    assert fitted(line, 10) == 1.0                          # never under the fastest measured call
+    # a tail at one size (its mean 3 s over the line) moves the fit there by less than it, and elsewhere too
+    tail = [[1000, 1.0], [2000, 1.5], [4000, 5.5], [8000, 4.5]]
+    assert 2.5 < fitted(tail, 4000) < 5.5 and fitted(tail, 1000) > 1.0
+    assert fitted([[1000, 2.0]], 5000) == 2.0
+    assert fitted([[1000, 2.0], [2000, 1.0]], 5000) == 1.5  # no negative bandwidth: the mean, at least the fastest
 
 
 def test_cluster_uses_measured_calls_else_the_ring():
@@ -36,7 +37,7 @@ def test_cluster_uses_measured_calls_else_the_ring():
     assert base.collective("send", 8e6, 2, link) == pytest.approx(8e6 / (gbps * 1e9 / 8) + lat)
     assert base.collective("all_reduce", 8e6, 1, link) == 0.0
     measured = dataclasses.replace(base, collectives={"all_reduce": {"4": [[1e6, 0.01], [1e7, 0.05]]}})
-    # three calls of 2 MB each: 3 x the interpolated call
+    # three calls of 2 MB each: 3 x the fitted call (two points: the line through them)
     assert measured.collective("all_reduce", 6e6, 4, link, calls=3) == pytest.approx(3 * (0.01 + 0.04 / 9))
     not_measured = measured.collective("all_reduce", 6e6, 2, link)
     assert not_measured == base.collective("all_reduce", 6e6, 2, link)
@@ -108,7 +109,7 @@ def test_collectives_measured_between_chunks_of_compute():
     got = measure(4, 8.0, repeats=2)
     assert group_sizes(4) == [2, 4] and got["sizes"] == sizes_for(8.0) and len(got["sizes"]) == 4
     seen = {(r["op"], r["group"]) for r in got["rows"]}
-    assert seen == {(op, g) for op in OPS for g in (2, 4) if op != "send" or g == 2} | {
+    assert seen == {(op, g) for op in OPS for g in (2, 4)} | {
         ("all_reduce_burst", 2), ("all_reduce_burst", 4)}
     assert all(r["seconds"] > 0 for r in got["rows"])
     for by in got["points"].values():

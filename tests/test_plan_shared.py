@@ -18,15 +18,16 @@ def _end(timeline) -> float:
                                         ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 4, 1)])
 def test_without_crowding_it_is_the_ideal_machine(name, p, m, v):
     """A crowding of 1 never slows a rank down (k of n computing: 1 / max(1, k / n) = 1): the same step
-    as the ideal simulator's, transfers and unequal stages included."""
+    as the ideal simulator's, transfers (with and without their senders' links queueing them) and unequal
+    stages included."""
     rng = random.Random(0)
     stages = p * v
     F = [rng.uniform(1, 3) for _ in range(stages)]
     B = [2 * f + rng.uniform(0, 1) for f in F]
     sched = build_schedule(name, p, m, v)
-    for transfer in (0.0, 0.7):
-        ideal = _end(simulate(sched, F, B, transfer))
-        end, busy = simulate_shared(sched, F, B, [0.0] * stages, [0.0] * stages, transfer, 1.0)
+    for transfer, wire in ((0.0, 0.0), (0.7, 0.0), (0.7, 0.6)):
+        ideal = _end(simulate(sched, F, B, transfer, wire_time=wire))
+        end, busy = simulate_shared(sched, F, B, [0.0] * stages, [0.0] * stages, transfer, 1.0, wire=wire)
         assert end == pytest.approx(ideal, rel=1e-9)
         assert max(busy) == pytest.approx(max(sum(F[s] + B[s] for s in range(stages) if s % p == r) * m
                                               for r in range(p)), rel=1e-9)
@@ -52,3 +53,39 @@ def test_ranks_computing_together_share_the_cores_and_fixed_parts_do_not():
     assert quick == pytest.approx(6.0) and _end(simulate(sched, F, B, 0.0)) == pytest.approx(9.0)
     slow, _ = simulate_shared(sched, F, B, [0.5, 0.5], [0.0, 0.0], 0.0, 2.0)
     assert quick < slow < quick + 4 * 0.5  # the fixed parts overlap the other rank's compute, in part
+
+
+def test_each_send_and_receive_costs_its_rank_processor_time():
+    """One microbatch through 2 stages with 0.1 s of processor per send and per receive (and 0.3 s on the
+    wire): the step crosses 4 of them and 2 transfers in turn, F0 .1 | .3 | .1 F1 B1 .1 | .3 | .1 B0; that
+    time is not computing. With 2 workers on 1 core, a send's processor time shares the core like compute."""
+    sched = build_schedule("gpipe", 2, 1, 1)
+    F, B = [1.0, 1.0], [2.0, 2.0]
+    end, busy = simulate_shared(sched, F, B, [0.0, 0.0], [0.0, 0.0], 0.3, 1.0, host=0.1)
+    assert end == pytest.approx(6.0 + 4 * 0.1 + 2 * 0.3) and busy == pytest.approx([3.0, 3.0])
+    # two microbatches, crowding 2: rank 0 sends microbatch 0's activation (0.1 s of the core) while ...
+    two, _ = simulate_shared(build_schedule("gpipe", 2, 2, 1), F, B, [0.0] * 2, [0.0] * 2, 0.0, 2.0, host=0.1)
+    none, _ = simulate_shared(build_schedule("gpipe", 2, 2, 1), F, B, [0.0] * 2, [0.0] * 2, 0.0, 2.0)
+    # ... the core is never idle either way, so the step grows by the 8 actions' processor time exactly
+    assert two == pytest.approx(none + 8 * 0.1)
+
+
+def test_the_planner_charges_the_same_host_time_with_and_without_shared_cores():
+    """A pipeline's step on this machine: with a crowding of 1 (the shared-core replay) and of 0 (the ideal
+    simulator, host time folded into each stage's forward and backward) the same; and the measured
+    per-action time adds to the step, at least the critical path's sends and receives."""
+    import dataclasses
+
+    from paralab.analysis.plan import Setting, gpt_workload
+    from paralab.analysis.plan.cluster import PRESETS
+    from paralab.analysis.plan.layouts import Layout
+    from paralab.analysis.plan.predict import predict
+    work = gpt_workload(4, 128, 4, 64, 256, activations="paralab")
+    lay = Layout(1, 1, 2, schedule="gpipe", microbatch=4, microbatches=1)
+    base = dataclasses.replace(PRESETS["cpu"], collectives=None)
+    host = dataclasses.replace(base, p2p_overhead_us=500.0)
+    ideal, shared = (predict(work, lay, dataclasses.replace(host, crowding=c), Setting(4, "fp32", "sgd-momentum"))
+                     for c in (0.0, 1.0))
+    plain = predict(work, lay, base, Setting(4, "fp32", "sgd-momentum"))
+    assert shared.step == pytest.approx(ideal.step, rel=1e-9)
+    assert ideal.step == pytest.approx(plain.step + 4 * 500e-6, rel=1e-9)  # m = 1: all 4 on the critical path

@@ -271,3 +271,18 @@ def test_calc_bubble_per_schedule(capsys):
     assert "min(2(4-1-0) + (2-1)x4 + 1, 2x8) = 11" in out
     assert main(["calc", "bubble", "--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"]) == 2
     assert "must be a multiple of the 4 pipeline stages" in capsys.readouterr().err
+
+
+def test_a_senders_link_carries_one_message_at_a_time():
+    """GPipe, 2 ranks, 3 microbatches of 0.1 s forwards, each message 1 s (all of it on the wire): rank 0
+    sends at 0.1, 0.2 and 0.3, but its link moves one at a time, so they arrive at 1.1, 2.1 and 3.1, not
+    1.1, 1.2 and 1.3. With no wire time (a latency) they all travel at once."""
+    sched = build_schedule("gpipe", 2, 3)
+
+    def forwards_of_rank_1(**kw):
+        timeline = simulate(sched, 0.1, 0.2, 1.0, **kw)
+        return [round(x.t0, 9) for x in timeline[1] if x.action.kind is Kind.FORWARD]
+
+    assert forwards_of_rank_1() == [1.1, 1.2, 1.3]
+    assert forwards_of_rank_1(wire_time=1.0) == [1.1, 2.1, 3.1]
+    assert forwards_of_rank_1(wire_time=0.05) == [1.1, 1.2, 1.3]  # a link faster than the forwards: no queue

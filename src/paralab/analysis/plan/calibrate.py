@@ -1,6 +1,6 @@
 """``this-machine``: a cluster measured here, in well under a minute, and cached.
 
-Four measurements, each the best (a unit's: the median) of a few repeats:
+Five measurements, each the best (a unit's, a transfer's: the median) of a few repeats:
 
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
@@ -14,6 +14,11 @@ Four measurements, each the best (a unit's: the median) of a few repeats:
   cost (workers sharing cores, and whatever else runs here). The rate over the matmul's x
   the share of cores is the cluster's ``efficiency``;
 - memory bandwidth: a 256 MB tensor copied, bytes read and written / time;
+- a pipeline's send or receive: two processes run a pipeline of two tiny
+  stages through paralab's own executor (GPipe, 16 microbatches); a step's
+  wall time less its compute and its waits for the peer, per send or
+  receive, is the processor time the executor spends around a transfer
+  (posting it, its bookkeeping, waking for it): the median of 10 steps;
 - the link: gloo processes on loopback all-reduce 1 kB and 16 MB through
   ``comm.py`` (timed by the recorder), two of them, and (once per worker
   count, cached) as many as the plan has workers; a ring of n takes
@@ -45,6 +50,7 @@ from .collectives import answers
 
 SMALL, LARGE = 1024, 16 * 2 ** 20  # all-reduce sizes in bytes
 REPEATS = 10
+PIPE_MICROBATCHES, PIPE_STEPS = 16, 10  # the pipeline whose sends and receives are timed (p2p_time)
 
 
 def default_cache() -> Path:
@@ -195,6 +201,59 @@ def link_times(world: int = 2, timeout: float = 60.0) -> dict[int, float]:
         return answers(_rank, [(r, world, store) for r in range(world)], 1, timeout)[0]
 
 
+def _pipeline_rank(rank: int, world: int, store: str, out) -> None:
+    """One of two processes running a pipeline of two tiny stages through paralab's own executor (GPipe,
+    :data:`PIPE_MICROBATCHES` microbatches): each step's wall time less its compute and its waits for the
+    peer, per send or receive, is what the executor's bookkeeping around a transfer costs the processor."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from ...comm import Comm
+    from ...recorder import Recorder
+    from ...strategies.pipeline.executor import Executor
+    from ...strategies.pipeline.schedules import build_schedule
+    from ...strategies.pipeline.stage import Stage
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        width, m = 16, PIPE_MICROBATCHES
+        ctx = SimpleNamespace(device=torch.device("cpu"), autocast=nullcontext,
+                              loss=lambda out, y: ((out - y) ** 2).mean())
+        stage = Stage({rank: torch.nn.Linear(width, width)}, rank == 0, rank == world - 1, (width,), (width,), ctx)
+        actions = build_schedule("gpipe", world, m)[rank]
+        transfers = sum(1 for a in actions if a.kind.is_send or a.kind.is_recv)
+        chunks = [(torch.randn(4, width), torch.randn(4, width), 1 / m) for _ in range(m)]
+        rec = Recorder(rank)
+        executor = Executor(Comm(rec, rank, world), rec, ctx.device, nullcontext)
+        per_action = []
+        for step in range(-2, PIPE_STEPS):  # two to warm up
+            rec.step = step
+            t0 = time.perf_counter()
+            executor.run({rank: stage}, actions, chunks)
+            wall = time.perf_counter() - t0
+            accounted = sum(s.seconds for s in rec.spans if s.step == step and s.category in ("compute", "idle"))
+            for unit in stage.units:
+                unit.zero_grad(set_to_none=True)
+            if step >= 0:
+                per_action.append((wall - accounted) / transfers)
+        out.put(statistics.median(per_action))
+    finally:
+        dist.destroy_process_group()
+
+
+def p2p_time(timeout: float = 60.0) -> float:
+    """Processor seconds of one pipeline send or receive beside its transfer: two processes of
+    :func:`_pipeline_rank`, the mean of their medians."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        return statistics.fmean(answers(_pipeline_rank, [(r, 2, store) for r in range(2)], 2, timeout))
+
+
 def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:
     """(Gb/s, latency s) of the ring ``T = 2(n-1)/n x S / B + 2(n-1) a`` through the two sizes' times."""
     small, large = times[SMALL], times[LARGE]
@@ -205,7 +264,7 @@ def fit_ring(times: dict[int, float], n: int) -> tuple[float, float]:
 
 def measure(dtype: str, progress: bool = True) -> dict:
     """Every measurement, as the cache holds it."""
-    bar = Progress(5, "calibrating this machine", enabled=progress)
+    bar = Progress(6, "calibrating this machine", enabled=progress)
     t0 = time.perf_counter()
     rate = matmul_rate(dtype)
     bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
@@ -219,8 +278,11 @@ def measure(dtype: str, progress: bool = True) -> dict:
     times = link_times()
     gbps, latency = fit_ring(times, 2)
     bar.update(5, f"loopback {gbps:.2f} Gb/s, {latency * 1e6:.0f} us")
+    action = p2p_time()
+    bar.update(6, f"a pipeline's send or receive {action * 1e6:.0f} us")
     bar.close()
     return {"dtype": dtype, "matmul_flops": rate, "copy_bytes_per_s": mem, "unit_overhead_s": overhead,
+            "p2p_overhead_s": action,
             "block_flops": unit, "block_seconds": {str(b): t for b, t in blocks.items()}, "allreduce_seconds": {
         str(k): v for k, v in times.items()}, "link_gbps": gbps, "link_latency_s": latency,
             "cores": os.cpu_count() or 1, "memory_bytes": _memory_bytes(), "cpu": cpu_name(),
@@ -250,6 +312,9 @@ def calibration(dtype: str, cache: Path | None = None, again: bool = False, prog
     fresh = found is None or "block_seconds" not in found
     if fresh:
         found = measure(dtype, progress)
+    if "p2p_overhead_s" not in found:  # a cache from before this measurement: add it, once
+        found["p2p_overhead_s"] = p2p_time()
+        fresh = True
     key = str(workers) if workers else None
     if key and (key not in found.setdefault("block_flops_by_workers", {})
                 or workers > 1 and key not in found.get("link_by_workers", {})):
@@ -290,6 +355,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         cal["copy_bytes_per_s"] * share / 1e9, max(workers, 1), intra_gbps=gbps,
         intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
         unit_overhead_us=cal["unit_overhead_s"] * 1e6 * slowdown, crowding=slowdown if share < 1 else 0.0,
+        p2p_overhead_us=cal.get("p2p_overhead_s", 0.0) * 1e6,  # alone: shared_cores.py shares it
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")
@@ -297,6 +363,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
                + (f"with {workers} running at once" if together is not None else "(one alone, x the share)")
                + f": efficiency {efficiency:.2f}"
                + f", a unit's fixed cost {cal['unit_overhead_s'] * 1e6:.3g} us"
+               + f", a pipeline's send or receive {cal.get('p2p_overhead_s', 0.0) * 1e6:.3g} us of processor"
                + f", copy {cal['copy_bytes_per_s'] / 1e9:.3g} GB/s, gloo loopback "
                  f"{gbps:.3g} Gb/s and {latency * 1e6:.3g} us a ring step"
                + (f" (a ring of {workers} at once)" if ring else " (2 processes)"))

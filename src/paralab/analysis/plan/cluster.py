@@ -21,7 +21,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from ...errors import UsageError
-from .collectives import interpolate
+from .collectives import fitted
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -43,10 +43,11 @@ class Cluster:
     unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
     collectives: dict | None = None  # measured: {op: {group size: [[bytes, seconds], ...]}} (collectives.py)
     crowding: float = 0.0  # workers sharing fewer cores: a unit's slowdown with all computing at once (0: a device each)
+    p2p_overhead_us: float = 0.0  # processor time of a point-to-point send or receive beside its transfer (measured here)
 
     def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
         """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on
-        ``link``: interpolated between measured calls where the cluster has them for ``op`` at ``n``
+        ``link``: fitted to measured calls (``collectives.fitted``) where the cluster has them for ``op`` at ``n``
         (``collectives.py``; each call moving ``size / calls``), else the ring
         (``all_reduce`` and ``all_reduce_burst``: ``2(n-1)/n S/B + 2(n-1) a``; ``all_gather``,
         ``reduce_scatter``, ``all_to_all``: half that; ``send``: ``S/B + a``). ``S`` is the whole buffer (an
@@ -55,7 +56,7 @@ class Cluster:
             return 0.0
         measured = self.collectives and self.collectives.get(op, {}).get(str(n))
         if measured:
-            return calls * interpolate(measured, size / calls)
+            return calls * fitted(measured, size / calls)
         gbps, lat = link
         if op == "send":
             return size / (gbps * 1e9 / 8) + calls * lat

@@ -15,18 +15,22 @@ backward, 2 sequences), then call one collective through ``comm.py``, many
 times over. Every group size a layout can use (each divisor of the workers
 above 1, all groups of that size calling at once, as a tp x dp layout does),
 each operation (``all_reduce``, ``all_gather``, ``reduce_scatter``,
-``all_to_all``, and ``send``: a point-to-point transfer between neighbours,
-a pipeline's)
-and four sizes. A call's time is the mean over its repeats and over the
-ranks (a transfer's: its receiver's). The mean, not the median: over an
+``all_to_all``) and four sizes. A call's time is the mean over its repeats
+and over the ranks. The mean, not the median: over an
 emulated link a few calls take several times the typical one (TCP's
 delayed acknowledgements; docs/plan.md), and a step pays for every call.
-:meth:`~.cluster.Cluster.collective` interpolates between the sizes (:func:`interpolate`) instead of using the
-ring formula.
+:meth:`~.cluster.Cluster.collective` fits a latency and a bandwidth to the sizes (:func:`fitted`) instead of
+using the ring formula with an idle link's.
 
 ``S`` is the operation's whole buffer: an all-reduce's tensor, an
-all-gather's output, a reduce-scatter's input, what an all-to-all sends,
-a transfer's message.
+all-gather's output, a reduce-scatter's input, what an all-to-all sends.
+
+A pipeline's transfer is not timed here: this loop's blocking send would
+measure the receiver waiting for the sender's core (6.5-7.2 ms at 1 Gbit
+from 4 kB to 512 kB, docs/plan.md), which the pipeline's replay on shared
+cores (``shared_cores.py``) already models, with each send's and receive's
+processor time (``calibrate.p2p_time``); the transfer itself takes the
+link's formula (``S / B + a``).
 
 Small all-reduces that follow one another with only elementwise work
 between them (sequence parallelism's replicated parameters, summed in
@@ -42,7 +46,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 BURST = "all_reduce_burst"  # a small all-reduce right after another: no rank is behind
 CHUNK = (128, 4, 64, 2)  # the compute between calls: a gpt block (width, heads, tokens, sequences)
 
@@ -54,7 +58,7 @@ def group_sizes(workers: int) -> list[int]:
 
 def sizes_for(gbps: float) -> list[int]:
     """Four buffer sizes in bytes, from 4 kB to one moving in about 40 ms over the link (256 kB to 2 MB),
-    about evenly spaced in log: a call's time is interpolated between them."""
+    about evenly spaced in log: a call's time is fitted to them."""
     big = int(min(2 * 2 ** 20, max(256 * 1024, gbps * 1e9 / 8 * 0.04)))
     big -= big % 4096
     return [4096, big // 32, big // 4, big]
@@ -93,8 +97,6 @@ def _rank(rank: int, world: int, init: str, join, record, sizes: list[int], repe
         rows = []
         for g, comm in comms.items():
             for op in OPS:
-                if op == "send" and g != 2:
-                    continue  # a transfer is between two neighbours
                 for size in sizes:
                     call = _call(comm, op, size, g, torch)
                     call()  # warm-up: connections and buffers
@@ -131,12 +133,8 @@ def _call(comm, op: str, size: int, g: int, torch):
     if op == "reduce_scatter":
         shard = torch.empty(full.numel() // g)
         return lambda: comm.reduce_scatter(shard, full)
-    if op == "all_to_all":
-        got = torch.empty_like(full)
-        return lambda: comm.all_to_all_single(got, full)
-    if comm.rank == 0:  # send: rank 0 of the pair to rank 1
-        return lambda: comm.send(full, 1)
-    return lambda: comm.recv(full, 0)
+    got = torch.empty_like(full)  # all_to_all
+    return lambda: comm.all_to_all_single(got, full)
 
 
 def answers(target, args: list[tuple], count: int, timeout: float) -> list:
@@ -170,29 +168,31 @@ def measure(workers: int, gbps: float, repeats: int = 30, join=None, record: dic
                            timeout)[0]
     rows = []
     for i, (op, g, size, _) in enumerate(everyone[0]["rows"]):
-        # a call's time: the mean over the ranks (a send: its receiver's, which waits for the bytes)
-        ranks = everyone[1::2] if op == "send" else everyone
-        rows.append({"op": op, "group": g, "bytes": size,
-                     "seconds": statistics.fmean(r["rows"][i][3] for r in ranks)})
+        rows.append({"op": op, "group": g, "bytes": size,  # a call's time: the mean over the ranks
+                     "seconds": statistics.fmean(r["rows"][i][3] for r in everyone)})
     return {"workers": workers, "gbps": gbps, "sizes": sizes, "repeats": repeats, "rows": rows,
             "points": points(rows)}
 
 
 def points(rows: list[dict]) -> dict:
     """{op: {group size: [[bytes, seconds], ...]}} in size order: what :meth:`~.cluster.Cluster.collective`
-    interpolates."""
+    fits."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: r["bytes"]):
         out.setdefault(r["op"], {}).setdefault(str(r["group"]), []).append([r["bytes"], r["seconds"]])
     return out
 
 
-def interpolate(pts: list, size: float) -> float:
-    """Seconds of one call of ``size`` bytes from measured ``[bytes, seconds]`` points (ascending): linear
-    between the two around it, the smallest's below it, the last two's line beyond the largest."""
-    if size <= pts[0][0] or len(pts) == 1:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if size <= x1 or (x1, y1) == tuple(pts[-1]):
-            return max(y0 + (y1 - y0) * (size - x0) / (x1 - x0), pts[0][1])
-    return pts[-1][1]
+def fitted(pts: list, size: float) -> float:
+    """Seconds of one call of ``size`` bytes from measured ``[bytes, seconds]`` points: the line
+    ``a + size / B`` (a collective's form: a latency and a bandwidth) fitted to all of them by least squares,
+    never under the fastest measured call. Not a line through each pair of neighbours: the mean at one size
+    can carry a tail the others do not (TCP's delayed acknowledgements, docs/plan.md), and a fit over every
+    size weighs it against them."""
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if len(pts) == 1:
+        return ys[0]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 0.0) if sxx else 0.0
+    return max(my + slope * (size - mx), min(ys))

@@ -14,15 +14,21 @@ Per step on the busiest device (all times in seconds):
 - **context parallelism** (``cp`` ranks each hold ``s / cp`` tokens: the
   compute, the activations and the tp and pp messages divide by cp): the
   messages of ``analysis/context.py``; the ring's sends go out while the
-  block's attention computes, so only what outlasts it is exposed;
+  block's attention computes, so only what outlasts it is exposed, with
+  each send's and receive's processor time (``p2p_overhead_us``);
   Ulysses's all-to-alls are synchronous. Gradients are averaged over dp x cp.
 - **pipeline**: the schedule is run by the simulator
   (``strategies/pipeline/simulate.py``) on these per-stage times, with each
   boundary transfer (``b s h e`` bytes, ``/ tp`` under sequence parallelism)
   as its message delay: paralab's executor sends without blocking and posts
-  its receives ahead, so a transfer only delays the receiver. ``bubble`` is
-  the makespan less the busiest rank's work at free transfers, ``pp comm``
-  what the transfers add on top. A zero-bubble schedule's split backward
+  its receives ahead, so a transfer only delays the receiver, but a
+  sender's link carries one message at a time (its bytes over the link's
+  bandwidth: the next waits for it). Each send and
+  receive also costs its rank the cluster's ``p2p_overhead_us`` of
+  processor (the executor's work around a transfer; measured on
+  ``this-machine``, 0 for presets). ``bubble`` is the makespan less the
+  busiest rank's work at free transfers, ``pp comm`` what the transfers and
+  their processor time add on top. A zero-bubble schedule's split backward
   costs 1.5 whole ones (:func:`split_backward`: ``W`` walks the activation
   gradients again).
 - **data parallelism** (after the last microbatch, per paralab's flavours):
@@ -196,17 +202,23 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     if p > 1:
         boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1) / C
         transfer = cluster.collective("send", boundary, 2, pp_link)
+        wire = boundary / (pp_link[0] * 1e9 / 8)  # what of it holds the sender's link
         F = [fwd[s] + tpc[s] / 2 for s in range(p * v)]
         B = [bwd[s] + tpc[s] / 2 for s in range(p * v)]
         spec = spec_of(lay.schedule)
+        host = cluster.p2p_overhead_us * 1e-6
         if simulate_pipeline and cluster.crowding:  # workers sharing cores: stages take turns (shared_cores.py)
             free, real, compute = shared_makespans(lay.schedule, p, m, v, tuple(fwd), tuple(bwd), tuple(tpc),
-                                                   transfer, cluster.crowding)
+                                                   transfer, cluster.crowding, host, wire)
             busy[r_max] = compute + tp_comm + cp_comm + ep_comm
             simulated = True
         elif simulate_pipeline:
             free = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), 0.0)
-            real = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), transfer)
+            if host:  # a stage's receive and send around each forward and backward, on its rank's clock
+                ends = [(s > 0) + (s < p * v - 1) for s in range(p * v)]
+                F = [f + host * n for f, n in zip(F, ends)]
+                B = [b_ + host * n for b_, n in zip(B, ends)]
+            real = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), transfer, wire)
             simulated = True
         else:  # the closed form on the slowest rank's times: only to shortlist
             f_r = max(sum(F[s] for s in held) for held in ranks)
@@ -326,7 +338,8 @@ def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, f
                rate: float, split: bool = False) -> float:
     """One block's context-parallel communication left exposed per microbatch (forward + backward), from
     ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
-    hop overlaps one chunk's scores), Ulysses's all-to-alls are synchronous. Under a split backward
+    hop overlaps one chunk's scores; its send and receive cost the processor ``p2p_overhead_us`` each, which
+    nothing hides), Ulysses's all-to-alls are synchronous. Under a split backward
     (``split``: zero bubble) both its passes walk back through the attention: the backward's messages and
     the attention's backward happen twice. ``rate``: the arithmetic's FLOP/s (forward + backward)."""
     from ..context import cp_messages
@@ -338,7 +351,9 @@ def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, f
         kv = next(iter(msgs.values()))[1] / max(next(iter(msgs.values()))[0], 1)
         attention = (1 + 2 * (2 if split else 1)) * 4.0 * sh["context"] ** 2 * sh["embed"] * b / (lay.tp * C) / rate
         gbps, lat = link  # the hops overlap the attention: their wire time, not a measured call
-        return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0)
+        # each hop's send and receive cost the rank processor time, every rank at once (at the crowded rate)
+        host = sends * 2 * cluster.p2p_overhead_us * 1e-6 * max(1.0, cluster.crowding)
+        return max(sends * (kv / (gbps * 1e9 / 8) + lat) - attention, 0.0) + host
     return sum(times[name] * cluster.collective("all_to_all", size, C, link, calls=calls)
                for name, (calls, size) in msgs.items())
 
@@ -382,24 +397,28 @@ def _schedule(name: str, p: int, m: int, v: int):
 
 
 @lru_cache(maxsize=4096)
-def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: float) -> float:
+def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: float, wire: float = 0.0) -> float:
     """The simulated step of schedule ``name`` at per-stage forward and backward times ``F``, ``B`` (a
-    zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s.
-    Layouts that differ only outside the pipeline (ZeRO stage, data parallelism) share one simulation."""
-    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, **_split(name, B))
+    zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s,
+    ``wire`` of them on its sender's link. Layouts that differ only outside the pipeline (ZeRO stage, data
+    parallelism) share one simulation."""
+    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, wire_time=wire,
+                        **_split(name, B))
     return max((x.t1 for row in timeline for x in row), default=0.0)
 
 
 @lru_cache(maxsize=4096)
 def shared_makespans(name: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, comm: tuple, transfer: float,
-                     crowding: float) -> tuple[float, float, float]:
+                     crowding: float, host: float = 0.0, wire: float = 0.0) -> tuple[float, float, float]:
     """(step at free transfers, step, the busiest rank's compute) of schedule ``name`` on workers that share
     cores (``shared_cores.py``): ``fwd``, ``bwd`` a stage's compute at the all-at-once rate, ``comm`` its tp,
-    cp and ep communication (half in forward, half in backward), which leaves the cores to the others."""
+    cp and ep communication (half in forward, half in backward), which leaves the cores to the others;
+    ``host`` each send's and receive's processor time, counted in the step, not at free transfers."""
     half = [c / 2 for c in comm]
     kw = _split(name, bwd)
     free, busy = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, 0.0, crowding, **kw)
-    real, _ = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, transfer, crowding, **kw)
+    real, _ = simulate_shared(_schedule(name, p, m, v), list(fwd), list(bwd), half, half, transfer, crowding,
+                              host=host, wire=wire, **kw)
     return free, real, max(busy)
 
 

@@ -14,6 +14,12 @@ the machine: with ``k`` of the ``n`` pipeline ranks computing, each progresses a
 tensor-parallel peers, which compute at the same moments), so ``k = n`` gives the calibrated rate and a
 rank alone the rate of one alone. Work is given in seconds at the all-at-once rate (what the planner
 computes) and converted.
+
+Each send and each receive also costs its rank ``host`` seconds of processor at its alone speed (the
+executor's bookkeeping, posting the message, waking for it: measured by the calibration), shared like
+compute: a send's message leaves when that work is done, a receive's work starts when its message is in.
+A message holds its sender's link for ``wire`` seconds (of its ``transfer``), so messages a rank sends one
+after another leave one after another.
 """
 from __future__ import annotations
 
@@ -25,11 +31,13 @@ from ...strategies.pipeline.simulate import ScheduleError
 
 def simulate_shared(schedule, forward: list[float], backward: list[float], fixed_f: list[float],
                     fixed_b: list[float], transfer: float, crowding: float,
-                    input_time: list[float] | None = None, weight_time: list[float] | None = None
-                    ) -> tuple[float, list[float]]:
+                    input_time: list[float] | None = None, weight_time: list[float] | None = None,
+                    host: float = 0.0, wire: float = 0.0) -> tuple[float, list[float]]:
     """(makespan, each rank's seconds computing) of ``schedule``: ``forward``/``backward`` per stage at the
     all-at-once rate (a split backward's ``input_time`` and ``weight_time`` likewise), ``fixed_f``/``fixed_b``
-    per stage what does not use the cores (tensor parallelism's collectives), ``transfer`` a message's time."""
+    per stage what does not use the cores (tensor parallelism's collectives), ``transfer`` a message's time,
+    ``host`` a send's or a receive's processor time at alone speed (not counted as computing), ``wire`` how
+    long a message holds its sender's link."""
     sched = as_schedule(schedule)
     world = sched.ranks
     inputs = input_time or [b / 2 for b in backward]
@@ -43,8 +51,16 @@ def simulate_shared(schedule, forward: list[float], backward: list[float], fixed
     left: list[float | None] = [None] * world    # alone-seconds left of the compute a rank is in
     then: list[float] = [0.0] * world            # its fixed part, after the compute
     wake = [0.0] * world                         # a rank waits until then (a message in flight, a fixed part)
+    sending: list[int | None] = [None] * world   # the peer of the send whose host work is in progress
+    computing = [False] * world                  # whether the work in progress is a compute (else host work)
     channels: dict[tuple[int, int], deque] = {}
+    link_free = [0.0] * world                    # when each rank's outgoing link has sent what it was given
     busy = [0.0] * world
+
+    def send(r: int, peer: int) -> None:
+        leaves = max(t, link_free[r])
+        link_free[r] = leaves + wire
+        channels.setdefault((r, peer), deque()).append(leaves + transfer)
 
     def advance() -> None:
         """Every rank not computing goes through its sends and receives at time ``t``, as far as it can."""
@@ -55,10 +71,12 @@ def simulate_shared(schedule, forward: list[float], backward: list[float], fixed
                 while left[r] is None and pos[r] < len(sched[r]) and wake[r] <= t:
                     a = sched[r][pos[r]]
                     if a.kind.is_compute:
-                        left[r] = work[a.kind][a.stage] / crowding
-                        then[r] = fixed[a.kind][a.stage]
+                        left[r], then[r], computing[r] = work[a.kind][a.stage] / crowding, fixed[a.kind][a.stage], True
                     elif a.kind.is_send:
-                        channels.setdefault((r, a.peer), deque()).append(t + transfer)
+                        if host:
+                            left[r], then[r], computing[r], sending[r] = host, 0.0, False, a.peer
+                        else:
+                            send(r, a.peer)
                     else:
                         queue = channels.get((a.peer, r))
                         if not queue:
@@ -67,6 +85,8 @@ def simulate_shared(schedule, forward: list[float], backward: list[float], fixed
                             wake[r] = queue[0]
                             break
                         queue.popleft()
+                        if host:
+                            left[r], then[r], computing[r] = host, 0.0, False
                     pos[r] += 1
                     moved = True
 
@@ -83,9 +103,12 @@ def simulate_shared(schedule, forward: list[float], backward: list[float], fixed
         dt = min([left[r] / speed for r in active] + [w - t for w in waiting])
         for r in active:
             left[r] -= dt * speed
-            busy[r] += dt
+            busy[r] += dt if computing[r] else 0.0
         t += dt
         for r in active:
             if left[r] <= 1e-12:
                 left[r] = None
                 wake[r] = t + then[r]
+                if sending[r] is not None:
+                    send(r, sending[r])
+                    sending[r] = None

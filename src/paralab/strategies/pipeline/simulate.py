@@ -119,12 +119,16 @@ class Timed:
 def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list[float] = 1.0,
              backward_time: float | list[float] = 2.0, comm_time: float = 0.0,
              input_time: float | list[float] | None = None,
-             weight_time: float | list[float] | None = None, check: bool = True) -> list[list[Timed]]:
+             weight_time: float | list[float] | None = None, check: bool = True,
+             wire_time: float = 0.0) -> list[list[Timed]]:
     """Run the lists on an ideal machine and return every action's start and end.
 
     Times may be one number or one per stage (``B`` whole; ``I`` and ``W``
     default to half of it each). Sends take no time on the sender and arrive
     ``comm_time`` later; a receive waits (idle) until its message is there.
+    ``wire_time`` (of ``comm_time``) is how long a message holds its sender's
+    link: one a rank sends while its link still carries an earlier one
+    leaves after it (a link moves one message at a time).
     Raises ScheduleError if a list is inconsistent, if a receive would take
     a message meant for another stage or microbatch (the channel between two
     ranks is first-in-first-out), if some rank can never proceed (deadlock)
@@ -148,6 +152,7 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
     clock = [0.0] * world
     pos = [0] * world
     channels: dict[tuple[int, int], deque] = {}
+    link_free = [0.0] * world  # when each rank's outgoing link has sent what it was given
     timeline: list[list[Timed]] = [[] for _ in range(world)]
     while True:
         progressed = False
@@ -158,7 +163,9 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
                 if a.kind.is_compute:
                     clock[rank] = t + cost[a.kind][a.stage]
                 elif a.kind.is_send:
-                    channels.setdefault((rank, a.peer), deque()).append((message_of(a), t + comm_time))
+                    leaves = max(t, link_free[rank])
+                    link_free[rank] = leaves + wire_time
+                    channels.setdefault((rank, a.peer), deque()).append((message_of(a), leaves + comm_time))
                 else:
                     queue = channels.get((a.peer, rank))
                     if not queue:
