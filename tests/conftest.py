@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,13 @@ import pytest
 # a `paralab serve` the developer left running must not run the tests' commands (tests/test_serve.py
 # starts its own, in a folder of its own)
 os.environ["PARALAB_SERVE"] = "off"
+# decoded copies of datasets (data/decoded.py) go to a folder of this session's, not the user's cache
+_DECODED = tempfile.mkdtemp(prefix="paralab-test-decoded-")
+os.environ["PARALAB_DECODED"] = _DECODED
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_DECODED, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -157,6 +157,43 @@ def test_fashion_idx_reader(tmp_path):
     assert data.test_y.tolist() == list(arrays["test_y"])
 
 
+def test_fashion_decoded_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    """The first load inflates the files and keeps raw bytes under a checked header (no pickle); the next
+    reads them back without inflating; a changed source file, a damaged copy or an unchecked one is
+    decoded again; a cache that cannot be written is only not kept."""
+    import os
+
+    import paralab.data.datasets as ds
+    from paralab.data import decoded
+    monkeypatch.setenv("PARALAB_DECODED", str(tmp_path / "copies"))
+    src = tmp_path / "src"
+    src.mkdir()
+    arrays = make_fashion(src)
+    first = load_fashion_mnist(src, check_md5=False)
+    (kept,) = (tmp_path / "copies").iterdir()
+    assert kept.read_bytes().startswith(decoded.MAGIC) and b"numpy" not in kept.read_bytes()
+    inflated = []
+    monkeypatch.setattr(ds, "read_idx", lambda *a, **k: inflated.append(a) or pytest.fail("inflated again"))
+    again = load_fashion_mnist(src, check_md5=False)
+    assert torch.equal(again.train_x, first.train_x) and torch.equal(again.test_y, first.test_y)
+    monkeypatch.setattr(ds, "read_idx", read_idx)
+    # the MD5s checked or not: another copy (an unchecked one never stands in for a checked load)
+    with pytest.raises(UsageError, match="MD5"):
+        load_fashion_mnist(src)
+    # a damaged copy (cut short) is decoded again and replaced
+    kept.write_bytes(kept.read_bytes()[:-7])
+    assert torch.equal(load_fashion_mnist(src, check_md5=False).train_x, first.train_x)
+    assert decoded.decode(kept.read_bytes(), list(FASHION_FILES)) is not None
+    # a source file changed since: decoded again from it
+    arrays["test_y"] = (arrays["test_y"] + 1) % 10
+    write_idx(src / FASHION_FILES["test_y"][0], arrays["test_y"])
+    os.utime(src / FASHION_FILES["test_y"][0], ns=(1, 1))
+    assert load_fashion_mnist(src, check_md5=False).test_y.tolist() == list(arrays["test_y"])
+    # nowhere to keep it: loads all the same
+    monkeypatch.setenv("PARALAB_DECODED", str(src / FASHION_FILES["test_y"][0]))  # a file, not a folder
+    assert load_fashion_mnist(src, check_md5=False).test_y.tolist() == list(arrays["test_y"])
+
+
 def test_fashion_md5_mismatch_is_refused(tmp_path):
     make_fashion(tmp_path)
     with pytest.raises(UsageError, match="MD5"):

@@ -3,7 +3,8 @@
 Readers for the real on-disk formats (CIFAR-10 python pickles, read by a
 restricted unpickler that can build nothing but what the official files hold;
 Fashion-MNIST IDX ``.gz``) and a deterministic, learnable synthetic set. Everything is
-loaded once; augmentation and normalisation happen later, batched. Text datasets
+loaded once (Fashion-MNIST decoded once and kept as raw bytes: ``decoded.py``); augmentation and
+normalisation happen later, batched. Text datasets
 (byte tokens for the language model) live in ``text.py``; the functions here
 dispatch to it by name and resolve ``auto`` by the model's modality.
 """
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from . import decoded
 from .text import TEXT_DATASETS, check_text, load_text, resolve_text, text_train_windows
 
 FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -265,21 +267,32 @@ def to_cifar_shape(images: np.ndarray) -> torch.Tensor:
     return x.expand(-1, 3, -1, -1).contiguous()
 
 
+def decoded_dir() -> Path:
+    """Where decoded copies are kept (``decoded.py``): ``$PARALAB_DECODED``, else ``decoded`` in the data root."""
+    return Path(os.environ.get("PARALAB_DECODED") or DEFAULT_DATA_ROOT / "decoded")
+
+
 def load_fashion_mnist(data_dir: Path | None, check_md5: bool = True) -> Dataset:
     folder = fashion_dir(data_dir)
     if folder is None:
         raise UsageError(f"Fashion-MNIST not found in {data_dir or FASHION_SYSTEM_DIR}; install "
                          "Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist) "
                          "or use --dataset synthetic")
-    arrays = {}
-    for key, (name, md5) in FASHION_FILES.items():
-        path = folder / name
-        if not path.exists():
-            raise UsageError(f"{path} is missing")
-        arrays[key] = read_idx(path, md5 if check_md5 else None)
+    for name, _ in FASHION_FILES.values():
+        if not (folder / name).exists():
+            raise UsageError(f"{folder / name} is missing")
+
+    def inflate() -> dict[str, np.ndarray]:
+        return {key: read_idx(folder / name, md5 if check_md5 else None) for key, (name, md5) in FASHION_FILES.items()}
+
+    arrays = decoded.arrays(decoded_dir(), "fashion-mnist", folder,
+                            [name for name, _ in FASHION_FILES.values()], list(FASHION_FILES), check_md5, inflate)
     for split in ("train", "test"):
         if len(arrays[f"{split}_x"]) != len(arrays[f"{split}_y"]):
             raise UsageError(f"Fashion-MNIST {split}: images and labels differ in count")
+        if len(arrays[f"{split}_y"]) and int(arrays[f"{split}_y"].max()) >= len(FASHION_CLASSES):
+            raise UsageError(f"Fashion-MNIST {split}: a label above {len(FASHION_CLASSES) - 1}: a corrupt file "
+                             f"(or a damaged decoded copy in {decoded_dir()}: delete it)")
     return Dataset("fashion-mnist", to_cifar_shape(arrays["train_x"]),
                    torch.from_numpy(arrays["train_y"].astype(np.int64)),
                    to_cifar_shape(arrays["test_x"]), torch.from_numpy(arrays["test_y"].astype(np.int64)),
