@@ -69,7 +69,8 @@ def test_mesh_bench(tmp_path):
 @pytest.mark.slow  # a few runs of each start-up path (no compare): about half a minute
 def test_startup_bench(tmp_path):
     d = bench(tmp_path, "startup", "--repeats", "1", "--no-compare")
-    assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run", "train (served)"}
+    assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run", "train (served)",
+                                        "train (uncompiled)"}
     assert all(v > 0 for v in d["median_seconds"].values()) and d["over_import_torch"]["import torch"] == 1.0
     assert "compare" not in d
 
@@ -117,3 +118,19 @@ def test_hsdp_bench(tmp_path):
     for name in best:  # the ledger's peak within the memory model's (HSDP and tp shard over 2)
         assert 0 < best[name]["resident_peak_bytes"] <= best[name]["predicted_peak_bytes"], best[name]
     assert (best["fsdp3"]["sharded_over"], best["hsdp3"]["sharded_over"], best["fsdp3-tp2"]["sharded_over"]) == (4, 2, 2)
+
+
+def test_plan_bench_predicts_recorded_runs_again(tmp_path):
+    """`bench/plan.py --repredict`: a results file's measured steps predicted by the current model from that
+    file's own calibration and collectives, every measured layout beside its recorded error; a file from
+    before the send/receive measurement says so."""
+    r = subprocess.run([sys.executable, str(BENCH / "plan.py"), "--repredict", str(BENCH / "results" / "plan.json"),
+                        str(BENCH / "results" / "plan-run7.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for run in ("plan.json", "plan-run7.json"):
+        data = json.loads((BENCH / "results" / run).read_text())
+        for rate, v in data["rates"].items():
+            assert f"{run} {rate}: median |error|" in r.stdout
+            for row in v["rows"]:
+                assert row["layout"] in r.stdout
+    assert "plan-run7.json: its calibration predates the send/receive time: 0 (give one with --p2p-us)" in r.stdout
