@@ -4,6 +4,8 @@ paths unchanged."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -174,3 +176,18 @@ def test_a_cold_command_ends_without_the_interpreters_teardown(tmp_path):
                            capture_output=True, text=True, timeout=240, env=env)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
     assert "exit handler ran" in again.stdout and "torn down" not in again.stdout
+
+
+@pytest.mark.parametrize("argv,early", [(["compare"], True), (["sweep", "--workers", "2"], True),
+                                        (["compare", "--dry-run"], False), (["compare", "--help"], False),
+                                        (["compare", "--train-args=--start spawn"], False),
+                                        (["train", "ddp"], False), ([], False)])
+def test_commands_of_many_runs_start_their_forkserver_before_importing_torch(argv, early):
+    """`compare` and `sweep` start the warm forkserver first thing (it imports while they do); help, a dry
+    run, fresh-interpreter runs and single commands start none; nothing here has imported torch."""
+    code = ("import sys; from paralab import front; front.warm_early(sys.argv[1:]); "
+            "from multiprocessing import forkserver as s; "
+            "print(s._forkserver._forkserver_pid is not None, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(early), "False"]

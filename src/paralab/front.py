@@ -19,6 +19,7 @@ def main() -> int:
     from .run.serve import delegate
     code = delegate(sys.argv[1:])
     if code is None:  # no server, or one that cannot run this command as a cold process would
+        warm_early(sys.argv[1:])
         try:
             code = command_line()
         except SystemExit as exc:
@@ -27,6 +28,18 @@ def main() -> int:
                 print(exc.code, file=sys.stderr)
         leave(code)
     return code
+
+
+def warm_early(argv: list[str]) -> None:
+    """For a command that runs many runs from one warm forkserver (``commands.RUNS_MANY``), start it now,
+    before this process imports torch: the two imports then run side by side. Not for help, a dry run,
+    or runs asked to start as fresh interpreters (``--start spawn``), which use no forkserver."""
+    from .commands import RUNS_MANY
+    if not argv or argv[0] not in RUNS_MANY or any(a in ("-h", "--help", "--dry-run") for a in argv) \
+            or any("start" in a and "spawn" in a for a in argv):
+        return
+    from .run.warm import start_early
+    start_early()
 
 
 def leave(code: int) -> None:

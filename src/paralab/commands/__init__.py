@@ -5,3 +5,5 @@ A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 module listed in ``COMMANDS`` that exists.
 """
 COMMANDS = ("compare", "plot", "calc", "plan", "partition", "sweep", "export", "serve")
+#: commands that run many runs from one warm forkserver (run/warm.py), started before they import torch
+RUNS_MANY = ("compare", "sweep")

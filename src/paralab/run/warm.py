@@ -99,6 +99,14 @@ def forkserver():
     return ctx
 
 
+def start_early() -> None:
+    """Start this process's preloaded forkserver now: it imports :data:`PRELOAD` on a core of its own
+    while the caller imports the same and plans its runs (nothing waits for it until the first run)."""
+    from multiprocessing import forkserver as server
+    forkserver()
+    server.ensure_running()
+
+
 def rank_context(cfg):
     """The multiprocessing context this launcher starts its local ranks from, and its name."""
     if cfg.start == "spawn":
