@@ -18,7 +18,8 @@ import pytest
 #: module -> the only modules (besides its own package's) that may import it
 ONLY_IMPORTED_BY = {
     "paralab.cli": ("paralab.__main__", "paralab.front"),   # the command line is the top: nothing builds on it
-    "paralab.commands": ("paralab.cli",),   # subcommands are registered by the command line alone
+    # subcommands are registered by the command line alone (front: which of them start a forkserver early)
+    "paralab.commands": ("paralab.cli", "paralab.front"),
 }
 #: the layers, bottom first (docs/architecture.md draws them): a module imports only from its own layer
 #: or the ones below it
