@@ -203,14 +203,7 @@ def repredict(paths: list[str], p2p_us: float | None = None) -> int:
                 if "measured_s" not in r:
                     continue
                 lay = Layout(**{k: x for k, x in r["predicted"]["layout"].items() if k != "label"})
-                words = r["command"].split()
-                cut, lo = None, 0
-                if "--partition" in words:
-                    cut = []
-                    for n in map(int, words[words.index("--partition") + 1].split(",")):
-                        cut.append((lo, lo + n))
-                        lo += n
-                step = predict(work, lay, cluster, setting, cut=cut).step
+                step = predict(work, lay, cluster, setting).step  # the plan's cut: what the run was given
                 rows.append({"layout": r["layout"], "predicted_s": step, "measured_s": r["measured_s"],
                              "error": (step - r["measured_s"]) / r["measured_s"], "recorded": r["error"]})
             now, then = step_summary(rows), step_summary([{**r, "error": r["recorded"]} for r in rows])

@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
-import shutil
 import os
+import shutil
 import statistics
 import subprocess
 import sys

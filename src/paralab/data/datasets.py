@@ -286,7 +286,7 @@ def load_fashion_mnist(data_dir: Path | None, check_md5: bool = True) -> Dataset
         return {key: read_idx(folder / name, md5 if check_md5 else None) for key, (name, md5) in FASHION_FILES.items()}
 
     arrays = decoded.arrays(decoded_dir(), "fashion-mnist", folder,
-                            [name for name, _ in FASHION_FILES.values()], list(FASHION_FILES), check_md5, inflate)
+                            {key: name for key, (name, _) in FASHION_FILES.items()}, check_md5, inflate)
     for split in ("train", "test"):
         if len(arrays[f"{split}_x"]) != len(arrays[f"{split}_y"]):
             raise UsageError(f"Fashion-MNIST {split}: images and labels differ in count")

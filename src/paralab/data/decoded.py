@@ -75,11 +75,12 @@ def decode(blob: bytes, names: list[str]) -> dict[str, np.ndarray] | None:
     return out
 
 
-def arrays(cache: Path, label: str, folder: Path, sources: list[str], names: list[str], checked: bool,
+def arrays(cache: Path, label: str, folder: Path, sources: dict[str, str], checked: bool,
            build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """``build()``'s arrays (uint8, named ``names``), from the cache when it holds them for these
-    ``sources`` in ``folder``, else built and kept there."""
-    path = cache / f"{label}-{key_of(folder, sources, checked)}.bin"
+    """``build()``'s arrays (uint8; ``sources``: each array's name -> the file in ``folder`` it comes from),
+    from the cache when it holds them for these files, else built and kept there."""
+    names = list(sources)
+    path = cache / f"{label}-{key_of(folder, list(sources.values()), checked)}.bin"
     try:
         found = decode(path.read_bytes(), names)
     except OSError:
