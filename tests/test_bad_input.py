@@ -33,6 +33,8 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--workers", "2"], "strategy 'single' runs one process"),
     (["single", "--check", "--precision", "bf16"], "--check compares fp32"),
     (["single", "--rank", "0"], "needs both --world-size and --rank"),
+    (["single", "--check-cache", "kept"], "--check-cache DIR keeps the reference that --check trains"),
+    (["single", "--check", "--check-cache", __file__], "is a file: name a folder"),
 ])
 def test_refused(capsys, tmp_path, argv, message):
     defaults = [x for flag, value in zip(FAST[::2], FAST[1::2]) if flag not in argv for x in (flag, value)]

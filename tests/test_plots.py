@@ -140,3 +140,19 @@ def test_unfinished_directories_are_skipped_with_a_warning(runs_dir, tmp_path, c
 def test_compare_report_dir_hint(runs_dir, capsys):
     assert main(["plot", "throughput", str(runs_dir.parent)]) == 2
     assert "/runs/*" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_report_figures_drawn_together_name_the_one_that_fails(runs_dir, tmp_path, processes):
+    """report/figures.py: in this process or in children of the forkserver, the same figures come out,
+    and one that fails is named with its error while the others are drawn."""
+    from paralab.report.figures import Figures
+    runs = load_runs(all_runs(runs_dir))
+    figures = Figures(tmp_path / "plots")
+    assert figures.add(plots.plot_throughput, "throughput.png", runs) == tmp_path / "plots" / "throughput.png"
+    figures.add(plots.plot_scaling, "scaling.png", [])  # nothing to draw: fails
+    figures.add(plots.plot_split_time, "split_time.png", runs)
+    failed = figures.draw(processes)
+    assert failed == {"scaling.png": "ValueError: no run with a measured time per iteration"}
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["split_time.png", "throughput.png"]
+    assert png_size(tmp_path / "plots" / "throughput.png")[0] > 300

@@ -52,6 +52,13 @@ def test_compare_writes_every_row_and_file(report):
                  "plots/split_time.png", "plots/memory.png", "plots/timeline_pipeline-w2.png",
                  "plots/timeline_ddp-w2.png", "logs/ddp-w2.log"):
         assert (out / name).is_file(), name
+    # runs whose references are the same share one (check/kept.py): ddp at 1 worker replays single's one
+    # shard; the folder they shared is not part of the report, nor of the commands it shows
+    assert "is the one an earlier run trained" in (out / "logs" / "ddp-w1.log").read_text()
+    for name in ("single-w1", "ddp-w2", "pipeline-w2"):
+        assert "check: training the single-process reference" in (out / "logs" / f"{name}.log").read_text()
+    assert not (out / "check-cache").exists()
+    assert all("--check-cache" not in e["command"] for e in data["entries"])
     # written in a temporary directory and renamed at the end: nothing else left beside it
     assert [d.name for d in out.parent.iterdir() if d.name.startswith(".tiny-compare")] == []
     # the table is printed too, and the progress display named the runs and their steps

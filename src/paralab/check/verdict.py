@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
+from . import kept
 from .reference import TOLERANCES, Comparison, compare_tensors, reference_train
 
 
@@ -66,6 +67,26 @@ def weight_deviation(strategy, ref: Reference, precision: str) -> Comparison:
                            TOLERANCES[precision]["weights"])
 
 
+def bring_to(cfg, ref: Reference, steps: int, comm, say) -> None:
+    """Train the reference to ``steps``, or with ``--check-cache`` load it where an earlier run with the
+    same reference kept it (``kept.py``: named by a digest of its weights, batches and settings)."""
+    key = None
+    if kept.usable(cfg, ref):
+        key = kept.digest(cfg, ref, steps)
+        why = kept.load(cfg.check_cache, key, ref.model)
+        if why is None:
+            ref.step = steps
+            say(f"check: the single-process reference to step {steps} ({ref.describe()}) is the one an earlier "
+                f"run trained on the same weights and batches ({kept.path_for(cfg.check_cache, key).name})")
+            return
+    say(f"check: training the single-process reference to step {steps} ({ref.describe()})")
+    ref.advance_to(steps)
+    if key is not None and comm.rank == 0:
+        why = kept.keep(cfg.check_cache, key, ref.model)
+        if why:
+            say(f"check: --check-cache: the reference is {why}")
+
+
 def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: list | None = None) -> dict:
     """Bring the reference to ``steps``, compare, agree on a verdict over the ranks.
 
@@ -75,8 +96,7 @@ def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: lis
     tol = TOLERANCES[cfg.precision]
     if ref.compression:
         say(f"check: {ref.compression.caveat()}")
-    say(f"check: training the single-process reference to step {steps} ({ref.describe()})")
-    ref.advance_to(steps)
+    bring_to(cfg, ref, steps, comm, say)
 
     results: list[Comparison] = []
     mine = strategy.full_state_dict()

@@ -36,7 +36,10 @@ and paralab once, so a run's time is mostly its training):
     as in CS744 where each worker is a machine (--cores-per-worker none: a
     lone worker uses every core instead);
   - --check on: every run is compared with the single-process reference
-    (the table's check column); --no-check skips that and runs faster.
+    (the table's check column); runs whose reference is the same (the same
+    starting weights, batches and split: every data-parallel flavour at 2
+    workers) share one, trained by the first of them; --no-check skips the
+    check and runs faster.
 
 The table follows CS744's Table 1: seconds per iteration (mean over steps
 after the --warmup steps, slowest rank), global samples/s, speedup over
@@ -70,6 +73,8 @@ from ..strategies.compression import VARIANT_FIELDS as COMPRESS_OWNED
 from ..strategies.compression import VARIANT_SPELLINGS as COMPRESS_SPELLINGS
 from ..strategies.compression import parse_variants as parse_compress
 
+#: the folder (in the report's, removed before it is final) where runs keep the references they share
+CHECK_CACHE = "check-cache"
 HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML, trace)"
 
 #: `paralab train` options compare takes too (flags and help from their declarations), in this order
@@ -363,7 +368,9 @@ def run(a) -> int:
             eta = f", ~{elapsed / i * (len(runs) - i):.0f}s left" if i else ""
             variant = f" {r['compress']}" if r.get("compress", "none") != "none" else ""
             prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}{variant}"
-            res = runner.run(cfg, tmp / "runs" / r["name"], display.follow(prefix),
+            # runs whose references are the same share one (check/kept.py; the commands shown leave it out)
+            kept = dataclasses.replace(cfg, check_cache=str(tmp / CHECK_CACHE)) if cfg.check else cfg
+            res = runner.run(kept, tmp / "runs" / r["name"], display.follow(prefix),
                              log=tmp / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
                              on_output=display.passthrough)
             r.update(seconds=res.seconds, returncode=res.returncode, log=f"logs/{r['name']}.log",
@@ -383,7 +390,10 @@ def run(a) -> int:
         wall = time.time() - started
         print("compare: drawing figures and writing the report", file=sys.stderr)
         from ..report.page import build_compare_report
-        build_compare_report(tmp, entries, left_out, canonical_command(a), vars(a), wall, final_dir=out)
+        # the runs are over: the figures are drawn on up to 4 cores, in children of the runs' forkserver
+        build_compare_report(tmp, entries, left_out, canonical_command(a), vars(a), wall, final_dir=out,
+                             figure_processes=min(4, os.cpu_count() or 1))
+        shutil.rmtree(tmp / CHECK_CACHE, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"compare: stopped; nothing written to {out}", file=sys.stderr)

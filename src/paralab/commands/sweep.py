@@ -45,7 +45,7 @@ from pathlib import Path
 from .. import options
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
-from .compare import changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
+from .compare import CHECK_CACHE, changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
 
 HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
 
@@ -182,7 +182,8 @@ class Sweep:
         from ..analysis.runs import load_run
         run_dir = self.tmp / "runs" / name
         prefix = f"[{index}] {name}"
-        res = runner.run(cfg, run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
+        kept = dataclasses.replace(cfg, check_cache=str(self.tmp / CHECK_CACHE)) if cfg.check else cfg
+        res = runner.run(kept, run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
                          timeout=self.a.run_timeout, on_output=self.display.passthrough)
         entry = {"name": name, "config": changed_fields(cfg), "seconds": res.seconds, "returncode": res.returncode,
                  "command": train_command(cfg, self.out / "runs" / name), "log": f"logs/{name}.log"}
@@ -203,6 +204,7 @@ class Sweep:
         page, md = report.write(self.tmp)
         data["entries"] = [{k: v for k, v in e.items() if k != "run"} for e in self.entries]
         (self.tmp / "sweep.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        shutil.rmtree(self.tmp / CHECK_CACHE, ignore_errors=True)
         os.replace(self.tmp, self.out)
         return self.out
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..analysis.runs import Run
+from .figures import Figures
 
 
 # ======================================================================== tables as text
@@ -318,11 +319,13 @@ def timeline_runs(runs: list[Run]) -> list[Run]:
 
 
 def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str], command: str,
-                         settings: dict, wall_seconds: float, final_dir: Path | None = None) -> Report:
+                         settings: dict, wall_seconds: float, final_dir: Path | None = None,
+                         figure_processes: int = 1) -> Report:
     """Figures, tables, merged trace and report.html/.md for a finished comparison in ``out_dir``.
 
     ``entries`` are the matrix's runs (strategy, workers, status, error, command, run_dir relative
-    to ``out_dir``, log, seconds). Figures that cannot be drawn are named in the report with the reason.
+    to ``out_dir``, log, seconds). Figures that cannot be drawn are named in the report with the reason;
+    ``figure_processes`` > 1 draws them in that many children of the caller's forkserver (``figures.py``).
     """
     from . import plots
     from ..analysis.runs import load_run, series_of, sort_runs
@@ -334,16 +337,8 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
         if e.get("run_dir"):
             runs[i] = load_run(out_dir / e["run_dir"])
     finished = sort_runs(list(runs.values()))
-    plot_dir = out_dir / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    problems: list[str] = []
-
-    def draw(fn, name, *args, **kw):
-        try:
-            return fn(*args, plot_dir / name, **kw)
-        except Exception as exc:  # noqa: BLE001 - one figure failing must not lose the report
-            problems.append(f"{name}: not drawn ({type(exc).__name__}: {exc})")
-            return None
+    figures = Figures(out_dir / "plots")  # asked for below, drawn together at the end
+    draw = figures.add
 
     baseline = plots.baseline_strategy()
     headers, rows = results_table(entries, runs, baseline)
@@ -433,10 +428,13 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
         sec = rep.section("Communication")
         sec.table(*comm_table(finished), "per measured step and rank; busbw = algbw x the collective's bus "
                   "factor (all-reduce 2(N-1)/N), as nccl-tests")
-    if problems:
+    failed = figures.draw(figure_processes)
+    for sec in rep.sections:  # a figure that failed is left out, and named below
+        sec.items = [i for i in sec.items if not (isinstance(i, Figure) and i.path.name in failed)]
+    if failed:
         sec = rep.section("Figures not drawn")
-        for pr in problems:
-            sec.para(pr)
+        for name, why in failed.items():
+            sec.para(f"{name}: not drawn ({why})")
 
     sec = rep.section("Commands")
     sec.para("The comparison:")

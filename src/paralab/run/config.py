@@ -81,6 +81,11 @@ class RecordOptions:
     save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
     check_every: int = option(0, "with --check: also record the deviation from the reference every N steps "
                                  "(summary.json check.history; `paralab plot deviation`)", metavar="N")
+    check_cache: str | None = option(None, "with --check: keep the single-process reference's final weights in DIR "
+                                           "and load them in a later run whose reference is the same: the same "
+                                           "starting weights, batches, learning rates, optimizer, split and "
+                                           "threads, by digest (compare and sweep pass their own)",
+                                     type=str, metavar="DIR")
 
 
 @dataclass
@@ -194,6 +199,10 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.check_every < 0 or (self.check_every and not self.check):
             raise UsageError("--check-every N compares with the reference every N steps: it needs --check "
                              "and N >= 1")
+        if self.check_cache and not self.check:
+            raise UsageError("--check-cache DIR keeps the reference that --check trains: add --check (or drop it)")
+        if self.check_cache and Path(self.check_cache).exists() and not Path(self.check_cache).is_dir():
+            raise UsageError(f"--check-cache {self.check_cache} is a file: name a folder (created if missing)")
         from ..models import DEFAULT_NORM, MODALITY
         if self.norm is None:  # the model's own: BatchNorm, but none for CS1390's plain VGG-16s and the gpt
             self.norm = DEFAULT_NORM[self.model]

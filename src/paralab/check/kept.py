@@ -1,0 +1,149 @@
+"""``--check-cache DIR``: a single-process reference trained once, for every run whose reference is the same.
+
+A comparison checks many runs whose references coincide: each data-parallel run
+at 2 workers replays the same 2 shards of the same batches from the same
+starting weights, whatever its flavour. The reference is deterministic, so the
+first run to train it keeps its final weights in DIR, and a later run whose
+reference would be the same loads them instead of training it again. Nothing
+else about the check changes: every rank still compares its own view of the
+strategy (weights, the next batch's outputs, replicas) with the reference.
+
+"The same" is decided by content, not by description. The file is named by a
+SHA-256 digest (:func:`digest`) of
+
+- the starting weights' bytes and every batch the reference trains on, shard by
+  shard (what the run's own data source gives), and each step's learning rate;
+- how the reference splits and replays them (shards, microbatches, BatchNorm
+  rule), its dtype, device and thread count (a kernel's summation order can
+  depend on the threads), the optimizer and its hyper-parameters;
+- every option of the run except those that only lay the training out over
+  ranks, record it or launch it (:data:`LAYOUT_ONLY`; an option added later
+  counts until it is listed there, so a new option can only make runs miss);
+- the model's printed structure and the source of every module class in it,
+  of the reference's replay and of the loss; paralab's and torch's versions
+  and the CPU's kernel level.
+
+Runs with gradient compression (whose reference transforms each shard's
+gradient) and runs with ``--check-every`` (whose reference advances step by
+step) train their own. The file holds tensors only, written by ``torch.save``
+and read with ``weights_only=True`` (never unpickled), checked against the
+model's names, shapes and dtypes; one that does not load is trained again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+#: run options that only say how the training is laid out over ranks, how it is recorded or how it is
+#: launched: the reference does not read them (its split, shards x microbatches x BatchNorm rule, is
+#: digested from the reference itself)
+LAYOUT_ONLY = frozenset((
+    "strategy", "pp", "tp", "ep", "cp", "partition", "microbatches", "schedule", "virtual_stages",
+    "sequence_parallel", "accumulate", "bucket_mb", "zero_stage", "step_in_backward", "prefetch", "replicate",
+    "gpus", "dispatcher", "cp_method", "cp_balance", "recompute",
+    "log_every", "warmup", "eval_batches", "eval_batch_size", "out", "progress", "checkpoint_every", "resume",
+    "check", "save_init", "check_every", "check_cache",
+    "workers", "cores_per_worker", "world_size", "rank", "master_addr", "master_port", "backend", "device",
+    "timeout", "network", "max_restarts", "start", "launched_by", "network_emulated", "started_by", "restarts",
+))
+
+
+def usable(cfg, ref) -> bool:
+    """Whether this run's reference may be shared: asked for, untrained so far, without compression."""
+    return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None
+
+
+def _source_files(model) -> list[str]:
+    from . import reference
+    from ..strategies import base
+    from ..training import losses
+    files = {inspect.getsourcefile(type(m)) for m in model.modules()}
+    files |= {inspect.getsourcefile(mod) for mod in (reference, base, losses)}
+    return sorted(f for f in files if f)
+
+
+def digest(cfg, ref, steps: int) -> str:
+    """The SHA-256 of everything that decides the reference's weights after ``steps`` (see the module)."""
+    from .. import __version__
+    h = hashlib.sha256()
+
+    def text(*parts):
+        for p in parts:
+            h.update(repr(p).encode())
+            h.update(b"\0")
+
+    def tensor(t: torch.Tensor):
+        t = t.detach().cpu().contiguous()
+        text(str(t.dtype), tuple(t.shape))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in LAYOUT_ONLY}
+    model = ref.model
+    first = next(model.parameters())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in ref.optimizer.param_groups]
+    text("paralab", __version__, torch.__version__, torch.backends.cpu.get_cpu_capability(),
+         torch.get_num_threads(), str(first.device), str(first.dtype), sorted(options.items()),
+         # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
+         ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", steps, type(ref.optimizer).__name__, groups, str(model))
+    for path in _source_files(model):
+        text(os.path.basename(path))
+        h.update(Path(path).read_bytes())
+    for name, t in model.state_dict().items():
+        text(name)
+        tensor(t)
+    for step in range(steps):
+        text(step, None if ref.lr_for is None else ref.lr_for(step))
+        for r in range(ref.replicas):
+            x, y = ref.source.batch(step, rank=r)
+            tensor(x)
+            tensor(y)
+    return h.hexdigest()
+
+
+def path_for(folder, key: str) -> Path:
+    return Path(folder) / f"reference-{key[:32]}.pt"
+
+
+def load(folder, key: str, model) -> str | None:
+    """Load the kept reference named ``key`` into ``model``; None if done, else why not."""
+    path = path_for(folder, key)
+    if not path.is_file():
+        return "none kept yet"
+    try:
+        kept = torch.load(path, map_location="cpu", weights_only=True)
+        state = kept["state"]
+        if kept.get("digest") != key:
+            return f"{path.name} was kept for another reference"
+        mine = model.state_dict()
+        if set(state) != set(mine) or any(state[k].shape != mine[k].shape or state[k].dtype != mine[k].dtype
+                                          for k in mine):
+            return f"{path.name} holds other tensors than the model's"
+        model.load_state_dict(state, strict=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file only means the reference is trained again
+        return f"{path.name} did not load ({type(exc).__name__}: {exc})"
+    return None
+
+
+def keep(folder, key: str, model) -> str | None:
+    """Write ``model``'s weights as the reference named ``key`` (atomically); None if kept, else why not."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".reference-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"digest": key, "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
+                           f)
+            os.replace(tmp, path_for(folder, key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        return f"not kept ({exc.strerror or exc})"
+    return None
