@@ -15,9 +15,11 @@ each as the median wall time of ``--repeats`` rounds:
   (``paralab.run.runner.run``, what ``compare``, ``sweep`` and the tests use: the run and its
   ranks forked from a forkserver that has imported everything once);
 - unless ``--no-compare``: ``paralab compare`` with its defaults (10 runs, checks, report) from its
-  warm parent, against the same command with ``--train-args="--start spawn"``, whose runs start as
-  they did before warm starts (a fresh interpreter for each run and each of its ranks). One round
-  each (about a minute and a half for the cold one on 2 cores); the two tables must agree.
+  warm parent, against the same command with ``--train-args="--start spawn" --no-share-references``,
+  whose runs start and check as they did before warm starts (a fresh interpreter for each run and each
+  of its ranks, each run training its own single-process reference; its figures are drawn in parallel
+  as the warm one's). One round each (about a minute and a half for the cold one on 2 cores); the two
+  tables must agree.
 
 paralab's own modules are compiled to bytecode first (``compileall``, as ``make setup`` and a wheel install
 do), so the figures hold on a machine whose shell sets ``PYTHONDONTWRITEBYTECODE`` (this project's VMs do):
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> int:
             compare = None
             if args.compare:
                 compare = {}
-                for label, extra in (("warm", []), ("before (--start spawn)", ["--train-args=--start spawn"])):
+                for label, extra in (("warm", []), ("before (--start spawn)", ["--train-args=--start spawn", "--no-share-references"])):
                     print(f"bench startup: paralab compare, {label} ...", flush=True)
                     out = tmp / f"compare-{len(compare)}"
                     seconds = timed([py, "-m", "paralab", "compare", "--out", str(out), *extra], str(tmp))

@@ -112,12 +112,22 @@ def test_failed_run_is_reported_and_the_matrix_goes_on(tmp_path):
     assert (out / "logs" / "allreduce-w2.log").read_text().count("injected fault") >= 1
 
 
+def test_no_share_references_trains_one_in_every_run(tmp_path):
+    """Shared by default (the session's comparison: ddp at 1 worker loads single's); not with the flag."""
+    out = tmp_path / "r"
+    p = run_compare(out, "--strategies", "single,ddp", "--workers", "1", "--no-share-references", *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for name in ("single-w1", "ddp-w1"):
+        assert "check: training the single-process reference" in (out / "logs" / f"{name}.log").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--strategies", "nope"], "unknown strategy"),
     (["--workers", "0"], "--workers"),
     (["--workers", "two"], "--workers"),
     (["--strategies", "single", "--workers", "2"], "nothing to run"),
     (["--train-args=--out elsewhere"], "may not set --out"),
+    (["--train-args=--check-cache kept"], "may not set --check-cache"),
     (["--train-args=--bogus 1"], "--train-args"),
     (["--batch-size", "7", "--strategies", "allreduce"], "divide evenly"),
     (["--cores-per-worker", "64"], "cores"),

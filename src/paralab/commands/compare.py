@@ -85,7 +85,7 @@ DEFAULTS = dict(num_batches=10, batch_size=64, width=0.25, lr=0.05, eval_batches
                 check=True)
 WORKERS = "1,2"  # default worker counts
 #: train options compare sets itself for every run (--train-args may not)
-OWNED = ("out", "workers", "resume", "world_size", "rank")
+OWNED = ("out", "workers", "resume", "world_size", "rank", "check_cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "variant, the other strategies once, uncompressed; the table then shows each run's "
                         "variant and the MB each rank sent per step. PowerSGD starts after "
                         f"{POWERSGD_START} uncompressed steps, which are warm-up (default %(default)s)")
+    p.add_argument("--share-references", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --check: runs whose single-process reference is the same (the same starting "
+                        "weights, batches and split, by digest) share one, trained by the first of them "
+                        "(`paralab train --check-cache`); --no-share-references trains one in every run")
     p.add_argument("--train-args", default="",
                    help='more `paralab train` options for every run, e.g. --train-args="--norm none"')
     p.add_argument("--out", help="report directory (default reports/compare-<time>)")
@@ -369,7 +373,8 @@ def run(a) -> int:
             variant = f" {r['compress']}" if r.get("compress", "none") != "none" else ""
             prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}{variant}"
             # runs whose references are the same share one (check/kept.py; the commands shown leave it out)
-            kept = dataclasses.replace(cfg, check_cache=str(tmp / CHECK_CACHE)) if cfg.check else cfg
+            kept = dataclasses.replace(cfg, check_cache=str(tmp / CHECK_CACHE)) if cfg.check and a.share_references \
+                else cfg
             res = runner.run(kept, tmp / "runs" / r["name"], display.follow(prefix),
                              log=tmp / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
                              on_output=display.passthrough)

@@ -53,7 +53,7 @@ HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs
 DEFAULTS = dict(width=0.25, lr=0.02)
 #: train options the sweep sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "num_batches", "batch_size", "per_worker_batch", "warmup", "epochs", "cores_per_worker",
-         "lr", "lr_scaling", "warmup_epochs")
+         "lr", "lr_scaling", "warmup_epochs", "check_cache")
 OOM_RE = re.compile(r"out of memory|can't allocate memory|MemoryError|Cannot allocate memory|OutOfMemory",
                     re.IGNORECASE)
 
