@@ -50,7 +50,7 @@ from common import RESULTS, SRC, cpu_name, gpt_args, gpt_options, paralab_train,
 sys.path.insert(0, str(SRC))
 
 from paralab.analysis.plan import Setting, cnn_workload, gpt_workload, make_plan  # noqa: E402
-from paralab.analysis.plan.calibrate import calibration, this_machine  # noqa: E402
+from paralab.analysis.plan.calibrate import at_speed, calibration, speed_probe, this_machine  # noqa: E402
 from paralab.run.network import parse  # noqa: E402
 
 
@@ -135,12 +135,24 @@ def measured_memory(summary: dict) -> tuple[float, dict] | None:
     return best
 
 
-def run_layout(pred, work, args, rate: str | None, out: Path) -> dict:
+def cluster_for(cal: dict, workers: int, where: str, gbps: float, situ: dict | None):
+    """``this-machine`` from ``cal``, its link at ``gbps`` with the collectives measured in situ."""
+    import dataclasses
+    return dataclasses.replace(this_machine(cal, workers, where), intra_gbps=gbps, inter_gbps=gbps,
+                               collectives=situ["points"] if situ else None)
+
+
+def run_layout(pred, work, args, rate: str | None, out: Path, at_speed_of=None) -> dict:
+    """Run one layout; with ``at_speed_of`` ((probe before, probe after, layout) -> (speed factor, predicted
+    step at that speed)), also probe the machine's speed just before and after the run and predict the
+    layout again at it."""
     words = shlex.split(pred.layout.command(args.workers))[2:]  # drop "paralab train"
     argv = [*words, *partition(work, pred.layout), *model_args(args), "--batch-size", str(args.global_batch),
             "--num-batches", str(args.steps), "--warmup", str(args.warmup), "--eval-batches", "1", "--no-progress",
             "--log-every", str(args.steps), *(["--network", rate] if rate else [])]
+    before = speed_probe() if at_speed_of else None
     p = paralab_train(argv, out)
+    after = speed_probe() if at_speed_of else None
     row = {"layout": pred.layout.label(), "command": "paralab train " + " ".join(argv),
            "predicted_s": pred.step, "predicted_memory": pred.memory, "predicted": pred.to_dict()}
     if p.returncode != 0:
@@ -154,6 +166,10 @@ def run_layout(pred, work, args, rate: str | None, out: Path) -> dict:
         rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
         measured = statistics.fmean(step_seconds(rows, args.warmup))
         row |= {"measured_s": measured, "error": (pred.step - measured) / measured}
+        if at_speed_of:
+            factor, step = at_speed_of(before, after, pred.layout)
+            row |= {"probe_s": [before, after], "speed_factor": factor, "predicted_at_speed_s": step,
+                    "error_at_speed": (step - measured) / measured}
     return row
 
 
@@ -162,14 +178,15 @@ def errors_of(rows: list[dict], key: str) -> dict:
     return {"median": statistics.median(errors) if errors else None, "worst": max(errors) if errors else None}
 
 
-def step_summary(rows: list[dict]) -> dict:
-    """Over the rows measured: step time's median and worst |error|, Spearman, the predicted best's place."""
-    ok = [r for r in rows if "measured_s" in r]
+def step_summary(rows: list[dict], predicted: str = "predicted_s", error: str = "error") -> dict:
+    """Over the rows measured: step time's median and worst |error|, Spearman, the predicted best's place
+    (``predicted``/``error``: which prediction, e.g. the one at the machine's speed of the moment)."""
+    ok = [r for r in rows if "measured_s" in r and predicted in r]
     fastest = sorted(ok, key=lambda r: r["measured_s"])[:2]
-    best = min(ok, key=lambda r: r["predicted_s"]) if ok else None
-    err = errors_of(rows, "error")
+    best = min(ok, key=lambda r: r[predicted]) if ok else None
+    err = errors_of(ok, error)
     return {"median_abs_error": err["median"], "worst_abs_error": err["worst"],
-            "spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]) if ok else None,
+            "spearman": spearman([r[predicted] for r in ok], [r["measured_s"] for r in ok]) if ok else None,
             "predicted_best_among_two_fastest": best in fastest if best else None}
 
 
@@ -251,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
               "rates": {}}
     for rate in args.rates.split(","):
         rate = None if rate == "none" else rate
-        base = this_machine(cal, args.workers, where)
-        import dataclasses
-        gbps = parse(rate).gbps if rate else base.intra_gbps
+        gbps = parse(rate).gbps if rate else this_machine(cal, args.workers, where).intra_gbps
         situ = None
         if rate:
             situ = measure_collectives(rate, args.workers)
@@ -263,8 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             link = "loopback (memory only)"
         print(f"bench plan: {rate or 'no network'}: {link}", flush=True)
-        cluster = dataclasses.replace(base, intra_gbps=gbps, inter_gbps=gbps,
-                                      collectives=situ["points"] if situ else None)
+        cluster = cluster_for(cal, args.workers, where, gbps, situ)
+
+        def at_speed_of(before: float, after: float, lay, gbps=gbps, situ=situ):
+            """The machine's speed around a run against the calibration's (the geometric mean of the probes
+            before and after it, over the calibration's block time), and the layout's step predicted at it."""
+            from paralab.analysis.plan.predict import predict
+            factor = (before * after) ** 0.5 / cal["block_seconds"]["8"]
+            return factor, predict(work, lay, cluster_for(at_speed(cal, factor), args.workers, where, gbps, situ),
+                                   setting).step
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
                          shortlist=10 ** 6)
         chosen = spread(plan.ranked, args.layouts)
@@ -276,15 +298,18 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="paralab-bench-plan-") as tmp:
             for i, pred in enumerate(chosen):
                 print(f"bench plan: {rate or 'memory'} {pred.layout.label()} ({i + 1}/{len(chosen)}) ...", flush=True)
-                rows.append(run_layout(pred, work, args, rate, Path(tmp) / f"run{i}"))
+                rows.append(run_layout(pred, work, args, rate, Path(tmp) / f"run{i}",
+                                       at_speed_of if rate else None))
         ok = [r for r in rows if "measured_s" in r]
         mem_err = errors_of(rows, "memory_error")
         summary = {"rows": rows, "link_gbps": gbps, "link_model": link, "collectives": situ, "measured": len(ok),
                    "failed": sum(1 for r in rows if "failed" in r), **step_summary(rows),
+                   "at_speed": step_summary(rows, "predicted_at_speed_s", "error_at_speed") if rate else None,
                    "memory_median_abs_error": mem_err["median"], "memory_worst_abs_error": mem_err["worst"]}
         result["rates"][rate or "none"] = summary
         print(f"\n{rate or 'memory'}:")
-        print(f"  {'layout':<40}{'predicted':>12}{'measured':>12}{'error':>9}{'pred MB':>10}{'meas MB':>10}{'error':>9}")
+        print(f"  {'layout':<40}{'predicted':>12}{'measured':>12}{'error':>9}{'pred MB':>10}{'meas MB':>10}{'error':>9}"
+              f"{'speed':>7}{'at speed':>10}")
         for r in rows:
             if "failed" in r:
                 print(f"  {r['layout']:<40} failed: " + r["failed"].strip().splitlines()[-1][:60])
@@ -293,11 +318,18 @@ def main(argv: list[str] | None = None) -> int:
                          if "measured_s" in r else f"{'':>12}{'':>12}{'':>9}")
             mem_cols = (f"{r['predicted_memory'] / 1e6:>10.2f}{r['measured_memory'] / 1e6:>10.2f}"
                         f"{100 * r['memory_error']:>8.1f}%" if "measured_memory" in r else "")
-            print(f"  {r['layout']:<40}{time_cols}{mem_cols}")
+            speed_cols = (f"{r['speed_factor']:>7.2f}{100 * r['error_at_speed']:>9.1f}%" if "speed_factor" in r
+                          else "")
+            print(f"  {r['layout']:<40}{time_cols}{mem_cols}{speed_cols}")
         if ok:
             print(f"  step time: median |error| {100 * summary['median_abs_error']:.1f} %, worst "
                   f"{100 * summary['worst_abs_error']:.1f} %, Spearman {summary['spearman']:.2f}, predicted best "
                   f"among the two fastest: {summary['predicted_best_among_two_fastest']}")
+            a = summary["at_speed"]
+            print(f"  at the machine's speed around each run (speed: its block time over the calibration's): "
+                  f"median |error| {100 * a['median_abs_error']:.1f} %, worst {100 * a['worst_abs_error']:.1f} %, "
+                  f"Spearman {a['spearman']:.2f}, predicted best among the two fastest: "
+                  f"{a['predicted_best_among_two_fastest']}")
         if mem_err["median"] is not None:
             print(f"  memory: median |error| {100 * mem_err['median']:.1f} %, worst {100 * mem_err['worst']:.1f} %")
     path = write_result(args.out, result)

@@ -134,3 +134,27 @@ def test_plan_bench_predicts_recorded_runs_again(tmp_path):
             for row in v["rows"]:
                 assert row["layout"] in r.stdout
     assert "plan-run7.json: its calibration predates the send/receive time: 0 (give one with --p2p-us)" in r.stdout
+
+
+@pytest.mark.slow  # a calibration, collectives timed in situ and two runs over an emulated link: about a minute
+def test_plan_bench_predicts_runs_and_again_at_the_machines_speed(tmp_path):
+    """`bench/plan.py` end to end at a toy size: each layout predicted, run over the emulated link, its
+    error, and the machine's speed probed around the run with the layout predicted again at it."""
+    import os
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, str(BENCH / "plan.py"), "--layers", "2", "--layouts", "2", "--steps", "3",
+                        "--warmup", "1", "--rates", "1gbit", "--out", str(out)], capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    v = json.loads(out.read_text())["rates"]["1gbit"]
+    assert v["measured"] == 2 and v["failed"] == 0
+    for row in v["rows"]:
+        assert row["measured_s"] > 0 and row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"])
+                                                                       / row["measured_s"])
+        before, after = row["probe_s"]
+        assert before > 0 and after > 0 and row["speed_factor"] > 0
+        assert row["error_at_speed"] == pytest.approx((row["predicted_at_speed_s"] - row["measured_s"])
+                                                      / row["measured_s"])
+    assert set(v["at_speed"]) == {"median_abs_error", "worst_abs_error", "spearman",
+                                  "predicted_best_among_two_fastest"}
+    assert "at the machine's speed around each run" in r.stdout

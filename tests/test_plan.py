@@ -233,6 +233,32 @@ def test_this_machine_from_a_cached_calibration(tmp_path, monkeypatch):
     assert c.devices_per_node == 4 and c.memory_gb == pytest.approx(2.0) and "test CPU" in c.source
 
 
+def test_a_calibration_at_another_speed_scales_compute_and_keeps_the_link():
+    """bench/plan.py predicts each run again at the machine's speed around it (calibrate.at_speed): a machine
+    computing twice as slowly has every compute rate halved and every compute time doubled, and its link
+    measurements unchanged, so a compute-only step doubles and a link-bound collective does not."""
+    from paralab.analysis.plan.calibrate import at_speed, block_flops
+    from paralab.analysis.plan import Layout, Setting, gpt_workload
+    from paralab.analysis.plan.predict import predict
+    cal = {"dtype": "fp32", "matmul_flops": 1e11, "copy_bytes_per_s": 2e10, "unit_overhead_s": 5e-5,
+           "p2p_overhead_s": 3e-4, "block_flops": 5e10, "block_seconds": {"8": block_flops(8) / 4e10},
+           "block_flops_by_workers": {"2": 2e10}, "link_gbps": 10.0, "link_latency_s": 1e-4, "cores": 2,
+           "memory_bytes": 8e9, "cpu": "test CPU", "measured_at": "now"}
+    slow = at_speed(cal, 2.0)
+    assert slow["matmul_flops"] == 5e10 and slow["block_flops"] == 2.5e10 and slow["copy_bytes_per_s"] == 1e10
+    assert slow["unit_overhead_s"] == 1e-4 and slow["p2p_overhead_s"] == 6e-4
+    assert slow["block_seconds"]["8"] == 2 * cal["block_seconds"]["8"] and slow["block_flops_by_workers"]["2"] == 1e10
+    assert (slow["link_gbps"], slow["link_latency_s"]) == (10.0, 1e-4) and cal["matmul_flops"] == 1e11  # a copy
+    work, setting = gpt_workload(2, 128, 4, 64, 256), Setting(8, "fp32", "sgd-momentum")
+    one = Layout(dp=1, tp=1, pp=1, microbatch=8)
+    fast_step = predict(work, one, this_machine(cal, 2, "t"), setting)
+    slow_step = predict(work, one, this_machine(slow, 2, "t"), setting)
+    assert slow_step.compute == pytest.approx(2 * fast_step.compute)
+    two = Layout(dp=2, tp=1, pp=1, microbatch=4)
+    assert predict(work, two, this_machine(slow, 2, "t"), setting).dp_total == pytest.approx(
+        predict(work, two, this_machine(cal, 2, "t"), setting).dp_total)
+
+
 def test_report_page_from_the_plan_json(capsys, tmp_path):
     out = tmp_path / "page"
     code = main(["plan", "--model", "vgg11", "--workers", "8", "--cluster", "a100-sxm", "--global-batch", "256",

@@ -141,6 +141,27 @@ def block_times(dtype: str, batches: tuple = BATCHES, repeats: int = 5) -> dict[
     return out
 
 
+def speed_probe(dtype: str = "fp32", repeats: int = 21) -> float:
+    """Seconds of the calibration's block on 8 sequences, alone, now (the median of ``repeats``): set
+    against the calibration's ``block_seconds["8"]``, how much slower (> 1) or faster the machine runs
+    than when it was calibrated (a VM's speed moves)."""
+    return block_times(dtype, (8,), repeats)[8]
+
+
+def at_speed(cal: dict, factor: float) -> dict:
+    """The calibration of the same machine computing ``factor`` times slower: every compute rate divided,
+    every compute time multiplied; the link's measurements kept."""
+    out = dict(cal)
+    for key in ("matmul_flops", "copy_bytes_per_s", "block_flops"):
+        out[key] = cal[key] / factor
+    for key in ("unit_overhead_s", "p2p_overhead_s"):
+        if key in cal:
+            out[key] = cal[key] * factor
+    out["block_seconds"] = {b: t * factor for b, t in cal["block_seconds"].items()}
+    out["block_flops_by_workers"] = {w: r / factor for w, r in cal.get("block_flops_by_workers", {}).items()}
+    return out
+
+
 def fit_block(times: dict) -> tuple[float, float]:
     """(FLOP/s, fixed seconds) of ``t(b) = fixed + b x flops / rate`` through the batches' times (least
     squares): the rate a unit's arithmetic achieves and what it costs whatever its size (dispatch)."""
