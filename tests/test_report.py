@@ -216,9 +216,14 @@ SWEEP = ["--dataset", "synthetic", "--width", "0.125", "--epoch-samples", "32",
 @pytest.mark.slow  # 17 s: the default suite stays near 15 min; CI runs the slow suite too
 def test_sweep_batch_size_table(tmp_path):
     out = tmp_path / "s"
+    checked = [*SWEEP[:-1], SWEEP[-1] + " --check"]  # and each run checked (the sweep's shared-reference folder)
     p = subprocess.run([sys.executable, "-m", "paralab", "sweep", "batch-size", "--sizes", "16,32", "--out", str(out),
-                        "--lr-scaling", "linear", *SWEEP], capture_output=True, text=True, timeout=300)
+                        "--lr-scaling", "linear", *checked], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+    for name in ("b16", "b32"):  # two batch sizes: two references, each trained; none kept in the report
+        log = (out / "logs" / f"{name}.log").read_text()
+        assert "check: training the single-process reference" in log and "check: PASS" in log
+    assert not (out / "check-cache").exists()
     data = json.loads((out / "sweep.json").read_text())
     rows = {r[0]: dict(zip(data["headers"], r)) for r in data["rows"]}
     assert set(rows) == {16, 32}
