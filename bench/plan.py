@@ -49,7 +49,7 @@ from common import RESULTS, SRC, cpu_name, gpt_args, gpt_options, paralab_train,
 
 sys.path.insert(0, str(SRC))
 
-from paralab.analysis.plan import Setting, cnn_workload, gpt_workload, make_plan  # noqa: E402
+from paralab.analysis.plan import Layout, Setting, cnn_workload, gpt_workload, make_plan, predict  # noqa: E402
 from paralab.analysis.plan.calibrate import at_speed, calibration, speed_probe, this_machine  # noqa: E402
 from paralab.run.network import parse  # noqa: E402
 
@@ -135,11 +135,11 @@ def measured_memory(summary: dict) -> tuple[float, dict] | None:
     return best
 
 
-def cluster_for(cal: dict, workers: int, where: str, gbps: float, situ: dict | None):
-    """``this-machine`` from ``cal``, its link at ``gbps`` with the collectives measured in situ."""
+def cluster_for(cal: dict, workers: int, where: str, gbps: float, points: dict | None):
+    """``this-machine`` from ``cal``, its link at ``gbps`` with the collectives measured in situ (``points``)."""
     import dataclasses
     return dataclasses.replace(this_machine(cal, workers, where), intra_gbps=gbps, inter_gbps=gbps,
-                               collectives=situ["points"] if situ else None)
+                               collectives=points or None)
 
 
 def run_layout(pred, work, args, rate: str | None, out: Path, at_speed_of=None) -> dict:
@@ -194,11 +194,8 @@ def repredict(paths: list[str], p2p_us: float | None = None) -> int:
     """Each file's measured steps predicted again by the current model, from the file's calibration and
     in-situ collectives (transfers, which the model no longer takes from them, left out), side by side.
     ``p2p_us``: a pipeline send's or receive's processor time for files calibrated before it was measured."""
-    import dataclasses
     import json
 
-    from paralab.analysis.plan.layouts import Layout
-    from paralab.analysis.plan.predict import predict
     for path in paths:
         data = json.loads(Path(path).read_text())
         st = data["settings"]
@@ -210,11 +207,9 @@ def repredict(paths: list[str], p2p_us: float | None = None) -> int:
             print(f"{path}: its calibration predates the send/receive time: "
                   + (f"{p2p_us} us given" if p2p_us is not None else "0 (give one with --p2p-us)"))
             cal = {**cal, "p2p_overhead_s": (p2p_us or 0.0) * 1e-6}
-        base = this_machine(cal, st["workers"], path)
         for rate, v in data["rates"].items():
-            gbps = parse(rate).gbps
             pts = {op: by for op, by in ((v.get("collectives") or {}).get("points") or {}).items() if op != "send"}
-            cluster = dataclasses.replace(base, intra_gbps=gbps, inter_gbps=gbps, collectives=pts or None)
+            cluster = cluster_for(cal, st["workers"], path, parse(rate).gbps, pts)
             rows = []
             for r in v["rows"]:
                 if "measured_s" not in r:
@@ -278,14 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             link = "loopback (memory only)"
         print(f"bench plan: {rate or 'no network'}: {link}", flush=True)
-        cluster = cluster_for(cal, args.workers, where, gbps, situ)
+        points = situ["points"] if situ else None
+        cluster = cluster_for(cal, args.workers, where, gbps, points)
 
-        def at_speed_of(before: float, after: float, lay, gbps=gbps, situ=situ):
+        def at_speed_of(before: float, after: float, lay, gbps=gbps, points=points):
             """The machine's speed around a run against the calibration's (the geometric mean of the probes
             before and after it, over the calibration's block time), and the layout's step predicted at it."""
-            from paralab.analysis.plan.predict import predict
             factor = (before * after) ** 0.5 / cal["block_seconds"]["8"]
-            return factor, predict(work, lay, cluster_for(at_speed(cal, factor), args.workers, where, gbps, situ),
+            return factor, predict(work, lay, cluster_for(at_speed(cal, factor), args.workers, where, gbps, points),
                                    setting).step
         plan = make_plan(work, cluster, setting, args.workers, fixed={"recompute": "none"}, top=10 ** 6,
                          shortlist=10 ** 6)

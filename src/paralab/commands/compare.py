@@ -139,6 +139,13 @@ def train_command(cfg: RunConfig, run_dir=None) -> str:
     return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
 
 
+def sharing_references(cfg: RunConfig, report: Path, share: bool = True) -> RunConfig:
+    """``cfg`` as the runner gets it: with ``--check``, keeping its reference in the report's folder of
+    shared references (``check/kept.py``), which the command removes when it finishes. The command line
+    shown for the run leaves it out: the same run, training its own reference, gives the same check."""
+    return dataclasses.replace(cfg, check_cache=str(report / CHECK_CACHE)) if cfg.check and share else cfg
+
+
 def changed_fields(cfg: RunConfig) -> dict:
     """The fields of ``cfg`` that differ from a bare RunConfig (what a run's record entry keeps)."""
     default = RunConfig()
@@ -372,10 +379,7 @@ def run(a) -> int:
             eta = f", ~{elapsed / i * (len(runs) - i):.0f}s left" if i else ""
             variant = f" {r['compress']}" if r.get("compress", "none") != "none" else ""
             prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}{variant}"
-            # runs whose references are the same share one (check/kept.py; the commands shown leave it out)
-            kept = dataclasses.replace(cfg, check_cache=str(tmp / CHECK_CACHE)) if cfg.check and a.share_references \
-                else cfg
-            res = runner.run(kept, tmp / "runs" / r["name"], display.follow(prefix),
+            res = runner.run(sharing_references(cfg, tmp, a.share_references), tmp / "runs" / r["name"], display.follow(prefix),
                              log=tmp / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
                              on_output=display.passthrough)
             r.update(seconds=res.seconds, returncode=res.returncode, log=f"logs/{r['name']}.log",

@@ -45,7 +45,8 @@ from pathlib import Path
 from .. import options
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
-from .compare import CHECK_CACHE, changed_fields, config_overrides, cores_per_worker, parse_int_list, train_command
+from .compare import (CHECK_CACHE, changed_fields, config_overrides, cores_per_worker, parse_int_list,
+                      sharing_references, train_command)
 
 HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
 
@@ -182,8 +183,7 @@ class Sweep:
         from ..analysis.runs import load_run
         run_dir = self.tmp / "runs" / name
         prefix = f"[{index}] {name}"
-        kept = dataclasses.replace(cfg, check_cache=str(self.tmp / CHECK_CACHE)) if cfg.check else cfg
-        res = runner.run(kept, run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
+        res = runner.run(sharing_references(cfg, self.tmp), run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
                          timeout=self.a.run_timeout, on_output=self.display.passthrough)
         entry = {"name": name, "config": changed_fields(cfg), "seconds": res.seconds, "returncode": res.returncode,
                  "command": train_command(cfg, self.out / "runs" / name), "log": f"logs/{name}.log"}
