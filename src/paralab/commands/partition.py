@@ -18,8 +18,7 @@ import torch
 from ..errors import UsageError
 from ..models import DEFAULT_NORM, MODELS, ModelOptions, build_model, count_parameters
 from ..options import add_flags
-from ..strategies.pipeline.partition import (analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch,
-                         split_costs)
+from ..strategies.pipeline.partition import analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch
 
 HELP = "split a model into pipeline stages; show parameters, time shares and boundary tensors"
 
@@ -65,7 +64,7 @@ def run(args) -> int:
     # time shares are always shown: measured on a microbatch, the size a pipeline stage runs on
     micro = args.batch_size // args.microbatches
     times = measure_unit_times(model, sample_batch(micro, model=model), repeats=args.repeats)
-    ranges = split_costs(times, args.workers) if spec == "balanced" else partition_model(model, args.workers, spec)
+    ranges = partition_model(model, args.workers, spec, unit_times=times)
     info = analyze_partition(model, ranges, args.batch_size, unit_times=times)
 
     if args.json:

@@ -165,7 +165,8 @@ class Workload:
         if stages > n:
             return f"{stages} stages exceed the {n} units of {self.name}"
         from ...strategies.pipeline.partition import split_costs
-        return split_costs([max(u.forward_flops, 1.0) for u in self.units], stages)
+        return split_costs([max(u.forward_flops, 1.0) for u in self.units], stages,
+                           [u.parameters > 0 for u in self.units])
 
     @_per_range
     def activation_bytes(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int,

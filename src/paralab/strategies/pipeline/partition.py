@@ -2,7 +2,10 @@
 
 Every paralab model is ``nn.Sequential(unit_0, unit_1, ...)``. A partition of
 ``W`` stages is ``W`` contiguous index ranges ``[(0, a), (a, b), ..., (z, n)]``,
-each with at least one unit. Methods (``--partition``):
+each with at least one unit. The two computed cuts also give every stage a unit
+with parameters, wherever the model has that many: a stage of pooling alone
+would have nothing to train, no optimizer and no gradients to synchronise.
+Methods (``--partition``):
 
 - ``balanced`` (default): each unit's forward+backward time is measured on a
   sample batch, and the cut minimises the slowest stage's time (the pipeline
@@ -64,18 +67,23 @@ def ranges_from_counts(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def split_costs(costs: list[float], parts: int) -> list[tuple[int, int]]:
+def split_costs(costs: list[float], parts: int, trains: list[bool] | None = None) -> list[tuple[int, int]]:
     """Contiguous split of ``costs`` into ``parts`` non-empty ranges minimising the largest sum.
 
-    Dynamic programming over (parts, prefix); ties go to the split with the
-    smaller sum of squared stage costs (the more even one).
+    ``trains`` (one flag per unit: it holds parameters): every range then holds at
+    least one unit that trains, unless fewer than ``parts`` units do (then the
+    flags are ignored). Dynamic programming over (parts, prefix); ties go to the
+    split with the smaller sum of squared stage costs (the more even one).
     """
     n = len(costs)
     if not 1 <= parts <= n:
         raise UsageError(f"cannot split {n} units into {parts} stages")
-    prefix = [0.0]
-    for c in costs:
+    prefix, trained = [0.0], [0]
+    for i, c in enumerate(costs):
         prefix.append(prefix[-1] + float(c))
+        trained.append(trained[-1] + (1 if trains is None or trains[i] else 0))
+    if trained[-1] < parts:  # fewer units train than there are stages: cut on costs alone
+        trained = list(range(n + 1))
     inf = (float("inf"), float("inf"))
     # best[p][i]: (max stage cost, sum of squares) splitting the first i units into p stages
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
@@ -84,7 +92,7 @@ def split_costs(costs: list[float], parts: int) -> list[tuple[int, int]]:
     for p in range(1, parts + 1):
         for i in range(p, n - (parts - p) + 1):
             for j in range(p - 1, i):
-                if best[p - 1][j] == inf:
+                if best[p - 1][j] == inf or trained[i] == trained[j]:
                     continue
                 s = prefix[i] - prefix[j]
                 cand = (max(best[p - 1][j][0], s), best[p - 1][j][1] + s * s)
@@ -100,6 +108,11 @@ def split_costs(costs: list[float], parts: int) -> list[tuple[int, int]]:
 
 def unit_parameters(model: nn.Sequential) -> list[int]:
     return [sum(p.numel() for p in unit.parameters()) for unit in model]
+
+
+def trains(model: nn.Sequential) -> list[bool]:
+    """Which units hold parameters (what a computed cut gives every stage one of)."""
+    return [n > 0 for n in unit_parameters(model)]
 
 
 def _sync(device: torch.device) -> None:
@@ -162,12 +175,12 @@ def partition_model(model: nn.Sequential, workers: int, method: str = "balanced"
     if isinstance(spec, list):
         return ranges_from_counts(spec)
     if spec == "params":
-        return split_costs([float(p) for p in unit_parameters(model)], workers)
+        return split_costs([float(p) for p in unit_parameters(model)], workers, trains(model))
     if unit_times is None:
         if sample_input is None:
             sample_input = sample_batch(32)
         unit_times = measure_unit_times(model, sample_input)
-    return split_costs(unit_times, workers)
+    return split_costs(unit_times, workers, trains(model))
 
 
 def unit_label(unit: nn.Module) -> str:

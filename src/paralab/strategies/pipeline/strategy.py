@@ -43,8 +43,8 @@ from ...errors import UsageError
 from ...kinds import StageRecord
 from ...mesh import MeshShape
 from ...options import option
-from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, sample_batch,
-                          split_costs, unit_label)
+from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, ranges_from_counts,
+                          sample_batch, split_costs, trains, unit_label)
 from ..base import StepResult, Strategy, moe_record, split_microbatches
 from ..data_parallel import flavour_of
 from ..portable import Portable, trainable
@@ -137,7 +137,8 @@ class Pipeline(Strategy):
         if cfg.accumulate != 1:
             raise UsageError("--accumulate does not apply to a pipeline, which splits a batch "
                              "with --microbatches (strategy pipeline, or --pp)")
-        units = len(build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg)))
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
+        units = len(model)
         problem = cls.schedule_problem(cfg, stages)
         if problem:
             raise UsageError(problem)
@@ -146,7 +147,16 @@ class Pipeline(Strategy):
             raise UsageError(f"--schedule {cfg.schedule} with {per_rank} stages per rank cuts the model into "
                              f"{stages} x {per_rank} = {stages * per_rank} stages, but it has only {units} units; "
                              "lower --virtual-stages or the stages")
-        parse_spec(cfg.partition, stages * per_rank, units)
+        counts = parse_spec(cfg.partition, stages * per_rank, units)
+        if per_rank == 1 and sum(trains(model)) < stages:
+            raise UsageError(f"{cfg.model} has {sum(trains(model))} units with parameters, fewer than the {stages} "
+                             "pipeline stages: a rank would have nothing to train; use fewer stages")
+        if isinstance(counts, list) and per_rank == 1:  # a rank with one stage must have something to train
+            for k, (a, b) in enumerate(ranges_from_counts(counts)):
+                if not any(trains(model)[a:b]):
+                    held = ", ".join(unit_label(u) for u in model[a:b])
+                    raise UsageError(f"--partition {cfg.partition} leaves stage {k} ({held}) without parameters: "
+                                     "its rank would have nothing to train; move a boundary so it holds a layer")
         shard = cfg.global_batch() // (world // (stages * cfg.tp))
         if shard % cfg.microbatches:
             raise UsageError(f"--microbatches {cfg.microbatches} does not divide the batch of {shard}"
@@ -166,7 +176,7 @@ class Pipeline(Strategy):
                 sample = sample_batch(max(1, min(batch, 32)), device=ctx.device, model=model, dtype=ctx.dtype)
                 times = measure_unit_times(model.to(ctx.device), sample)
                 model.cpu()
-                ranges = split_costs(times, stages)
+                ranges = split_costs(times, stages, trains(model))
             else:
                 ranges = partition_model(model, stages, self.partition_method)
             answer = ([tuple(r) for r in ranges], times)
