@@ -23,13 +23,30 @@ import pytest
 # a `paralab serve` the developer left running must not run the tests' commands (tests/test_serve.py
 # starts its own, in a folder of its own)
 os.environ["PARALAB_SERVE"] = "off"
-# decoded copies of datasets (data/decoded.py) go to a folder of this session's, not the user's cache
-_DECODED = tempfile.mkdtemp(prefix="paralab-test-decoded-")
-os.environ["PARALAB_DECODED"] = _DECODED
+# The session's own folders, made once: a rank started from the session's forkserver that imports a
+# test module (and so this file) finds them in its environment and makes none of its own.
+# - decoded copies of datasets (data/decoded.py) go to a folder of this session's, not the user's cache;
+# - `train --check` runs share their single-process references through one folder (`--check-cache`,
+#   check/kept.py: a reference is loaded only by a run whose weights, batches and settings hash the
+#   same, and each run still compares its own weights with it); a test that passes its own
+#   --check-cache keeps it, and PARALAB_TEST_OWN_REFERENCES=1 trains one in every run.
+_OWNER = "PARALAB_TEST_SESSION_FOLDERS" not in os.environ
+if _OWNER:
+    os.environ["PARALAB_DECODED"] = tempfile.mkdtemp(prefix="paralab-test-decoded-")
+    os.environ["PARALAB_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="paralab-test-references-")
+    os.environ["PARALAB_TEST_SESSION_FOLDERS"] = "1"
+_DECODED, _KEPT = os.environ["PARALAB_DECODED"], os.environ["PARALAB_TEST_REFERENCES"]
+
+
+def shared_references() -> str | None:
+    """The session's folder of kept references, for a test's own ``RunConfig(check_cache=...)``."""
+    return None if os.environ.get("PARALAB_TEST_OWN_REFERENCES") else _KEPT
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_DECODED, ignore_errors=True)
+    if _OWNER:
+        shutil.rmtree(_DECODED, ignore_errors=True)
+        shutil.rmtree(_KEPT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,6 +97,8 @@ def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, ti
             argv = argv[:2] + FAST + argv[2:]
         if out is not None:
             argv += ["--out", str(out)]
+        if "--check" in argv and "--check-cache" not in argv and shared_references():
+            argv += ["--check-cache", shared_references()]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if os.environ.get("PARALAB_TEST_COLD"):
         p = subprocess.Popen([sys.executable, "-m", "paralab", *argv], stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import shared_references
 from spawn_ranks import run_jobs as run_jobs_in_ranks
 
 from paralab.check.reference import TOLERANCES
@@ -79,7 +80,8 @@ FAST = {("ddp", "full"), ("gpt-tp", "selective"), ("gpt-pipeline-zb-h1", "full")
 def job_config(out: Path, strategy: str, workers: int, extra: dict, mode: str) -> RunConfig:
     kw = dict(strategy=strategy, workers=workers, out=str(out), dataset="synthetic", synthetic_size=512,
               width=0.125, batch_size=16, num_batches=STEPS, check=True, precision="fp64", recompute=mode,
-              progress=False, eval_batches=1, eval_batch_size=16, timeout=60, log_every=STEPS) | REAL
+              progress=False, eval_batches=1, eval_batch_size=16, timeout=60, log_every=STEPS,
+              check_cache=shared_references()) | REAL
     return RunConfig(**(kw | extra)).validate()
 
 

@@ -26,11 +26,12 @@ def started_by(run_dir) -> str:
     return json.loads((run_dir / "config.json").read_text())["started_by"]
 
 
-@pytest.mark.parametrize("args", [
-    ["ddp", "--workers", "2"],
-    ["pipeline", "--workers", "2", "--microbatches", "2"],
-    ["fsdp", "--workers", "2", "--zero-stage", "3", "--model", "gpt", "--dataset", "synthetic-text"],
-], ids=["ddp", "pipeline", "fsdp3-gpt"])
+@pytest.mark.parametrize("args", [  # ddp in the default selection; the other two in the slow one
+    pytest.param(["ddp", "--workers", "2"], id="ddp"),
+    pytest.param(["pipeline", "--workers", "2", "--microbatches", "2"], id="pipeline", marks=pytest.mark.slow),
+    pytest.param(["fsdp", "--workers", "2", "--zero-stage", "3", "--model", "gpt", "--dataset", "synthetic-text"],
+                 id="fsdp3-gpt", marks=pytest.mark.slow),
+])
 def test_every_start_method_gives_the_same_losses_bit_for_bit(paralab, args):
     """``spawn`` is how ranks started before warm starts: the forked ranks must compute exactly what
     those did (every rank's loss at every step, and the check against one process)."""
