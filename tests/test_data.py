@@ -40,6 +40,31 @@ def test_shards_of_a_step_form_the_global_batch():
         assert sorted(whole.tolist()) == sorted(parts.tolist())
 
 
+def plain_synthetic_images(n, labels, templates, gen):
+    """How synthetic images were made before they were made from a table of shifted templates: the
+    class template gathered at shifted coordinates, plus noise (the result laid out channels-last)."""
+    shift = torch.randint(-3, 4, (n, 2), generator=gen)
+    noise = torch.randn(n, 3, 32, 32, generator=gen) * 40
+    base = templates[labels]
+    rows = (torch.arange(32).view(1, 32) - shift[:, :1]) % 32
+    cols = (torch.arange(32).view(1, 32) - shift[:, 1:]) % 32
+    idx = torch.arange(n).view(n, 1, 1)
+    shifted = base[idx, :, rows.unsqueeze(2), cols.unsqueeze(1)].permute(0, 3, 1, 2)
+    return (shifted + noise).clamp(0, 255).to(torch.uint8)
+
+
+@pytest.mark.parametrize("train,test,seed", [(512, 1000, 0), (300, 50, 1)])
+def test_synthetic_images_are_the_bytes_and_layout_they_always_were(monkeypatch, train, test, seed):
+    from paralab.data import datasets
+    fast = make_synthetic(train, test, seed=seed)
+    monkeypatch.setattr(datasets, "shifted_templates", lambda templates: templates)
+    monkeypatch.setattr(datasets, "synthetic_images", plain_synthetic_images)
+    plain = make_synthetic(train, test, seed=seed)
+    for a, b in ((fast.train_x, plain.train_x), (fast.test_x, plain.test_x)):
+        assert torch.equal(a, b) and a.stride() == b.stride() == (3072, 1, 96, 3)
+    assert torch.equal(fast.train_y, plain.train_y) and (fast.mean, fast.std) == (plain.mean, plain.std)
+
+
 def test_synthetic_is_deterministic_and_cifar_shaped():
     a, b = make_synthetic(300, 50, seed=1), make_synthetic(300, 50, seed=1)
     c = make_synthetic(300, 50, seed=2)

@@ -300,17 +300,24 @@ def load_fashion_mnist(data_dir: Path | None, check_md5: bool = True) -> Dataset
 
 
 # ---------------------------------------------------------------- synthetic
-def synthetic_images(n: int, labels: torch.Tensor, templates: torch.Tensor,
-                     gen: torch.Generator) -> torch.Tensor:
-    """Class template + a random shift + noise, clipped to uint8."""
-    shift = torch.randint(-3, 4, (n, 2), generator=gen)
-    noise = torch.randn(n, 3, 32, 32, generator=gen) * 40
-    base = templates[labels]
-    rows = (torch.arange(32).view(1, 32) - shift[:, :1]) % 32
-    cols = (torch.arange(32).view(1, 32) - shift[:, 1:]) % 32
-    idx = torch.arange(n).view(n, 1, 1)
-    shifted = base[idx, :, rows.unsqueeze(2), cols.unsqueeze(1)].permute(0, 3, 1, 2)
-    return (shifted + noise).clamp(0, 255).to(torch.uint8)
+SHIFTS = range(-3, 4)  # a synthetic image's class template moves by up to 3 pixels each way
+
+
+def shifted_templates(templates: torch.Tensor) -> torch.Tensor:
+    """Every class template under every circular shift: row ``k * 49 + (dr + 3) * 7 + (dc + 3)`` is
+    template ``k`` rolled ``dr`` pixels down and ``dc`` right."""
+    rolled = [torch.roll(templates, (dr, dc), dims=(2, 3)) for dr in SHIFTS for dc in SHIFTS]
+    return torch.stack(rolled, 1).reshape(-1, *templates.shape[1:])
+
+
+def synthetic_images(n: int, labels: torch.Tensor, shifted: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Class template + a random shift + noise, clipped to uint8 (``shifted``: :func:`shifted_templates`).
+
+    The images are laid out channels-last in memory, as they always were."""
+    shift = torch.randint(SHIFTS[0], SHIFTS[-1] + 1, (n, 2), generator=gen) - SHIFTS[0]
+    noise = torch.randn(n, 3, 32, 32, generator=gen).mul_(40)
+    image = noise.add_(shifted[labels * len(SHIFTS) ** 2 + shift[:, 0] * len(SHIFTS) + shift[:, 1]])
+    return image.clamp_(0, 255).to(torch.uint8).contiguous(memory_format=torch.channels_last)
 
 
 def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0,
@@ -326,8 +333,9 @@ def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0
     templates = torch.nn.functional.interpolate(coarse, size=32, mode="bilinear", align_corners=False)
     train_y = torch.randint(0, num_classes, (train_size,), generator=gen)
     test_y = torch.randint(0, num_classes, (test_size,), generator=gen)
-    train_x = synthetic_images(train_size, train_y, templates, gen)
-    test_x = synthetic_images(test_size, test_y, templates, gen)
+    shifted = shifted_templates(templates)
+    train_x = synthetic_images(train_size, train_y, shifted, gen)
+    test_x = synthetic_images(test_size, test_y, shifted, gen)
     stats = train_x[: min(train_size, 2000)].float() / 255
     mean = tuple(stats.mean(dim=(0, 2, 3)).tolist())
     std = tuple(stats.std(dim=(0, 2, 3)).tolist())
