@@ -37,6 +37,18 @@ def test_cnn_workload_on_the_meta_device():
     assert w.units[0].forward_flops == 2 * 3 * 9 * 64 * 32 * 32  # the first conv: 2 x Cin k^2 x output elements
 
 
+@pytest.mark.parametrize("name,width", [("vgg11", 0.125), ("vgg11", 1.0), ("resnet18", 0.125),
+                                        ("vgg16-cs1390-pool", 0.125)])
+def test_cnn_workload_is_the_same_probed_on_the_cpu_or_the_meta_device(monkeypatch, name, width):
+    """A small CNN is probed on the CPU, a large one on the meta device: both count the same."""
+    from paralab.analysis.plan import workload
+    monkeypatch.setattr(workload, "PROBE_ON_CPU_UP_TO", 0)
+    on_meta = cnn_workload(name, width)
+    monkeypatch.setattr(workload, "PROBE_ON_CPU_UP_TO", 10**12)
+    on_cpu = cnn_workload(name, width)
+    assert on_meta.units == on_cpu.units and any(u.kept_elements for u in on_cpu.units)
+
+
 @pytest.mark.parametrize("b", [1, 3, 8])
 def test_cnn_stage_activations_are_what_a_stage_keeps(b):
     """What a CNN's stage keeps for backward, against the saved-tensor probe on a real forward (CPU): per

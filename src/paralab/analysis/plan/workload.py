@@ -24,7 +24,8 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   FLOPs, and MFU, are the *active* ones. The MoE layer stays whole on every
   tp rank (its parameters, FLOPs and activations are not divided by tp);
   ``--ep`` divides its experts' parameters (``held_parameters``).
-- :func:`cnn_workload`: a course CNN run on the meta device (no memory):
+- :func:`cnn_workload`: a course CNN run at batch 1 and 2 (on the meta device,
+  nothing allocated, or on the CPU where it is small: the counts are the same):
   what each unit keeps for backward is counted by the saved-tensor probe,
   convolutions and linears are its FLOPs. Tensor parallelism is not planned for CNNs; any
   number of stages up to the units is a cut (balanced on FLOPs).
@@ -306,8 +307,13 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     return Workload("gpt", units, s, "gpt", shape, activations)
 
 
+#: a CNN of at most this many parameters is probed on the CPU (real tensors at batch 1 and 2: 5-7x faster
+#: than the meta device, whose BatchNorm is a Python decomposition), a larger one on the meta device
+PROBE_ON_CPU_UP_TO = 1_000_000
+
+
 def cnn_workload(name: str, width: float = 1.0) -> Workload:
-    """A course CNN run on the meta device (nothing allocated): per unit, parameters, forward FLOPs, and
+    """A course CNN run at batch 1 and 2 (:data:`PROBE_ON_CPU_UP_TO`): per unit, parameters, forward FLOPs, and
     what it keeps for backward, counted by the saved-tensor probe (``training/saved.py``) as the bytes
     autograd holds after the unit, less those before it, in fp32 elements (a max-pool's int64 indices
     count as two), at batch 1 and 2: so much per sample, and so much per microbatch whatever its size
@@ -320,9 +326,14 @@ def cnn_workload(name: str, width: float = 1.0) -> Workload:
     from ...models import build_model
     with torch.device("meta"):
         model = build_model(name, width=width)
+    device = "cpu" if sum(p.numel() for p in model.parameters()) <= PROBE_ON_CPU_UP_TO else "meta"
+    if device == "cpu":  # the values play no part (only shapes, FLOPs and what autograd keeps): zeros
+        model = model.to_empty(device=device)
+        for tensor in model.state_dict().values():
+            tensor.zero_()
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     units = []
-    (one, first_one, outputs), (two, first_two, _) = (_kept_per_unit(model, parameters, b) for b in (1, 2))
+    (one, first_one, outputs), (two, first_two, _) = (_kept_per_unit(model, parameters, b, device) for b in (1, 2))
     for i, unit in enumerate(model):
         flops = 0.0
 
@@ -336,7 +347,7 @@ def cnn_workload(name: str, width: float = 1.0) -> Workload:
         leaves = [m for m in unit.modules() if not list(m.children())]
         handles = [m.register_forward_hook(hook) for m in leaves]
         with torch.no_grad():
-            unit(torch.empty_like(outputs[i - 1]) if i else torch.empty(1, 3, 32, 32, device="meta"))
+            unit(torch.zeros_like(outputs[i - 1]) if i else torch.zeros(1, 3, 32, 32, device=device))
         for hd in handles:
             hd.remove()
         kind = "conv" if any(isinstance(m, nn.Conv2d) for m in leaves) else \
@@ -347,14 +358,14 @@ def cnn_workload(name: str, width: float = 1.0) -> Workload:
     return Workload(name, units, 1, "cnn", dict(width=width))
 
 
-def _kept_per_unit(model, parameters: set[int], batch: int) -> tuple[list[int], list[int], list]:
+def _kept_per_unit(model, parameters: set[int], batch: int, device: str) -> tuple[list[int], list[int], list]:
     """Bytes each unit keeps for backward at ``batch`` images, in the chain and run alone (a stage's
     first unit; the first unit's are the same), and each unit's output at batch 1."""
     import torch
 
     from ...training.saved import SavedActivations
     probe, chained, outputs = SavedActivations(parameters), [], []
-    x = torch.empty(batch, 3, 32, 32, device="meta")
+    x = torch.zeros(batch, 3, 32, 32, device=device)
     with probe.watch():
         for unit in model:
             before = probe.live
@@ -365,7 +376,7 @@ def _kept_per_unit(model, parameters: set[int], batch: int) -> tuple[list[int], 
     for i in range(1, len(outputs)):
         received = SavedActivations(parameters)
         with received.watch():
-            out = model[i](torch.empty_like(outputs[i - 1]).requires_grad_())
+            out = model[i](torch.zeros_like(outputs[i - 1]).requires_grad_())
         alone.append(received.live)
         del out
     return chained, alone, [o[:1] for o in outputs]
