@@ -28,6 +28,7 @@ def bench(tmp_path: Path, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # 7 s for a smoke test of the script; CI runs the slow suite
 def test_allreduce_bench(tmp_path):
     d = bench(tmp_path, "allreduce", "--max-mib", "0.25")
     assert d["rows"] and all(row["busbw_GBps"] > 0 for row in d["rows"])
