@@ -34,7 +34,7 @@ from common import RESULTS, ROOT, SRC, paralab_train, write_result
 sys.path.insert(0, str(SRC))
 
 from paralab.models import build_model  # noqa: E402
-from paralab.strategies.pipeline.partition import measure_unit_times, sample_batch, split_costs, trains  # noqa: E402
+from paralab.strategies.pipeline.partition import measure_unit_times, partition_model, sample_batch  # noqa: E402
 from paralab.strategies.pipeline.schedules import build_schedule  # noqa: E402
 from paralab.strategies.pipeline.simulate import simulate, simulated_bubble  # noqa: E402
 
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
     ms = [int(m) for m in args.microbatches.split(",")]
     model = build_model(args.model, width=args.width)
     times = measure_unit_times(model, sample_batch(max(1, args.batch_size // 4)), repeats=5)
-    ranges = split_costs(times, args.workers, trains(model))
+    ranges = partition_model(model, args.workers, "balanced", unit_times=times)
     counts = ",".join(str(b - a) for a, b in ranges)
     shared = ["--workers", str(args.workers), "--model", args.model, "--width", str(args.width),
               "--batch-size", str(args.batch_size), "--num-batches", str(args.num_batches),

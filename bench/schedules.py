@@ -47,7 +47,7 @@ from paralab.analysis.cost import SCHEDULE_SOURCES, schedule_bubble  # noqa: E40
 from paralab.analysis.pipeline import ideal_timeline  # noqa: E402
 from paralab.analysis.runs import load_run  # noqa: E402
 from paralab.models import build_model  # noqa: E402
-from paralab.strategies.pipeline.partition import measure_unit_times, sample_batch, split_costs, trains  # noqa: E402
+from paralab.strategies.pipeline.partition import measure_unit_times, partition_model, sample_batch  # noqa: E402
 
 #: name -> (strategy, schedule, stages per rank)
 CONFIGS = {
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     w, m = args.workers, args.microbatches
     model = build_model(args.model, width=args.width)
     times = measure_unit_times(model, sample_batch(max(1, args.batch_size // m)), repeats=5)
-    cuts = {k: ",".join(str(b - a) for a, b in split_costs(times, w * k, trains(model)))
+    cuts = {k: ",".join(str(b - a) for a, b in partition_model(model, w * k, "balanced", unit_times=times))
             for k in {c[2] for c in CONFIGS.values()}}
 
     def run(name: str, tmp: Path, tag: str) -> dict:

@@ -240,7 +240,7 @@ def toy_plots(toy) -> subprocess.CompletedProcess:
             f"for kind in {PLOTS!r}:\n"
             "    code = main(['plot', kind, sys.argv[1], '-o', f'plot-{kind}.png'])\n"
             "    if code:\n        sys.exit(code)\n")
-    return run_cli(toy["root"], toy["cwd"], str(toy["run"]), timeout=120, python=["-c", draw])
+    return run_cli(toy["root"], toy["cwd"], str(toy["run"]), timeout=120, python=("-c", draw))
 
 
 @pytest.mark.parametrize("kind", PLOTS)

@@ -44,7 +44,7 @@ from ...kinds import StageRecord
 from ...mesh import MeshShape
 from ...options import option
 from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, ranges_from_counts,
-                          sample_batch, split_costs, trains, unit_label)
+                          sample_batch, trains, unit_label)
 from ..base import StepResult, Strategy, moe_record, split_microbatches
 from ..data_parallel import flavour_of
 from ..portable import Portable, trainable
@@ -148,12 +148,13 @@ class Pipeline(Strategy):
                              f"{stages} x {per_rank} = {stages * per_rank} stages, but it has only {units} units; "
                              "lower --virtual-stages or the stages")
         counts = parse_spec(cfg.partition, stages * per_rank, units)
-        if per_rank == 1 and sum(trains(model)) < stages:
-            raise UsageError(f"{cfg.model} has {sum(trains(model))} units with parameters, fewer than the {stages} "
+        trained = trains(model)  # a rank with one stage must have something to train
+        if per_rank == 1 and sum(trained) < stages:
+            raise UsageError(f"{cfg.model} has {sum(trained)} units with parameters, fewer than the {stages} "
                              "pipeline stages: a rank would have nothing to train; use fewer stages")
-        if isinstance(counts, list) and per_rank == 1:  # a rank with one stage must have something to train
+        if isinstance(counts, list) and per_rank == 1:
             for k, (a, b) in enumerate(ranges_from_counts(counts)):
-                if not any(trains(model)[a:b]):
+                if not any(trained[a:b]):
                     held = ", ".join(unit_label(u) for u in model[a:b])
                     raise UsageError(f"--partition {cfg.partition} leaves stage {k} ({held}) without parameters: "
                                      "its rank would have nothing to train; move a boundary so it holds a layer")
@@ -176,9 +177,7 @@ class Pipeline(Strategy):
                 sample = sample_batch(max(1, min(batch, 32)), device=ctx.device, model=model, dtype=ctx.dtype)
                 times = measure_unit_times(model.to(ctx.device), sample)
                 model.cpu()
-                ranges = split_costs(times, stages, trains(model))
-            else:
-                ranges = partition_model(model, stages, self.partition_method)
+            ranges = partition_model(model, stages, self.partition_method, unit_times=times)
             answer = ([tuple(r) for r in ranges], times)
         ranges, times = self.comm.broadcast_object(answer, src=0)  # the whole world takes rank 0's cut
         return [tuple(r) for r in ranges], times
