@@ -35,6 +35,16 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--rank", "0"], "needs both --world-size and --rank"),
     (["single", "--check-cache", "kept"], "--check-cache DIR keeps the reference that --check trains"),
     (["single", "--check", "--check-cache", __file__], "is a file: name a folder"),
+    (["single", "--check", "--check-every", "0"], "--check-every must be positive"),
+    (["single", "--check", "--check-every", "-2"], "--check-every must be positive"),
+    (["single", "--check-every", "2"], "--check-every N compares with the reference every N steps: it needs --check"),
+    (["single", "--check", "--num-batches", "0"], "--num-batches must be positive"),
+    (["single", "--dropout", "0.1"], "--dropout drops the gpt's residual branches; --model vgg11 has none"),
+    (["single", "--model", "gpt", "--dropout", "1"], "--dropout must be at most 0.99"),
+    (["single", "--model", "gpt", "--dropout", "-0.1"], "--dropout must be at least 0"),
+    # the reference (the whole model, in one process, on every rank) cannot fit: refused before any rank starts
+    (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "64", "--embed", "8192",
+      "--heads", "64", "--check"], "the reference alone holds at least"),
 ])
 def test_refused(capsys, tmp_path, argv, message):
     defaults = [x for flag, value in zip(FAST[::2], FAST[1::2]) if flag not in argv for x in (flag, value)]
@@ -173,3 +183,13 @@ def test_more_workers_than_gpus(capsys, tmp_path, monkeypatch):
     assert on_gpu(RunConfig(strategy="ddp", workers=1, world_size=4))  # one rank of four, its own GPU
     assert on_gpu(RunConfig(strategy="ddp", workers=1, launched_by="torchrun"))
     assert not on_gpu(RunConfig(strategy="ddp", workers=2, device="cpu"))
+
+
+def test_resuming_a_checkpoint_of_another_precision_under_check_says_how(capsys, tmp_path):
+    """A check runs in fp64 unless told; a checkpoint continues only in its own precision: the refusal says
+    which --precision continues it."""
+    assert main(["train", "single", *FAST, "--no-progress", "--eval-batches", "1", "--out", str(tmp_path / "fp32")]) == 0
+    capsys.readouterr()
+    err = refused(capsys, tmp_path, "single", *FAST[:-2], "--num-batches", "2", "--check", "--resume",
+                  str(tmp_path / "fp32"))
+    assert "precision: checkpoint has 'fp32', this run 'fp64'" in err and "give --precision fp32" in err

@@ -12,7 +12,7 @@ from paralab.strategies.context.layout import Layout
 GPT = ["--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
        "--dataset", "synthetic-text", "--check"]
 FP64 = ["--precision", "fp64", "--lr", "0.1", "--momentum", "0.9", "--num-batches", "20"]
-COURSE = ["--lr", "1e-3", "--num-batches", "2"]
+COURSE = ["--lr", "1e-3", "--num-batches", "2", "--precision", "fp32"]
 
 
 def test_balanced_layout_pairs_head_and_tail_chunks():

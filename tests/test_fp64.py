@@ -80,7 +80,8 @@ def test_fp64_check_passes_at_real_hyperparameters(summaries, name):
     assert check["precision"] == "fp64" and check["tolerances"] == tol
     assert check["result"] == "PASS", check
     assert check["max_weight_dev"] <= tol["weights"] and check["max_output_dev"] <= tol["outputs"]
-    assert [h["step"] for h in check["history"]] == [5, 10, 15, 20]
+    assert [h["step"] for h in check["history"]] == [1, 2, 5, 10, 15, 20]  # the first two, every 5th
+    assert check["max_optimizer_dev"] <= tol["optimizer"] and check["max_loss_dev"] <= tol["loss"]
     assert all(h["max_weight_dev"] <= tol["weights"] for h in check["history"])
 
 

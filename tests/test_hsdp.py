@@ -11,7 +11,7 @@ from paralab.run.config import RunConfig
 GPT = ["--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
        "--dataset", "synthetic-text"]
 FP64 = ["--precision", "fp64", "--lr", "0.1", "--momentum", "0.9", "--num-batches", "20", "--check"]  # real setting
-COURSE = ["--lr", "1e-3", "--num-batches", "2", "--check"]                                            # fp32
+COURSE = ["--lr", "1e-3", "--num-batches", "2", "--check", "--precision", "fp32"]                                         # fp32
 VGG = ["--width", "0.125", "--dataset", "synthetic", "--batch-size", "16"]
 
 

@@ -101,8 +101,8 @@ def job_config(out: Path, strategy: str, schedule: str, norm: str, **extra) -> R
     # amplifies rounding by an amount that depends on the CPU's kernels (issue 20); fp64 vouches for real settings
     return RunConfig(strategy=strategy, norm=norm, workers=4, pp=2, schedule=schedule, microbatches=4,
                      out=str(out), dataset="synthetic", synthetic_size=256, width=0.125, batch_size=BATCH,
-                     num_batches=2, lr=1e-3, check=True, progress=False, eval_batches=1, eval_batch_size=64,
-                     timeout=60, zero_stage=1, check_cache=shared_references(), **extra).validate()
+                     num_batches=2, lr=1e-3, check=True, precision="fp32", progress=False, eval_batches=1,
+                     eval_batch_size=64, timeout=60, zero_stage=1, check_cache=shared_references(), **extra).validate()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from paralab.models.moe import MoE, route, scores, take_aux_loss
 GPT = ["--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "2", "--context", "16", "--batch-size", "16",
        "--dataset", "synthetic-text", "--experts", "4", "--check"]
 FP64 = ["--precision", "fp64", "--lr", "0.1", "--momentum", "0.9", "--num-batches", "20"]
-COURSE = ["--lr", "1e-3", "--num-batches", "2"]
+COURSE = ["--lr", "1e-3", "--num-batches", "2", "--precision", "fp32"]  # the course setting
 
 
 # ---------------------------------------------------------------- the model, in one process

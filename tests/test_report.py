@@ -56,7 +56,7 @@ def test_compare_writes_every_row_and_file(report):
     # shard; the folder they shared is not part of the report, nor of the commands it shows
     assert "is the one an earlier run trained" in (out / "logs" / "ddp-w1.log").read_text()
     for name in ("single-w1", "ddp-w2", "pipeline-w2"):
-        assert "check: training the single-process reference" in (out / "logs" / f"{name}.log").read_text()
+        assert "check: the single-process reference trains beside the run" in (out / "logs" / f"{name}.log").read_text()
     assert not (out / "check-cache").exists()
     assert all("--check-cache" not in e["command"] for e in data["entries"])
     # written in a temporary directory and renamed at the end: nothing else left beside it
@@ -118,7 +118,7 @@ def test_no_share_references_trains_one_in_every_run(tmp_path):
     p = run_compare(out, "--strategies", "single,ddp", "--workers", "1", "--no-share-references", *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
     for name in ("single-w1", "ddp-w1"):
-        assert "check: training the single-process reference" in (out / "logs" / f"{name}.log").read_text()
+        assert "check: the single-process reference trains beside the run" in (out / "logs" / f"{name}.log").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -222,7 +222,7 @@ def test_sweep_batch_size_table(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     for name in ("b16", "b32"):  # two batch sizes: two references, each trained; none kept in the report
         log = (out / "logs" / f"{name}.log").read_text()
-        assert "check: training the single-process reference" in log and "check: PASS" in log
+        assert "check: the single-process reference trains beside the run" in log and "check: PASS" in log
     assert not (out / "check-cache").exists()
     data = json.loads((out / "sweep.json").read_text())
     rows = {r[0]: dict(zip(data["headers"], r)) for r in data["rows"]}

@@ -77,8 +77,10 @@ def test_torch_tp_trains_as_our_tp(paralab):
 
 @pytest.mark.slow
 def test_torch_tp_resumes_and_exports(paralab, tmp_path):
+    # fp64 from the start: the resumed run's --check runs in fp64 (its default), and a checkpoint continues
+    # only in its own precision
     first = paralab("train", "torch-tp", "--workers", "2", *GPT, "--num-batches", "2", "--optimizer", "adam",
-                    "--lr", "0.001")
+                    "--lr", "0.001", "--precision", "fp64")
     assert first.returncode == 0, first.stdout + first.stderr
     resumed = paralab("train", "torch-tp", "--workers", "2", *GPT, "--num-batches", "4", "--optimizer", "adam",
                       "--lr", "0.001", "--resume", str(first.out), "--check")

@@ -184,16 +184,17 @@ def test_train_check_passes_and_records_the_toys_collective(toy):
     s = json.loads((toy["run"] / "summary.json").read_text())
     assert s["strategy"] == "toy-flat" and s["workers"] == 2 and s["steps"] == 2
     assert s["check"]["result"] == "PASS", s["check"]
-    assert s["check"]["max_weight_dev"] <= 1e-5 and s["check"]["max_output_dev"] <= 1e-4
+    assert s["check"]["precision"] == "fp64"  # a check's own precision when none is given
+    assert s["check"]["max_weight_dev"] <= 1e-9 and s["check"]["max_output_dev"] <= 1e-8
     # one flat all-reduce of every gradient per rank per measured step: all the parameters' bytes at once
     reduce = s["comm_ops"]["all_reduce"]
     assert reduce["calls"] == 2 * s["measured_steps"] and s["measured_steps"] >= 1
-    assert reduce["bytes_per_step"] == 4 * s["parameters"]
+    assert reduce["bytes_per_step"] == {"fp32": 4, "fp64": 8}[s["precision"]] * s["parameters"]
     spans = [json.loads(line) for line in (toy["run"] / "spans.jsonl").read_text().splitlines()]
     flat = [x for x in spans if x["category"] == "comm" and x["name"] == "toy_flat_all_reduce"]
     assert sorted({x["rank"] for x in flat}) == [0, 1]
     assert {x["step"] for x in flat} == {x["step"] for x in spans if x["category"] == "compute"}
-    assert all(x["bytes"] == 4 * s["parameters"] for x in flat)
+    assert all(x["bytes"] == reduce["bytes_per_step"] for x in flat)
     assert not [x for x in spans if x["category"] == "comm" and x["name"] == "all_reduce"]  # not allreduce's
     config = json.loads((toy["run"] / "config.json").read_text())
     assert json.dumps(config).count("toy-flat") >= 1

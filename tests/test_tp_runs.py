@@ -95,7 +95,7 @@ def test_bad_layouts_exit_2(paralab, args, message):
 
 
 # ------------------------------------------------------------------ where fp32 cannot vouch for --check (issue 20)
-CNN = dict(dataset="synthetic", width=0.125, batch_size=32, check=True)
+CNN = dict(dataset="synthetic", width=0.125, batch_size=32, check=True, precision="fp32")
 REFUSED = [dict(strategy="tp", workers=2),                                   # pure tp
            dict(strategy="tp", workers=4),
            dict(strategy="ddp", workers=4, tp=2),                            # dp x tp: plan() runs TensorParallel
@@ -121,7 +121,8 @@ def test_tp_check_of_a_batchnorm_cnn_in_fp32_is_refused(kw):
                                 dict(strategy="tp", workers=2, model="gpt", dataset="synthetic-text", heads=4),
                                 dict(strategy="tp", workers=2, check=False),         # nothing compared
                                 dict(strategy="tp", workers=1),                      # tp 1: nothing split
-                                dict(strategy="ddp", workers=2)])                    # no tp: no limit
+                                dict(strategy="ddp", workers=2),                     # no tp: no limit
+                                dict(strategy="tp", workers=2, precision=None)])     # a check's own: fp64
 def test_tp_check_where_fp32_or_fp64_can_vouch_is_accepted(kw):
     from paralab.run.config import RunConfig
     RunConfig(**{**CNN, **kw}).validate()
@@ -129,7 +130,7 @@ def test_tp_check_where_fp32_or_fp64_can_vouch_is_accepted(kw):
 
 def test_train_tp_check_in_fp32_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
-    r = run_paralab("train", "tp", "--workers", "2", "--num-batches", "3", "--check", out=out)
+    r = run_paralab("train", "tp", "--workers", "2", "--num-batches", "3", "--check", "--precision", "fp32", out=out)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--check of tp on vgg11 in fp32" in r.stderr and "--precision fp64" in r.stderr, r.stderr
     assert not out.exists()  # refused before any worker started: no run directory
@@ -154,4 +155,6 @@ def test_compare_leaves_the_same_runs_out_saying_why():
     with pytest.raises(UsageError, match="ddp at 4 workers: not checkable here in fp32: a row-parallel"):
         planned("--strategies", "ddp", "--workers", "4", "--train-args=--tp 2")
     names, left_out = planned("--strategies", "tp,ddp", "--workers", "2", "--train-args=--precision fp64")
+    assert names == ["tp-w2", "ddp-w2"] and not any("fp32" in n for n in left_out), left_out
+    names, left_out = planned("--strategies", "tp,ddp", "--workers", "2", "--precision", "fp64")
     assert names == ["tp-w2", "ddp-w2"] and not any("fp32" in n for n in left_out), left_out

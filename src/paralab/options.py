@@ -105,8 +105,8 @@ def add_flags(parser, *classes, only=None, defaults=None, suppress: bool = False
 
 def check(obj, cls) -> None:
     """UsageError (exit 2) for a value of ``obj`` outside what ``cls`` declares."""
-    for f in option_fields(cls):
-        value, meta = getattr(obj, f.name), f.metadata
+    for f in option_fields(cls):  # an option ``obj`` does not carry (a command takes some of a class's) passes
+        value, meta = getattr(obj, f.name, None), f.metadata
         if value is None:
             continue
         if meta["choices"] and value not in meta["choices"]:

@@ -3,10 +3,12 @@
 A comparison checks many runs whose references coincide: each data-parallel run
 at 2 workers replays the same 2 shards of the same batches from the same
 starting weights, whatever its flavour. The reference is deterministic, so the
-first run to train it keeps its final weights in DIR, and a later run whose
-reference would be the same loads them instead of training it again. Nothing
-else about the check changes: every rank still compares its own view of the
-strategy (weights, the next batch's outputs, replicas) with the reference.
+first run to train it keeps what the check compares (its weights and optimizer
+state after each checked step, and every step's loss per shard) in DIR, and a
+later run whose reference would be the same loads them instead of training it
+again. Nothing else about the check changes: every rank still compares its own
+view of the strategy (weights, optimizer state, losses, the next batch's
+outputs, replicas) with the reference.
 
 "The same" is decided by content, not by description. The file is named by a
 SHA-256 digest (:func:`digest`) of
@@ -24,10 +26,10 @@ SHA-256 digest (:func:`digest`) of
   and the CPU's kernel level.
 
 Runs with gradient compression (whose reference transforms each shard's
-gradient) and runs with ``--check-every`` (whose reference advances step by
-step) train their own. The file holds tensors only, written by ``torch.save``
-and read with ``weights_only=True`` (never unpickled), checked against the
-model's names, shapes and dtypes; one that does not load is trained again.
+gradient) train their own. The file holds tensors, numbers and names only,
+written by ``torch.save`` and read with ``weights_only=True`` (never
+unpickled), checked against the model's names, shapes and dtypes, the checked
+steps and the shards; one that does not load is trained again.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import hashlib
 import inspect
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +57,14 @@ LAYOUT_ONLY = frozenset((
 ))
 
 
+@dataclass
+class Snapshot:
+    """The reference after one step: its weights and buffers, and each parameter's optimizer state by name."""
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, dict]
+
+
 def usable(cfg, ref) -> bool:
     """Whether this run's reference may be shared: asked for, untrained so far, without compression."""
     return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None
@@ -68,8 +79,8 @@ def _source_files(model) -> list[str]:
     return sorted(f for f in files if f)
 
 
-def digest(cfg, ref, steps: int) -> str:
-    """The SHA-256 of everything that decides the reference's weights after ``steps`` (see the module)."""
+def digest(cfg, ref, steps: list[int]) -> str:
+    """The SHA-256 of everything that decides the reference at the checked ``steps`` (see the module)."""
     from .. import __version__
     h = hashlib.sha256()
 
@@ -90,14 +101,15 @@ def digest(cfg, ref, steps: int) -> str:
     text("paralab", __version__, torch.__version__, torch.backends.cpu.get_cpu_capability(),
          torch.get_num_threads(), str(first.device), str(first.dtype), sorted(options.items()),
          # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
-         ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", steps, type(ref.optimizer).__name__, groups, str(model))
+         ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", list(steps),
+         type(ref.optimizer).__name__, groups, str(model))
     for path in _source_files(model):
         text(os.path.basename(path))
         h.update(Path(path).read_bytes())
     for name, t in model.state_dict().items():
         text(name)
         tensor(t)
-    for step in range(steps):
+    for step in range(max(steps)):
         text(step, None if ref.lr_for is None else ref.lr_for(step))
         for r in range(ref.replicas):
             x, y = ref.source.batch(step, rank=r)
@@ -110,36 +122,47 @@ def path_for(folder, key: str) -> Path:
     return Path(folder) / f"reference-{key[:32]}.pt"
 
 
-def load(folder, key: str, model) -> str | None:
-    """Load the kept reference named ``key`` into ``model``; None if done, else why not."""
+def load(folder, key: str, model, steps: list[int], replicas: int) -> tuple[dict | None, str | None]:
+    """The kept reference named ``key``: ``({"snapshots": {step: Snapshot}, "losses": {step: [per shard]}},
+    None)``, its last weights loaded into ``model``; or ``(None, why not)``."""
     path = path_for(folder, key)
     if not path.is_file():
-        return "none kept yet"
+        return None, "none kept yet"
     try:
         kept = torch.load(path, map_location="cpu", weights_only=True)
-        state = kept["state"]
         if kept.get("digest") != key:
-            return f"{path.name} was kept for another reference"
+            return None, f"{path.name} was kept for another reference"
+        snapshots = {int(s["step"]): Snapshot(int(s["step"]), s["weights"], s["optimizer"])
+                     for s in kept["snapshots"]}
+        losses = kept["losses"]
         mine = model.state_dict()
-        if set(state) != set(mine) or any(state[k].shape != mine[k].shape or state[k].dtype != mine[k].dtype
-                                          for k in mine):
-            return f"{path.name} holds other tensors than the model's"
-        model.load_state_dict(state, strict=True)
+        if sorted(snapshots) != sorted(steps) or tuple(losses.shape) != (max(steps), replicas):
+            return None, f"{path.name} holds other steps or shards"
+        for snap in snapshots.values():
+            state = snap.weights
+            if set(state) != set(mine) or any(state[k].shape != mine[k].shape or state[k].dtype != mine[k].dtype
+                                              for k in mine):
+                return None, f"{path.name} holds other tensors than the model's"
+        model.load_state_dict(snapshots[max(steps)].weights, strict=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file only means the reference is trained again
-        return f"{path.name} did not load ({type(exc).__name__}: {exc})"
-    return None
+        return None, f"{path.name} did not load ({type(exc).__name__}: {exc})"
+    return {"snapshots": snapshots, "losses": {step: row for step, row in enumerate(losses.tolist())}}, None
 
 
-def keep(folder, key: str, model) -> str | None:
-    """Write ``model``'s weights as the reference named ``key`` (atomically); None if kept, else why not."""
+def keep(folder, key: str, snapshots: dict[int, Snapshot], losses: dict[int, list[float]]) -> str | None:
+    """Write the reference named ``key`` (atomically): its ``snapshots`` at the checked steps and every step's
+    loss per shard; None if kept, else why not."""
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".reference-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save({"digest": key, "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
-                           f)
+                torch.save({"digest": key,
+                            "snapshots": [{"step": s.step, "weights": {k: v.cpu() for k, v in s.weights.items()},
+                                           "optimizer": s.optimizer} for s in snapshots.values()],
+                            "losses": torch.tensor([losses[step] for step in range(len(losses))],
+                                                   dtype=torch.float64)}, f)
             os.replace(tmp, path_for(folder, key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -16,44 +16,55 @@ batches* as the strategy, replaying the strategy's own batch split:
     * ``sequential`` (model/pipeline parallelism): one module sees every
       microbatch in order, so statistics are updated once per microbatch.
 
-Tolerances (``TOLERANCES``, absolute, ``rtol=0``), by ``--precision``:
-
-- fp32: weights ``1e-5``, outputs ``1e-4``: for the course setting (a few
-  steps at a small learning rate, e.g. ``--num-batches 2 --lr 1e-3``);
-- fp64 (model, collectives, optimizer state and reference all in float64):
-  weights ``1e-9``, outputs ``1e-8``.
+What is compared, and how far apart it may be (``TOLERANCES``, absolute, ``rtol=0``, by
+``--precision``): the weights and buffers and every parameter's optimizer state after each
+checked step (fp32 ``1e-5`` and ``1e-4``, fp64 ``1e-9``), the training loss of every step as each rank reports
+it against its shard's loss in the reference (``1e-4``, ``1e-8``), and the next batch's logits at
+the end (``1e-4``, ``1e-8``). fp32 is for the course setting (a few steps at a small learning
+rate); without ``--precision`` a check runs in fp64.
 
 Where a strategy performs the very same operations as the reference (e.g.
 per-parameter all-reduce over 2 workers) the deviation is 0. With Adam and
 BatchNorm, check with ``--norm none``.
 
-Why these tolerances, and what fp32 cannot verify: docs/correctness.md#fp64-real-settings
+Why these tolerances, and what a check cannot see: docs/correctness.md
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from ..data.loader import to_device
 from ..training.losses import cross_entropy
 from ..training.lr_schedule import set_lr
+from ..models import dropout
 from ..models.moe import moe_layers
 from ..strategies.base import has_batchnorm, split_microbatches, take_history, training_loss
+from ..strategies.portable import optimizer_by_name
 
-TOLERANCES = {"fp32": {"weights": 1e-5, "outputs": 1e-4},
-              "fp64": {"weights": 1e-9, "outputs": 1e-8}}
+#: what a check compares, and how far (absolute, ``rtol=0``) each may be from the reference, by precision:
+#: ``weights`` (and buffers) and ``optimizer`` state after a checked step, each step's training ``loss``
+#: as every rank reports it, and the next batch's ``outputs`` (logits) at the end. Why these values:
+#: docs/correctness.md#tolerances
+TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "outputs": 1e-4},
+              "fp64": {"weights": 1e-9, "optimizer": 1e-9, "loss": 1e-8, "outputs": 1e-8}}
 
 
 def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
-                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None) -> list[float]:
+                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0) -> list[list[float]]:
     """Train ``model`` on steps ``first_step .. steps - 1``; ``source_batch(step, rank)`` gives shard
-    ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the learning-rate schedule (None:
-    keep the optimizer's).
+    ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
+    learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
+    the mean over its samples, what the rank holding that shard reports.
 
     ``combine`` (gradient compression: ``compression.reference_for``): each shard's gradient is kept
     apart (its share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the
     gradient the optimizer uses, as the compressed exchange leaves it on every rank.
+
+    ``seed``: the run's, from which the gpt's dropout masks are drawn (``models/dropout.py``: each forward
+    says where its samples sit in the global batch, so the masks are the run's whatever the split).
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
@@ -65,23 +76,33 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             set_lr([optimizer], lr_for(step))
         shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
         model.train()
-        if not split:
+        if not split:  # one forward over the global batch; each shard's loss read from its rows
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
-            loss = training_loss(cross_entropy, model, model(x), y)
-            loss.backward()
-            losses.append(loss.item())
+            dropout.at_step(seed, step, rows=len(y), first=0)
+            logits = model(x)
+            training_loss(cross_entropy, model, logits, y)[0].backward()
+            with torch.no_grad():
+                rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
+                losses.append([cross_entropy(logits[a:b], y[a:b]).item() for a, b in zip(rows, rows[1:])])
         else:
             total = sum(len(s[1]) for s in shards)
             kept_buffers = None
-            step_loss = 0.0
+            shard_losses = []
             per_shard = []
+            first = 0  # the shard's first row in the global batch
             for r, (x, y) in enumerate(shards):
-                for xs, ys, w in split_microbatches(x, y, microbatches):
-                    weight = w * len(y) / total
-                    loss = training_loss(cross_entropy, model, model(xs), ys)
-                    (loss * weight).backward()
-                    step_loss += loss.item() * weight
+                shard_loss = 0.0
+                dropout.at_step(seed, step, rows=total, first=first)
+                first += len(y)
+                chunks = split_microbatches(x, y, microbatches)
+                dropout.split([len(c[1]) for c in chunks])
+                for i, (xs, ys, w) in enumerate(chunks):
+                    with dropout.microbatch(i):
+                        loss, reported = training_loss(cross_entropy, model, model(xs), ys)
+                    (loss * (w * len(y) / total)).backward()
+                    shard_loss += reported.item() * w
+                shard_losses.append(shard_loss)
                 if r == 0 and bn_rule == "first-replica":
                     kept_buffers = [b.detach().clone() for b in model.buffers()]
                 if combine is not None:  # this shard's gradient, apart from the others'
@@ -95,19 +116,41 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
                 with torch.no_grad():
                     for b, kept in zip(model.buffers(), kept_buffers):
                         b.copy_(kept)
-            losses.append(step_loss)
+            losses.append(shard_losses)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
 
 
+def reference_bytes(cfg) -> tuple[int, int]:
+    """(the model's parameters, the bytes the reference holds at least): its weights, their gradients and the
+    optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
+    activations come on top. The model is built on the meta device: nothing is allocated."""
+    from ..models import build_model, model_shape
+    with torch.device("meta"):
+        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
+    parameters = sum(p.numel() for p in model.parameters())
+    states = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
+    return parameters, parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, dict]:
+    """The optimizer's state by parameter name (the model's own names; ``copy``: cloned): what a strategy's
+    saved state becomes in no layout (``Portable.optimizer``)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return {name: {k: (v.detach().clone() if copy else v.detach()) if torch.is_tensor(v) else v
+                   for k, v in state.items()}
+            for name, state in optimizer_by_name(optimizer.state_dict(), names).items()}
+
+
 @dataclass
 class Comparison:
-    what: str           # "weights" | "outputs" | "replicas"
+    what: str           # "weights" | "optimizer" | "loss" | "outputs" | "replicas"
     max_abs: float      # largest absolute deviation
     worst: str          # name of the tensor where it occurred
     atol: float
+    step: int | None = None  # after which step (None: not tied to one)
 
     @property
     def ok(self) -> bool:
@@ -115,19 +158,25 @@ class Comparison:
 
     def line(self) -> str:
         verdict = "PASS" if self.ok else "FAIL"
-        return f"{self.what}: {verdict} max |diff| {self.max_abs:.3e} at {self.worst} (atol {self.atol:g})"
+        when = f", step {self.step}" if self.step is not None else ""
+        return f"{self.what}: {verdict} max |diff| {self.max_abs:.3e} at {self.worst}{when} (atol {self.atol:g})"
+
+
+def worst(comparisons: list[Comparison]) -> Comparison:
+    """The comparison that decides a verdict: the first that fails by the most, else the largest."""
+    return max(comparisons, key=lambda c: (not c.ok, c.max_abs / c.atol if c.atol else c.max_abs))
 
 
 def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                    atol: float) -> Comparison:
+                    atol: float, step: int | None = None) -> Comparison:
     missing = set(ref) ^ set(mine)
     if missing:
-        return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol)
+        return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol, step)
     worst, worst_name = 0.0, "-"
     for name, r in ref.items():
         m, r = mine[name].detach().cpu(), r.detach().cpu()
         if m.shape != r.shape:
-            return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol)
+            return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol, step)
         if not r.is_floating_point():
             dev = float((m.long() - r.long()).abs().max()) if r.numel() else 0.0
         else:
@@ -136,4 +185,34 @@ def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, tor
             dev = float("inf")
         if dev > worst or worst_name == "-":
             worst, worst_name = dev, name
-    return Comparison(what, worst, worst_name, atol)
+    return Comparison(what, worst, worst_name, atol, step)
+
+
+def _deviation(m, r) -> float:
+    """|m - r| at most, for two tensors (or numbers, or Nones) of one optimizer state entry."""
+    if m is None or r is None:
+        return 0.0 if m is None and r is None else float("inf")
+    m, r = (torch.as_tensor(v).detach().cpu().double() for v in (m, r))
+    if m.shape != r.shape:
+        return float("inf")
+    dev = float((m - r).abs().max()) if r.numel() else 0.0
+    return float("inf") if dev != dev else dev
+
+
+def compare_optimizer(mine: dict[str, dict], ref: dict[str, dict], atol: float, step: int | None = None
+                      ) -> Comparison:
+    """Every parameter's optimizer state (momentum, Adam's moments and step count), whole, by name."""
+    if set(mine) != set(ref):
+        differ = sorted(set(mine) ^ set(ref))
+        return Comparison("optimizer", float("inf"), f"state of {differ[:3]} only on "
+                          f"{'the run' if differ[0] in mine else 'the reference'}", atol, step)
+    worst_dev, worst_name = 0.0, "-"
+    for name, state in ref.items():
+        if set(mine[name]) != set(state):
+            return Comparison("optimizer", float("inf"), f"{name}: keys {sorted(mine[name])} vs "
+                              f"{sorted(state)}", atol, step)
+        for key, value in state.items():
+            dev = _deviation(mine[name][key], value)
+            if dev > worst_dev or worst_name == "-":
+                worst_dev, worst_name = dev, f"{name} {key}"
+    return Comparison("optimizer", worst_dev, worst_name, atol, step)

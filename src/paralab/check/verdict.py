@@ -1,12 +1,29 @@
-"""``--check``: run the reference on this rank and compare, then agree on a verdict.
+"""``--check`` on one rank: the reference beside the run, compared at the checked steps, one verdict.
 
 Every rank trains the single-process reference itself (it is deterministic and
-identical everywhere, so nothing large crosses the network), then compares
-its own view of the strategy: the full weights, the logits it produces for
-the next batch, and (for replicated strategies) its parameters against rank
-0's, which must be bit-identical.
+identical everywhere, so nothing large crosses the network) alongside the run,
+and compares, after each checked step (:func:`checked_steps`: the first, the
+second, the last, and every K-th with ``--check-every K``):
+
+- ``weights``: this rank's view of the strategy's whole weights and buffers
+  (``full_state_dict``, gathered where sharded) against the reference's;
+- ``optimizer``: every parameter's optimizer state (momentum, Adam's moments
+  and step count), whole. Every rank's resumable state (``state_dict``, what a
+  checkpoint holds) is gathered on rank 0 and put together by the strategy's
+  own ``portable``, the same code a resume into another layout runs, so a
+  state that is lost, wrong or not saved fails here, not after a resume;
+- ``replicas``: where every rank holds a full replica, each rank's weights
+  bit-identical to rank 0's.
+
+At the end it also compares the ``loss`` every rank reported at every step
+with its shard's loss in the reference (a loss that is reported wrong while
+the gradients are right is caught here, and nowhere else), and the next
+batch's ``outputs`` (logits). The verdict is the worst deviation of any kind,
+at any step, on any rank: a deviation that comes and goes still fails.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -14,7 +31,40 @@ import torch.nn as nn
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
 from . import kept
-from .reference import TOLERANCES, Comparison, compare_tensors, reference_train
+from .reference import (TOLERANCES, Comparison, compare_optimizer, compare_tensors, optimizer_state,
+                        reference_train, worst)
+
+#: the kinds of comparison, in the order their lines are printed
+KINDS = ("weights", "optimizer", "replicas", "loss", "outputs")
+
+
+def checked_steps(start: int, total: int, every: int | None) -> list[int]:
+    """The steps after which a run starting at ``start`` (a resumed one: its checkpoint's step) and
+    ending at ``total`` is compared: the first and second of its own (the second is the first where
+    momentum or Adam's moments carry history), the last, and every ``every``-th step."""
+    steps = {start + 1, start + 2, total}
+    if every:
+        steps |= set(range(every, total + 1, every))
+    return sorted(s for s in steps if start < s <= total)
+
+
+def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
+    """The paths this run leaves trivial, so its check says nothing about them: the run's own (its steps,
+    compression, recomputation) and its strategy's (``Strategy.unexercised``), each with the option that
+    would exercise it."""
+    from ..models import MODALITY
+    notes = []
+    if total - start == 1 and (cfg.optimizer == "adam" or cfg.momentum > 0):
+        notes.append("one step: the optimizer's state (momentum, Adam's moments) has no history yet, so what "
+                     "carries it from step to step is not exercised: --num-batches 2 or more")
+    if cfg.compress == "powersgd" and total <= cfg.powersgd_start_iter:
+        notes.append(f"--compress powersgd: PowerSGD starts after {cfg.powersgd_start_iter} uncompressed steps and "
+                     f"this run has {total}, so nothing was compressed: --num-batches {cfg.powersgd_start_iter + 2} "
+                     "or more, or a smaller --powersgd-start-iter")
+    if cfg.recompute != "none" and MODALITY[cfg.model] == "text" and not cfg.dropout:
+        notes.append(f"--recompute {cfg.recompute}: the gpt draws no random numbers (--dropout 0), so what a "
+                     "recompute restores for them is not exercised: --dropout 0.1")
+    return notes + strategy.unexercised()
 
 
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
@@ -34,18 +84,19 @@ class Reference:
     """The single-process reference, trained on the run's own batches, as far as it is asked.
 
     It replays the strategy's split (its data-parallel shards, the
-    microbatches inside each, its BatchNorm rule) and learning-rate schedule.
-    ``--check-every K`` advances it alongside the run and compares every K
-    steps; otherwise it is trained once, at the end.
+    microbatches inside each, its BatchNorm rule) and learning-rate schedule,
+    and keeps each step's loss per shard (``losses``).
     """
 
-    def __init__(self, strategy, source, model_fn, optim_fn, lr_for):
+    def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0):
         self.model = model_fn()
+        self.seed = seed  # the run's: the gpt's dropout masks are drawn from it
         self.optimizer = optim_fn(list(self.model.parameters()))
         self.replicas, _ = strategy.replicas()
         self.microbatches, self.bn_rule = strategy.microbatches, strategy.bn_rule
         self.source, self.lr_for = source, lr_for
         self.step = 0
+        self.losses: dict[int, list[float]] = {}  # step -> each shard's training loss
         # gradient compression: the reference applies the same to each shard's gradient (or None)
         self.compression = reference_for(strategy.ctx.options, self.replicas)
 
@@ -55,98 +106,200 @@ class Reference:
                 + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
-        reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
-                        self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
-                        combine=self.compression.combine if self.compression else None)
+        losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
+                                 self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
+                                 combine=self.compression.combine if self.compression else None, seed=self.seed)
+        self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
-
-def weight_deviation(strategy, ref: Reference, precision: str) -> Comparison:
-    """This rank's view of the strategy's full weights against the reference's, now (a collective)."""
-    return compare_tensors("weights", strategy.full_state_dict(), ref.model.state_dict(),
-                           TOLERANCES[precision]["weights"])
-
-
-def bring_to(cfg, ref: Reference, steps: int, comm, say) -> None:
-    """Train the reference to ``steps``, or with ``--check-cache`` load it where an earlier run with the
-    same reference kept it (``kept.py``: named by a digest of its weights, batches and settings)."""
-    key = None
-    if kept.usable(cfg, ref):
-        key = kept.digest(cfg, ref, steps)
-        why = kept.load(cfg.check_cache, key, ref.model)
-        if why is None:
-            ref.step = steps
-            say(f"check: the single-process reference to step {steps} ({ref.describe()}) is the one an earlier "
-                f"run trained on the same weights and batches ({kept.path_for(cfg.check_cache, key).name})")
-            return
-    say(f"check: training the single-process reference to step {steps} ({ref.describe()})")
-    ref.advance_to(steps)
-    if key is not None and comm.rank == 0:
-        why = kept.keep(cfg.check_cache, key, ref.model)
-        if why:
-            say(f"check: --check-cache: the reference is {why}")
+    def snapshot(self, copy: bool = False) -> kept.Snapshot:
+        """The weights and optimizer state now: the live tensors (read before the reference trains on), or
+        copies to keep."""
+        weights = {k: v.detach().clone() if copy else v.detach() for k, v in self.model.state_dict().items()}
+        return kept.Snapshot(self.step, weights, optimizer_state(self.model, self.optimizer, copy))
 
 
-def run_check(cfg, strategy, ref: Reference, steps: int, comm, say, history: list | None = None) -> dict:
-    """Bring the reference to ``steps``, compare, agree on a verdict over the ranks.
+class Check:
+    """``--check`` on this rank: call :meth:`after_step` after every step, :meth:`finish` at the end."""
 
-    ``history``: this rank's ``(step, max weight deviation)`` from ``--check-every``; the verdict
-    carries the deviation at each of those steps, the largest over the ranks.
-    """
-    tol = TOLERANCES[cfg.precision]
-    if ref.compression:
-        say(f"check: {ref.compression.caveat()}")
-    bring_to(cfg, ref, steps, comm, say)
+    def __init__(self, cfg, strategy, source, model_fn, optim_fn, lr_for, comm, say, start: int, total: int,
+                 run_dir=None):
+        self.cfg, self.strategy, self.comm, self.say = cfg, strategy, comm, say
+        #: where the ranks leave their saved states for rank 0 at a checked step (removed at the end)
+        self.folder = Path(run_dir or ".") / ".check-states"
+        self.model_fn = model_fn
+        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed)
+        self.start, self.total = start, total
+        self.steps = checked_steps(start, total, cfg.check_every)
+        self.tol = TOLERANCES[cfg.precision]
+        self.found: list[Comparison] = []     # every comparison this rank made, each at its step
+        self.kept: dict[int, kept.Snapshot] | None = None  # loaded from --check-cache: no training
+        self.keeping: dict[int, kept.Snapshot] = {}        # what rank 0 keeps for later runs
+        self.key = kept.digest(cfg, self.ref, self.steps) if kept.usable(cfg, self.ref) else None
+        if self.key is not None:
+            loaded, why = kept.load(cfg.check_cache, self.key, self.ref.model, self.steps, self.ref.replicas)
+            if loaded is not None:
+                self.kept = loaded["snapshots"]
+                self.ref.losses, self.ref.step = loaded["losses"], total
+                say(f"check: the single-process reference ({self.ref.describe()}) is the one an earlier run "
+                    f"trained on the same weights and batches ({kept.path_for(cfg.check_cache, self.key).name})")
+        if self.kept is None:
+            say(f"check: the single-process reference trains beside the run ({self.ref.describe()}); compared "
+                f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
+        if self.ref.compression:
+            say(f"check: {self.ref.compression.caveat()}")
 
-    results: list[Comparison] = []
-    mine = strategy.full_state_dict()
-    results.append(compare_tensors("weights", mine, ref.model.state_dict(), tol["weights"]))
+    # ------------------------------------------------------------ at the checked steps
+    def after_step(self, step: int) -> None:
+        """After step ``step`` (counted from 1) of the loop: compare if it is a checked step but the last
+        (:meth:`finish` compares the last). Collective; outside the step's timing."""
+        if step in self.steps and step != self.total:
+            self.compare_at(step)
 
-    x, _ = ref.source.batch(steps)
-    out = strategy.predict(to_device(x, strategy.ctx.device, strategy.ctx.dtype))
-    if out is not None:
-        ref.model.eval()
-        with torch.no_grad():
-            expected = ref.model(to_device(x, x.device, strategy.ctx.dtype))
-        results.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected}, tol["outputs"]))
+    def reference_at(self, step: int) -> kept.Snapshot:
+        if self.kept is not None:
+            return self.kept[step]
+        self.ref.advance_to(step)
+        keep = self.key is not None and self.comm.rank == 0
+        snap = self.ref.snapshot(copy=keep)
+        if keep:
+            self.keeping[step] = snap
+        return snap
 
-    if strategy.replicated and comm.world > 1:
-        names = [k for k, v in mine.items() if v.is_floating_point()]
-        flat = torch.cat([mine[k].flatten().double() for k in names])
+    def compare_at(self, step: int) -> None:
+        ref = self.reference_at(step)
+        whole = self.strategy.full_state_dict()
+        self.found.append(compare_tensors("weights", whole, ref.weights, self.tol["weights"], step))
+        if self.strategy.replicated and self.comm.world > 1:
+            self.found.append(self.replicas_comparison(whole, step))
+        states = self.saved_states()
+        if states is not None:  # rank 0
+            self.found.append(self.optimizer_comparison(states, ref, step))
+
+    def saved_states(self) -> list[dict] | None:
+        """Every rank's resumable state (``state_dict``, what its checkpoint holds), on rank 0; None elsewhere.
+        Each rank writes its own to a folder of the run's and rank 0 maps them back (``weights_only``,
+        ``mmap``), so no rank holds another's state in memory; where rank 0 cannot see the files (ranks on
+        hosts that share no folder) they come over the wire instead."""
+        state = self.strategy.state_dict()
+        if self.comm.world == 1:
+            return [state]
+        path = self.folder / f"rank{self.comm.rank}.pt"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+        del state
+        self.comm.barrier(name="check_states_written")
+        paths = [self.folder / f"rank{r}.pt" for r in range(self.comm.world)]
+        shared = self.comm.broadcast_object(all(p.exists() for p in paths) if self.comm.rank == 0 else None)
+        if not shared:
+            return self.comm.gather_objects(self.strategy.state_dict())
+        if self.comm.rank != 0:
+            return None
+        return [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in paths]
+
+    def replicas_comparison(self, whole: dict, step: int) -> Comparison:
+        """This rank's view of the weights against rank 0's: bit-identical (a collective)."""
+        names = [k for k, v in whole.items() if v.is_floating_point()]
+        flat = torch.cat([whole[k].flatten().double() for k in names])
         root = flat.clone()
-        comm.broadcast(root, 0, name="check_replicas")
+        self.comm.broadcast(root, 0, name="check_replicas")
         dev = float((flat - root).abs().max()) if flat.numel() else 0.0
-        results.append(Comparison("replicas", dev, "bit-identical to rank 0", 0.0))
+        return Comparison("replicas", dev, "bit-identical to rank 0", 0.0, step)
 
-    lines = [c.line() for c in results]
-    verdicts = comm.all_gather_objects({"rank": comm.rank, "passed": all(c.ok for c in results),
-                                        "lines": lines, "failed": [c.what for c in results if not c.ok],
-                                        "worst_weight": results[0].worst,
-                                        "max_weight_dev": results[0].max_abs,
-                                        "max_output_dev": next((c.max_abs for c in results if c.what == "outputs"),
-                                                               None),
-                                        "history": list(history or []) + [(steps, results[0].max_abs)]})
-    for v in verdicts:
-        say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
-    passed = all(v["passed"] for v in verdicts)
-    say(f"check: {'PASS' if passed else 'FAIL'}")
-    # Adam + BatchNorm: explain a failure only when the weights alone failed, on every rank that failed,
-    # at a bias that BatchNorm cancels (a wrong output or replica is a real bug, never explained away)
-    failing = [v for v in verdicts if not v["passed"]]
-    cancelled = cancelled_by_batchnorm(ref.model) if cfg.optimizer == "adam" and failing else set()
-    if failing and all(v["failed"] == ["weights"] and v["worst_weight"] in cancelled for v in failing):
-        worst = failing[0]["worst_weight"]
-        say(f"check: hint: {worst} feeds a BatchNorm, which subtracts it again, so its gradient is zero but for "
-            "rounding noise, and Adam scales that noise up to steps of about --lr; the two runs' noise differs. "
-            "Check Adam runs with --norm none (the outputs comparison above is the meaningful one here)")
-    outputs = [v["max_output_dev"] for v in verdicts if v["max_output_dev"] is not None]
-    by_step: dict[int, float] = {}
-    for v in verdicts:
-        for step, dev in v["history"]:
-            by_step[step] = max(by_step.get(step, 0.0), dev)
-    return {"passed": passed, "result": "PASS" if passed else "FAIL", "precision": cfg.precision,
-            "tolerances": tol,
-            "max_weight_dev": max(v["max_weight_dev"] for v in verdicts),
-            "max_output_dev": max(outputs) if outputs else None,
-            "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
-            "ranks": verdicts}
+    def optimizer_comparison(self, states: list[dict], ref: kept.Snapshot, step: int) -> Comparison:
+        """Every rank's saved state, put together by the strategy's own ``portable``, against the reference."""
+        try:
+            mine = type(self.strategy).portable(states, self.model_fn()).optimizer
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be put together is a failed comparison
+            return Comparison("optimizer", float("inf"), f"the ranks' states could not be put together "
+                              f"({type(exc).__name__}: {exc})", self.tol["optimizer"], step)
+        return compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step)
+
+    # ------------------------------------------------------------ at the end
+    def finish(self, losses: list, replica: int) -> dict:
+        """Compare the last step, the next batch's logits and this rank's losses (``[step, loss]`` pairs;
+        ``replica``: its data-parallel shard); agree on one verdict over the ranks (a collective)."""
+        self.compare_at(self.total)
+        x, _ = self.ref.source.batch(self.total)
+        out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
+        if out is not None:
+            self.ref.model.eval()
+            with torch.no_grad():
+                expected = self.ref.model(to_device(x, x.device, self.strategy.ctx.dtype))
+                self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected},
+                                              self.tol["outputs"], self.total))
+        mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
+        if mine:
+            self.found.append(compare_losses(mine, self.ref.losses, replica, self.tol["loss"]))
+        if self.comm.world > 1:  # every rank is done with the saved states: each removes its own
+            self.comm.barrier(name="check_states_read")
+            (self.folder / f"rank{self.comm.rank}.pt").unlink(missing_ok=True)
+            self.comm.barrier(name="check_states_removed")
+            if self.comm.rank == 0 and self.folder.is_dir():
+                self.folder.rmdir()
+        if self.keeping and self.comm.rank == 0:
+            why = kept.keep(self.cfg.check_cache, self.key, self.keeping, self.ref.losses)
+            if why:
+                self.say(f"check: --check-cache: the reference is {why}")
+        return self.verdict()
+
+    def verdict(self) -> dict:
+        by_kind = {k: worst([c for c in self.found if c.what == k]) for k in KINDS
+                   if any(c.what == k for c in self.found)}
+        history: dict[int, float] = {}
+        for c in self.found:
+            if c.what == "weights":
+                history[c.step] = max(history.get(c.step, 0.0), c.max_abs)
+        mine = {"rank": self.comm.rank, "passed": all(c.ok for c in self.found),
+                "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
+                "worst_weight": by_kind["weights"].worst,
+                "max": {k: c.max_abs for k, c in by_kind.items()}, "history": sorted(history.items()),
+                "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total)}
+        verdicts = self.comm.all_gather_objects(mine)
+        for v in verdicts:
+            self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
+        passed = all(v["passed"] for v in verdicts)
+        self.say(f"check: {'PASS' if passed else 'FAIL'}")
+        notes = list(dict.fromkeys(n for v in verdicts for n in v["unexercised"]))
+        for note in notes:
+            self.say(f"check: not exercised: {note}")
+        self.explain(verdicts)
+        largest = {k: max((v["max"][k] for v in verdicts if k in v["max"]), default=None) for k in KINDS}
+        by_step: dict[int, float] = {}
+        for v in verdicts:
+            for step, dev in v["history"]:
+                by_step[step] = max(by_step.get(step, 0.0), dev)
+        return {"passed": passed, "result": "PASS" if passed else "FAIL", "precision": self.cfg.precision,
+                "tolerances": self.tol, "steps": self.steps,
+                "failed": sorted({k for v in verdicts for k in v["failed"]}, key=KINDS.index),
+                "max_weight_dev": largest["weights"], "max_optimizer_dev": largest["optimizer"],
+                "max_loss_dev": largest["loss"], "max_output_dev": largest["outputs"],
+                "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
+                "unexercised": notes, "ranks": verdicts}
+
+    def explain(self, verdicts: list[dict]) -> None:
+        """Adam + BatchNorm: explain a failure only when the weights alone failed, on every rank that
+        failed, at a bias that BatchNorm cancels (a wrong output or replica is a real bug, never explained
+        away). Adam's moments of such a bias are noise too: an optimizer failure there is explained alike."""
+        failing = [v for v in verdicts if not v["passed"]]
+        if not failing or self.cfg.optimizer != "adam":
+            return
+        cancelled = cancelled_by_batchnorm(self.ref.model)
+        if all(set(v["failed"]) <= {"weights", "optimizer"} and v["worst_weight"] in cancelled for v in failing):
+            self.say(f"check: hint: {failing[0]['worst_weight']} feeds a BatchNorm, which subtracts it again, so its "
+                     "gradient is zero but for rounding noise, and Adam scales that noise up to steps of about --lr; "
+                     "the two runs' noise differs. Check Adam runs with --norm none (the outputs comparison above is "
+                     "the meaningful one here)")
+
+
+def compare_losses(mine: list, ref: dict[int, list[float]], replica: int, atol: float) -> Comparison:
+    """This rank's reported loss at each of its steps against its shard's loss in the reference."""
+    worst_dev, at = 0.0, None
+    for step, loss in mine:
+        dev = abs(loss - ref[step][replica])
+        dev = float("inf") if dev != dev else dev
+        if at is None or dev > worst_dev:
+            worst_dev, at = dev, step
+    c = Comparison("loss", worst_dev, f"reported {dict(mine)[at]:.6g} vs {ref[at][replica]:.6g}", atol, at + 1)
+    return c

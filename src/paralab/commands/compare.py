@@ -35,11 +35,13 @@ and paralab once, so a run's time is mostly its training):
     2-core machine, so a 2-worker run has twice the cores of a 1-worker run,
     as in CS744 where each worker is a machine (--cores-per-worker none: a
     lone worker uses every core instead);
-  - --check on: every run is compared with the single-process reference
-    (the table's check column); runs whose reference is the same (the same
+  - fp32, and --check on: every run is compared with the single-process
+    reference (the table's check column: weights, optimizer state, every
+    step's loss, outputs); runs whose reference is the same (the same
     starting weights, batches and split: every data-parallel flavour at 2
     workers) share one, trained by the first of them; --no-check skips the
-    check and runs faster.
+    check and runs faster. fp32 is the course setting's check; --precision
+    fp64 makes it exact (and the runs slower).
 
 The table follows CS744's Table 1: seconds per iteration (mean over steps
 after the --warmup steps, slowest rank), global samples/s, speedup over
@@ -79,10 +81,12 @@ HELP = "run a matrix of strategies x workers; write a report (table, plots, HTML
 
 #: `paralab train` options compare takes too (flags and help from their declarations), in this order
 TRAIN_OPTIONS = ("--num-batches", "--batch-size", "--width", "--model", "--dataset", "--lr", "--eval-batches",
-                 "--microbatches", "--bucket-mb", "--data-dir", "--check", "--network")
-#: compare's defaults where they differ from `paralab train`'s (sized for a 2-core laptop: see above)
+                 "--microbatches", "--bucket-mb", "--data-dir", "--check", "--precision", "--network")
+#: compare's defaults where they differ from `paralab train`'s (sized for a 2-core laptop: see above). It
+#: measures time, so its runs are fp32, as CS744's: their check is fp32's course check (--precision fp64 for
+#: an exact one; docs/correctness.md#the-default-precision)
 DEFAULTS = dict(num_batches=10, batch_size=64, width=0.25, lr=0.05, eval_batches=1, microbatches=4, bucket_mb=0.5,
-                check=True)
+                check=True, precision="fp32")
 WORKERS = "1,2"  # default worker counts
 #: train options compare sets itself for every run (--train-args may not)
 OWNED = ("out", "workers", "resume", "world_size", "rank", "check_cache")
@@ -192,7 +196,7 @@ def base_config(a) -> RunConfig:
     """What every run of the comparison shares (before --train-args)."""
     return RunConfig(model=a.model, width=a.width, dataset=a.dataset, data_dir=a.data_dir,
                      num_batches=a.num_batches, batch_size=a.batch_size, lr=a.lr,
-                     eval_batches=a.eval_batches or None, check=a.check,
+                     eval_batches=a.eval_batches or None, check=a.check, precision=a.precision,
                      cores_per_worker=getattr(a, "pinned", None), network=getattr(a, "network", None))
 
 

@@ -30,10 +30,11 @@ MODELS = {
     "vgg16-cs1390-pool": lambda **kw: vgg16_cs1390(pool=True, **kw),
     # a small decoder-only transformer over byte tokens (shape: GPTOptions)
     # (with --experts E, every block's MLP a mixture of experts: MoEOptions)
-    "gpt": lambda *, layers, heads, embed, context, experts=0, top_k=1, expert_hidden=0, capacity_factor=None,
-    aux_loss_coef=0.01, router_skew=0.0, gating="softmax", **_: gpt(
+    "gpt": lambda *, layers, heads, embed, context, dropout=0.0, experts=0, top_k=1, expert_hidden=0,
+    capacity_factor=None, aux_loss_coef=0.01, router_skew=0.0, gating="softmax", **_: gpt(
         layers, heads, embed, context, experts=experts, top_k=top_k, expert_hidden=expert_hidden,
-        capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef, router_skew=router_skew, gating=gating),
+        capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef, router_skew=router_skew, gating=gating,
+        dropout=dropout),
 }
 
 #: what a model reads and predicts: "image" (classes of a 3x32x32 image) or "text" (the next byte token)

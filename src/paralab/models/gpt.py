@@ -11,10 +11,12 @@ exactly as they cut between a VGG's conv blocks. Attention is causal and
 multi-head, with separate query, key and value projections (a fused QKV
 matrix would interleave heads inside one weight; separate ones make the
 head split of tensor parallelism a plain slice of each). The MLP is
-``Linear(D, 4D) -> GELU -> Linear(4D, D)``. No dropout (CS1390 trains
-without it, and it would make a step depend on random draws), and no weight
-tying between the embedding and the output projection (they live on the
-first and last pipeline stages).
+``Linear(D, 4D) -> GELU -> Linear(4D, D)``. ``--dropout P`` (default 0, as
+CS1390 trains) drops each block's two residual branches, attention's output
+and the MLP's, before they are added (GPT-2's residual dropout; no dropout on
+the embedding or on the attention probabilities), with masks every layout
+draws alike (``dropout.py``). No weight tying between the embedding and the
+output projection (they live on the first and last pipeline stages).
 
 Initialisation follows GPT-2: every weight normal(0, 0.02), biases zero,
 the projections that write into the residual stream scaled by
@@ -30,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..options import option
+from .dropout import Dropout, enter_unit
 from .moe import MoE
 
 VOCAB = 256  # byte-level tokens: every text is its UTF-8 bytes
@@ -43,6 +46,9 @@ class GPTOptions:
                         identity=True)
     embed: int = option(128, "model width: embedding size, divisible by --heads", minimum=1, identity=True)
     context: int = option(64, "tokens per sample (the context length)", minimum=1, identity=True)
+    dropout: float = option(0.0, "probability of dropping each block's attention and MLP outputs (residual "
+                                 "dropout; masks drawn alike by every layout: --check stays exact)", minimum=0,
+                            maximum=0.99, identity=True)
 
 
 class Embedding(nn.Module):
@@ -107,15 +113,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, embed: int, heads: int, moe: dict | None = None):
-        """``moe``: MoE's arguments (a mixture of experts in place of the MLP, ``moe.py``), or None."""
+    #: the block's unit index in the whole model (its dropout masks are drawn from it: dropout.py)
+    index = 0
+
+    def __init__(self, embed: int, heads: int, moe: dict | None = None, dropout: float = 0.0, context: int = 0):
+        """``moe``: MoE's arguments (a mixture of experts in place of the MLP, ``moe.py``), or None;
+        ``dropout``: the residual branches' dropout probability (``context``: the model's tokens per sample)."""
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(embed), Attention(embed, heads)
         self.ln2, self.mlp = nn.LayerNorm(embed), (MoE(embed, **moe) if moe else MLP(embed))
+        self.drop = Dropout(dropout, context)
+
+    def __call__(self, *args, **kwargs):
+        if self.training and self.drop.p:  # seed the generator for this block and step, before its forward
+            enter_unit(self.index)          # (outside it: a recomputed forward must restore the state itself)
+        return super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class Head(nn.Module):
@@ -164,18 +180,21 @@ def moe_parameter_counts(layers: int, embed: int, experts: int, top_k: int, expe
 
 def gpt(layers: int = 4, heads: int = 4, embed: int = 128, context: int = 64, vocab: int = VOCAB, *,
         experts: int = 0, top_k: int = 1, expert_hidden: int = 0, capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.01, router_skew: float = 0.0, gating: str = "softmax") -> nn.Sequential:
-    """The gpt; with ``experts > 0`` every block's MLP is a mixture of experts (``moe.py``)."""
+        aux_loss_coef: float = 0.01, router_skew: float = 0.0, gating: str = "softmax",
+        dropout: float = 0.0) -> nn.Sequential:
+    """The gpt; with ``experts > 0`` every block's MLP is a mixture of experts (``moe.py``); ``dropout``: the
+    blocks' residual dropout."""
     if embed % heads:
         raise ValueError(f"--embed {embed} must be divisible by --heads {heads}")
     if experts and top_k > experts:
         raise ValueError(f"--top-k {top_k} must be at most --experts {experts}")
     moe = dict(experts=experts, top_k=top_k, hidden=expert_hidden or 4 * embed, capacity_factor=capacity_factor,
                aux_loss_coef=aux_loss_coef, router_skew=router_skew, gating=gating) if experts else None
-    model = nn.Sequential(Embedding(vocab, embed, context), *(Block(embed, heads, moe) for _ in range(layers)),
-                          Head(embed, vocab))
+    model = nn.Sequential(Embedding(vocab, embed, context),
+                          *(Block(embed, heads, moe, dropout, context) for _ in range(layers)), Head(embed, vocab))
     init_weights(model, layers)
     for i, block in enumerate(model[1:-1]):
+        block.index = i + 1
         if moe:
             block.mlp.layer = i  # the MoE layer's block index, in its routing records (moe.py)
     return model

@@ -189,13 +189,23 @@ def fmt(x, spec, none="-"):
     return none if x is None else format(x, spec)
 
 
+#: a check's kinds of comparison, as summary.json names each one's largest deviation (check/verdict.py)
+CHECK_KINDS = {"weights": "max_weight_dev", "optimizer": "max_optimizer_dev", "loss": "max_loss_dev",
+               "outputs": "max_output_dev"}
+
+
 def check_text(summary: dict | None) -> str:
+    """The check column: PASS with the largest deviation of any kind (weights, optimizer state, losses,
+    outputs), or FAIL with the kinds that failed and the largest of theirs."""
     if not summary or not summary.get("check"):
         return "-"
     c = summary["check"]
-    dev = [v for v in (c.get("max_weight_dev"), c.get("max_output_dev")) if v is not None]
-    return f"{c.get('result')} ({max(dev):.1e})" if dev and c.get("result") != "PASS" else (
-        f"PASS ({max(dev):.0e})" if dev else str(c.get("result")))
+    failed = [k for k in c.get("failed") or [] if k in CHECK_KINDS]
+    dev = [c[CHECK_KINDS[k]] for k in (failed or CHECK_KINDS) if c.get(CHECK_KINDS[k]) is not None]
+    if c.get("result") == "PASS":
+        return f"PASS ({max(dev):.0e})" if dev else "PASS"
+    what = f" {', '.join(failed)}" if failed else ""
+    return f"{c.get('result')}{what} ({max(dev):.1e})" if dev else f"{c.get('result')}{what}"
 
 
 def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | None = None):
@@ -368,6 +378,13 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
         s.para(f"{len(entries)} runs, none finished; see the errors below and the logs in logs/.")
     s.table(headers, rows, "Table 1 (as CS744's): time per iteration, throughput, speedup, test metrics, "
                            "check against the single-process reference")
+    checked = sorted({r.get("check")["precision"] for r in finished if r.get("check")})
+    if checked:
+        s.para(f"Check: each run's weights and optimizer state after its first, second and last steps, the loss "
+               f"it reported at every step and its outputs at the end, against the single-process reference, in "
+               f"{' and '.join(checked)}; the column shows the largest deviation (FAIL: of the kinds that failed)."
+               + (" fp32 is the course setting's check; `--precision fp64` makes it exact "
+                  "(docs/correctness.md)." if "fp32" in checked else ""))
     ones = [r for r in finished if r.workers == 1 and r.seconds_per_iter]
     if len(ones) >= 2:
         lo, hi = min(r.seconds_per_iter for r in ones), max(r.seconds_per_iter for r in ones)

@@ -36,6 +36,7 @@ IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "bat
 # keys added after checkpoints were first written, and the value an older checkpoint implies
 IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 IDENTITY_DEFAULTS |= {"replicate": 1}  # HSDP (fsdp --replicate)
+IDENTITY_DEFAULTS |= {"dropout": 0.0}  # the gpt's residual dropout
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
@@ -263,6 +264,9 @@ def check_resumable(run_dir: Path, cfg) -> None:
         other = [k for k in differ if k not in LAYOUT_KEYS]  # the layout alone would be resharded
         diffs = [f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in differ.items()
                  if k in (other or differ)]
+        if "precision" in differ and cfg.check:
+            diffs.append("a --check without --precision runs in fp64, exact; to continue this checkpoint give "
+                         f"--precision {differ['precision'][0]} (its check is then that precision's)")
         if not diffs and cfg.num_batches is not None and cfg.num_batches <= step:
             raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                              f"ask for more than that with --num-batches (got {cfg.num_batches})")

@@ -55,9 +55,10 @@ class OptimizerOptions:
     momentum: float = option(0.9, "SGD momentum", minimum=0)
     weight_decay: float = option(1e-4, "L2 weight decay", minimum=0)
     seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation")
-    precision: str = option("fp32", "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and --check "
-                                    "reference in float64: exact checks at real hyper-parameters)",
-                            choices=PRECISIONS)
+    precision: str | None = option(None, "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and "
+                                         "--check reference in float64: exact checks at real hyper-parameters). "
+                                         "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
+                                   type=str, choices=PRECISIONS)
     lr_scaling: str = option("none", "linear: lr x global batch / 256 (Goyal et al.)", choices=("none", "linear"))
     warmup_epochs: float = option(0.0, "linear lr warm-up over this many epochs", minimum=0)
     allow_slow_bf16: bool = option(False, "run --precision bf16 even on a CPU without bf16 instructions (refused "
@@ -79,8 +80,10 @@ class RecordOptions:
     resume: str | None = option(None, "run directory whose checkpoint to continue from", type=str)
     check: bool = option(False, "compare with the single-process reference; exit 1 on FAIL")
     save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
-    check_every: int = option(0, "with --check: also record the deviation from the reference every N steps "
-                                 "(summary.json check.history; `paralab plot deviation`)", metavar="N")
+    check_every: int | None = option(None, "with --check: compare with the reference every N steps too (by "
+                                           "default after the first and second steps and the last; summary.json "
+                                           "check.history, `paralab plot deviation`)", type=int, positive=True,
+                                     metavar="N")
     check_cache: str | None = option(None, "with --check: keep the single-process reference's final weights in DIR "
                                            "and load them in a later run whose reference is the same: the same "
                                            "starting weights, batches, learning rates, optimizer, split and "
@@ -196,9 +199,10 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         named_cls = get_strategy(self.strategy)
         for cls in ALL_OPTION_CLASSES:  # each value against its declaration; below, what relates several
             options.check(self, cls)
-        if self.check_every < 0 or (self.check_every and not self.check):
-            raise UsageError("--check-every N compares with the reference every N steps: it needs --check "
-                             "and N >= 1")
+        if self.check_every and not self.check:
+            raise UsageError("--check-every N compares with the reference every N steps: it needs --check")
+        if self.precision is None:  # not given: an exact check (docs/correctness.md#the-default-precision)
+            self.precision = "fp64" if self.check else "fp32"
         if self.check_cache and not self.check:
             raise UsageError("--check-cache DIR keeps the reference that --check trains: add --check (or drop it)")
         if self.check_cache and Path(self.check_cache).exists() and not Path(self.check_cache).is_dir():
@@ -213,6 +217,9 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if self.embed % self.heads:
                 raise UsageError(f"--embed {self.embed} must be divisible by --heads {self.heads} "
                                  "(each head gets embed / heads features)")
+        elif self.dropout:
+            raise UsageError(f"--dropout drops the gpt's residual branches; --model {self.model} has none: use "
+                             "--model gpt, or drop --dropout")
         check_moe(self, MODALITY[self.model])
         if self.recompute != "none" and self.experts:  # activation recomputation (training/recompute.py)
             raise UsageError(f"--recompute {self.recompute} with --experts: a mixture of experts records its "
@@ -276,6 +283,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if n < batch:
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
                                  "lower the batch size or drop --drop-last")
+        if self.check:
+            check_reference_fits(self)
         if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
             from ..strategies import check_limit
             why = check_limit(self, self.world)
@@ -304,6 +313,39 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.per_worker_batch is not None:
             return self.per_worker_batch * self.data_replicas(strategy_cls)
         return self.batch_size
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine has available now (``MemAvailable``), None where it cannot say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_reference_fits(cfg: RunConfig) -> None:
+    """--check: every rank trains the single-process reference (the whole model in one process) beside its
+    part of the run; refuse before start where the local ranks' references alone cannot fit in memory."""
+    from ..check.reference import reference_bytes
+    parameters, each = reference_bytes(cfg)
+    local = cfg.workers if cfg.world_size is None else 1
+    if cfg.device == "cuda" or cfg.backend == "nccl":
+        import torch
+        available, where = torch.cuda.mem_get_info()[1], "a GPU's memory"  # each rank's reference on its GPU
+        local = 1
+    else:
+        available, where = available_memory(), "the memory this machine has available"
+    if available is not None and each * local > available:
+        gib = 2 ** 30
+        raise UsageError(f"--check: every rank trains the single-process reference beside its part of the run, and "
+                         f"the reference alone holds at least {each / gib:.1f} GiB (the model's {parameters:,} "
+                         f"parameters, their gradients and the optimizer's state, in {cfg.precision})"
+                         + (f", {local} local ranks {local * each / gib:.1f} GiB" if local > 1 else "")
+                         + f": more than {where} ({available / gib:.1f} GiB). Check a smaller shape of the same "
+                         "layout (--layers, --embed, --width), or drop --check")
 
 
 def check_moe(cfg: RunConfig, modality: str) -> None:

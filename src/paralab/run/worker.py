@@ -30,7 +30,7 @@ from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
-from ..models import build_model, count_parameters, model_shape
+from ..models import build_model, count_parameters, dropout, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
 from ..training import recompute
@@ -190,10 +190,11 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     start_step, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
     earlier = list(losses)
 
-    reference, history = None, []  # --check: the single-process reference; --check-every: its deviations
+    check = None  # --check: the single-process reference beside the run, compared at the checked steps
     if cfg.check:
-        from ..check.verdict import Reference, weight_deviation
-        reference = Reference(strategy, source, s.model_fn, build_optimizer_factory(cfg), s.lr_for)
+        from ..check.verdict import Check
+        check = Check(cfg, strategy, source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, comm, say,
+                      start=start_step, total=s.total_steps, run_dir=run_dir)
 
     # ------------------------------------------------------------------ the training loop
     step_rows: list[dict] = []
@@ -204,6 +205,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
     attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     held_record = None
+    replicas, replica = strategy.replicas()
     for step in range(start_step, s.total_steps):
         recorder.step = at_step = step
         t0 = recorder.now()
@@ -212,6 +214,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         with recorder.span("data", "load"):
             x, y = source.batch(step)
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
+        # where this shard's samples sit in the step's global batch (the gpt's dropout masks: models/dropout.py)
+        dropout.at_step(cfg.seed, step, rows=len(y) * replicas, first=len(y) * replica)
         if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
             probe = held.Probe([strategy], s.optimizers)
             with probe.watch():
@@ -233,9 +237,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             if error:
                 break
         progress.update(step + 1)
-        if reference is not None and cfg.check_every and (step + 1) % cfg.check_every == 0 and not last:
-            reference.advance_to(step + 1)  # outside the step's timing (recorder.step is -1)
-            history.append((step + 1, weight_deviation(strategy, reference, cfg.precision).max_abs))
+        if check is not None:
+            check.after_step(step + 1)  # outside the step's timing (recorder.step is -1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
             checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict(), losses=losses)
     else:
@@ -245,25 +248,24 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     # ------------------------------------------------------------------ evaluate, check, write
     recorder.step = -1
     result_eval = None
-    check = None
+    verdict = None
     if error is None:
         result_eval = evaluate(strategy, source, s.data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
                                device, progress=main and cfg.progress)
         if main and result_eval is not None:
             say(headline(result_eval))
-        if reference is not None:
-            from ..check.verdict import run_check
-            check = run_check(cfg, strategy, reference, s.total_steps, comm, say, history)
+        if check is not None:
+            verdict = check.finish(losses, replica)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
-                      evaluation=result_eval, check=check, error=error, global_batch=s.global_batch, is_main=main,
+                      evaluation=result_eval, check=verdict, error=error, global_batch=s.global_batch, is_main=main,
                       held=held_record)
     if main:
         say(f"records written to {run_dir}")
     if error is not None:
         raise SystemExit(3)
-    if check is not None and not check["passed"]:
+    if verdict is not None and not verdict["passed"]:
         raise SystemExit(1)
 
 

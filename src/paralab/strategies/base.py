@@ -42,6 +42,7 @@ from ..comm import Comm
 from ..errors import UsageError
 from ..training.losses import cross_entropy
 from ..mesh import Mesh, MeshShape
+from ..models import dropout
 from ..models.moe import take_aux_loss, take_history
 from ..recorder import Recorder
 
@@ -114,12 +115,15 @@ def moe_record(model: nn.Module) -> list | None:
     return out or None
 
 
-def training_loss(ctx_loss, model: nn.Module, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The loss a step minimises: the cross-entropy (``ctx_loss``), plus a mixture of experts' weighted
-    load-balancing losses from the forward that gave ``logits`` (``models/moe.py``)."""
+def training_loss(ctx_loss, model: nn.Module, logits: torch.Tensor, target: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss a step minimises, the loss it reports): the cross-entropy (``ctx_loss``) plus a mixture of
+    experts' weighted load-balancing losses from the forward that gave ``logits`` (``models/moe.py``), and
+    the cross-entropy alone. Every layout reports the cross-entropy (a pipeline's load-balancing losses
+    sit on the stages that hold the experts, not beside the loss); those are recorded per MoE layer."""
     loss = ctx_loss(logits, target)
     aux = take_aux_loss(model)
-    return loss if aux is None else loss + aux.to(loss.dtype)
+    return (loss if aux is None else loss + aux.to(loss.dtype)), loss
 
 
 ModelFactory = Callable[[], nn.Sequential]
@@ -275,6 +279,11 @@ class Strategy:
         """Strategy-specific figures for summary.json (e.g. hidden communication)."""
         return {}
 
+    def unexercised(self) -> list[str]:
+        """The paths of this strategy that this layout leaves trivial, so a ``--check`` says nothing about
+        them (each a line naming the option that would exercise it): ``check/verdict.py`` prints them."""
+        return []
+
     # ------------------------------------------------------------ shared pieces
     @torch.no_grad()
     def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -294,14 +303,15 @@ class Strategy:
         Returns the mean loss over the batch.
         """
         chunks = split_microbatches(x, y, self.microbatches)
+        dropout.split([len(c[1]) for c in chunks])  # where each microbatch's samples sit (the gpt's dropout)
         total = 0.0
         for i, (xs, ys, weight) in enumerate(chunks):
             around = last if i == len(chunks) - 1 else before_last
-            with around() if around else nullcontext():
+            with around() if around else nullcontext(), dropout.microbatch(i):
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
-                        loss = training_loss(self.ctx.loss, model, model(xs), ys)
+                        loss, reported = training_loss(self.ctx.loss, model, model(xs), ys)
                 with self.rec.span("compute", "backward", mb=i):
                     (loss * weight).backward()
-            total += loss.item() * weight
+            total += reported.item() * weight
         return total

@@ -121,3 +121,6 @@ class DataParallel(Strategy):
 
     def extra_summary(self) -> dict:
         return self.dp.summary()
+
+    def unexercised(self) -> list[str]:
+        return self.dp.unexercised()

@@ -196,6 +196,13 @@ class DDPReplicas(Replicas):
             p.grad = view  # the mean gradient, in place in the bucket
 
     # ------------------------------------------------------------------ records
+    def unexercised(self) -> list[str]:
+        if len(self.buckets) == 1 and self.comm.world > 1:
+            return [f"ddp: every gradient fits one bucket of --bucket-mb {self.bucket_mb:g}, so bucket order and "
+                    "the overlap of one bucket's all-reduce with the rest of backward are not exercised: a smaller "
+                    "--bucket-mb (e.g. 0.05) makes several"]
+        return []
+
     def summary(self) -> dict:
         """The bucket layout (the overlap it achieved is derived from the spans: analysis/timeline.py)."""
         return {

@@ -124,3 +124,7 @@ class Replicas:
     def summary(self) -> dict:
         """Flavour-specific figures for summary.json."""
         return {}
+
+    def unexercised(self) -> list[str]:
+        """What this flavour leaves trivial here (``Strategy.unexercised``)."""
+        return []

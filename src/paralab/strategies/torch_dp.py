@@ -67,6 +67,9 @@ def refusal(cfg, world: int, gpus_visible: int) -> str | None:
     if cfg.gpus > gpus_visible:
         return f"--gpus {cfg.gpus}: only {gpus_visible} GPU(s) visible here"
     gpus = cfg.gpus or gpus_visible
+    if getattr(cfg, "dropout", 0) and gpus > 1:
+        return (f"--dropout on {gpus} GPUs: DataParallel runs its replicas in threads, which would seed and draw "
+                "from one CPU generator at once (models/dropout.py); use --gpus 1, or ddp / torch-ddp")
     if cfg.check and gpus > 1 and cfg.norm == "batch":
         return (f"--check on {gpus} GPUs with BatchNorm: DataParallel normalises each GPU's chunk apart (and keeps "
                 "GPU 0's running statistics), which the single-process reference does not replay; check on one "

@@ -47,6 +47,7 @@ from ..errors import UsageError
 from ..mesh import MeshShape
 from .base import StepResult, Strategy
 from .dtensor_state import load_local_state, local, local_from_portable, local_state, portable_from_local
+from .tensor.gpt import sequence_shard
 from .tensor.strategy import TensorOptions
 
 
@@ -122,6 +123,8 @@ class TorchTP(Strategy):
         parallelize_module(self.model, self.device_mesh, tp_plan(self.model, self.sequence_parallel))
         for unit in list(self.model)[1:-1]:  # this rank's heads (q, k, v are column-split)
             unit.attn.heads //= self.tp.world
+            if self.sequence_parallel:  # the residual stream is this rank's sequence shard (its dropout's)
+                unit.drop.position_ids = sequence_shard(self.tp.rank, self.tp.world, unit.drop.context)
         self.layout = {k: d for k, v in self.model.state_dict().items() if (d := _shard_dim(v)) is not None}
         self.params = list(self.model.parameters())
         # the LayerNorms and the position table are not in the plan, so they stay plain tensors beside the

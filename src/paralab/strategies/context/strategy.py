@@ -77,10 +77,12 @@ class ContextParallelism:
         self.core = functools.partial(METHODS[method], comm=comm, layout=layout, recorder=recorder)
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
-        """The embedding told its tokens' global positions, every attention given the cp core."""
+        """The embedding and every block's dropout told its tokens' global positions, every attention given the
+        cp core."""
         for unit in units.values():
             if isinstance(unit, Block):
                 unit.attn.attend = self.core  # inside Attention.core, so --recompute selective still wraps it
+                unit.drop.position_ids = self.positions  # its dropout masks: this rank's tokens' positions
             elif isinstance(getattr(unit, "positions", None), nn.Embedding):  # the embedding, or its tp twin
                 unit.position_ids = self.positions
         return units
@@ -221,6 +223,12 @@ class ContextParallel(Strategy):
 
     def load_portable(self, portable):
         self.inner.load_portable(portable)
+
+    def unexercised(self):
+        ring = ["cp: a ring of 2 ranks, where each rank's next is also its previous, so the direction K/V travel "
+                "is not exercised: --cp 4 (and --workers 4)"] if self.cp.method == "ring" and self.cp.comm.world == 2 \
+            else []
+        return ring + self.inner.unexercised()
 
     def extra_summary(self):
         layout = self.cp.layout

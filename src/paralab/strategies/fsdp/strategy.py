@@ -377,6 +377,12 @@ class FSDP(Strategy):
                            unit_parameters=max((fu.numel for fu in self.flat_units), default=0),
                            step_in_backward=self.step_in_backward)
 
+    def unexercised(self) -> list[str]:
+        if self.shard_comm.world > 1 and all(fu.padded == fu.numel for fu in self.flat_units):
+            return [f"fsdp: every unit's parameters divide evenly over {self.shard_comm.world} ranks, so no shard is "
+                    "padded and the padding path is not exercised: another --workers (e.g. 3) pads"]
+        return []
+
     def extra_summary(self):
         measured = self.ledger.report()
         if self.ctx.device.type == "cuda":

@@ -177,6 +177,12 @@ class ZeroOneReplicas(Replicas):
         return {"zero1": {"world": self.shard_comm.world, "shards": shards, **self._hsdp()},
                 "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}}
 
+    def unexercised(self) -> list[str]:
+        if self.comm.world > 1 and all(fu.padded == fu.numel for fu in self.units):
+            return [f"ZeRO-1: every unit's parameters divide evenly over {self.comm.world} ranks, so no shard is "
+                    "padded and the padding path is not exercised: another --workers (e.g. 3) pads"]
+        return []
+
     def summary(self) -> dict:
         return {"zero_stage": self.zero_stage, "reduce_scatter": self.reduce_scatter_kind, **self._hsdp(),
                 "units_sharded": len(self.units),

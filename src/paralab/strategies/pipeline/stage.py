@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ...models import dropout
 from ...models.moe import carry_aux_loss
 from ...training import saved
 
@@ -91,7 +92,8 @@ class Stage:
             return outer_pack(t)  # on to the hooks outside (the run's probe of the step, when one watches)
 
         segments = []
-        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), self.ctx.autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), self.ctx.autocast(), \
+                dropout.microbatch(mb):  # its samples' rows, for the gpt's dropout masks
             # a leaf at the stage's input (its gradient is what goes to the stage before) and, when
             # split, at every unit's input (its gradient is what the unit hands to the one before)
             inp = h = x.detach().requires_grad_(not self.first)

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ...errors import UsageError
 from ...kinds import StageRecord
+from ...models import dropout
 from ...mesh import MeshShape
 from ...options import option
 from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, ranges_from_counts,
@@ -225,6 +226,7 @@ class Pipeline(Strategy):
         for stage in self.stages.values():
             stage.train()
         chunks = split_microbatches(x, y, self.microbatches)
+        dropout.split([len(c[1]) for c in chunks])  # where each microbatch's samples sit (the gpt's dropout)
         # an epoch's last batch can hold fewer samples than microbatches: plan the
         # schedule for the chunks there are (every stage sees the same batch size)
         actions = build_schedule(self.schedule, self.pp.world, len(chunks), self.virtual)[self.pp.rank]
@@ -346,6 +348,10 @@ class Pipeline(Strategy):
         self.load_state_dict(state | (flavours[0] if len(self.stages) == 1 else {"flavours": flavours}))
 
     # ------------------------------------------------------------ records
+    def unexercised(self) -> list[str]:
+        notes = [n for s in sorted(self.flavours) for n in self.flavours[s].unexercised()]
+        return list(dict.fromkeys(notes))
+
     def extra_summary(self) -> dict:
         """What only this stage knows. Its bubble and microbatches alive are derived from the
         spans, beside their theory (``analysis/timeline.py``, ``run/records.py``). Under

@@ -161,8 +161,15 @@ def shard_unit(tp: TPGroup, unit: nn.Module) -> nn.Module:
         # after attention's all-reduce, is the same on each, so its gradients are too; no collective
         unit.attn = TPAttention(tp, unit.attn)
         unit.mlp = unit.mlp if isinstance(unit.mlp, MoE) else TPMLP(tp, unit.mlp)
+        if tp.sequence_parallel:  # the residual stream holds this rank's sequence shard: its dropout's positions
+            unit.drop.position_ids = sequence_shard(tp.rank, tp.size, unit.drop.context)
         return unit
     raise TypeError(f"no tensor-parallel form for {type(unit).__name__}")
+
+
+def sequence_shard(rank: int, size: int, context: int) -> torch.Tensor:
+    """The positions of sequence parallelism's shard ``rank`` of ``size`` (contiguous, ``context / size``)."""
+    return torch.arange(rank * context // size, (rank + 1) * context // size)
 
 
 def activation_shape(tp: TPGroup, index: int, units: int, shape: tuple[int, ...]) -> tuple[int, ...]:

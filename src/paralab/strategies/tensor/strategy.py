@@ -263,6 +263,9 @@ class TensorParallel(Strategy):
                      for k, st in portable.optimizer.items()}
         self.inner.load_portable(Portable(tensors, optimizer, portable.notes))
 
+    def unexercised(self):
+        return self.inner.unexercised()
+
     def extra_summary(self):
         return {**self.inner.extra_summary(),
                 "tensor_parallel": {"size": self.tp.group.size, "rank": self.tp.group.rank,

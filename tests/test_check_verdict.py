@@ -1,0 +1,114 @@
+"""What ``--check`` compares, and when: check/verdict.py in one process, with bugs seeded into a real run.
+
+A strategy that is right at the end but wrong in between, or right in its
+weights but wrong in the loss it reports, must FAIL: the verdict is the worst
+deviation of any kind, at any checked step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from paralab.check.verdict import Check, checked_steps, unexercised
+from paralab.data.loader import to_device
+from paralab.run.config import RunConfig
+from paralab.run.worker import build_optimizer_factory, set_up
+
+
+@pytest.mark.parametrize("start,total,every,steps", [
+    (0, 3, None, [1, 2, 3]),           # the first, the second (momentum has history), the last
+    (0, 1, None, [1]),
+    (0, 2, None, [1, 2]),
+    (5, 10, None, [6, 7, 10]),         # a resumed run: its own first steps
+    (0, 20, 5, [1, 2, 5, 10, 15, 20]),
+    (0, 7, 3, [1, 2, 3, 6, 7]),
+])
+def test_checked_steps(start, total, every, steps):
+    assert checked_steps(start, total, every) == steps
+
+
+def one_process(tmp_path, **options):
+    cfg = RunConfig(strategy="single", dataset="synthetic", synthetic_size=64, width=0.125, batch_size=8,
+                    num_batches=3, check=True, eval_batches=1, progress=False, **options).validate()
+    return cfg, set_up(cfg, 0, 1, torch.device("cpu"), "gloo", tmp_path)
+
+
+def run(cfg, s, perturb=None, misreport=None) -> dict:
+    """Train ``s``'s strategy with its check as the worker does; ``perturb(step)`` is added to every weight the
+    check reads after that step, ``misreport(step)`` to the loss it reports."""
+    strategy = s.strategy
+    whole = strategy.full_state_dict
+    if perturb:
+        strategy.full_state_dict = lambda: {k: v + perturb(step) if v.is_floating_point() else v
+                                            for k, v in whole().items()}
+    check = Check(cfg, strategy, s.source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, s.comm,
+                  lambda *a: None, start=0, total=s.total_steps)
+    losses = []
+    for step in range(s.total_steps):
+        x, y = s.source.batch(step)
+        loss = strategy.train_step(to_device(x, x.device, s.dtype), y).loss
+        losses.append([step, loss + (misreport(step) if misreport else 0.0)])
+        step += 1  # the step just finished, as the check counts them
+        check.after_step(step)
+    return check.finish(losses, 0)
+
+
+def test_exact_in_fp64_at_every_checked_step(tmp_path):
+    cfg, s = one_process(tmp_path)
+    verdict = run(cfg, s)
+    assert verdict["passed"] and cfg.precision == "fp64" and verdict["steps"] == [1, 2, 3]
+    assert [h["step"] for h in verdict["history"]] == [1, 2, 3]
+    for kind in ("weight", "optimizer", "loss", "output"):
+        assert verdict[f"max_{kind}_dev"] is not None and verdict[f"max_{kind}_dev"] <= 1e-12, kind
+
+
+def test_a_deviation_that_comes_and_goes_fails(tmp_path):
+    """Off after step 2 only, exact at the end: the last step alone would PASS it."""
+    cfg, s = one_process(tmp_path)
+    verdict = run(cfg, s, perturb=lambda step: 1e-3 if step == 2 else 0.0)
+    assert not verdict["passed"] and verdict["failed"] == ["weights"]
+    assert verdict["history"][1] == {"step": 2, "max_weight_dev": pytest.approx(1e-3)}
+    assert verdict["history"][2]["max_weight_dev"] <= 1e-12  # the last step is exact
+
+
+def test_a_loss_reported_wrong_at_one_step_fails(tmp_path):
+    cfg, s = one_process(tmp_path)
+    verdict = run(cfg, s, misreport=lambda step: 0.5 if step == 1 else 0.0)
+    assert not verdict["passed"] and verdict["failed"] == ["loss"]
+    line = verdict["ranks"][0]["lines"][-2]
+    assert line.startswith("loss: FAIL") and "step 2" in line  # the second step, counted from 1
+
+
+def test_lost_optimizer_state_fails(tmp_path):
+    cfg, s = one_process(tmp_path)
+    step = s.strategy.dp.step
+
+    def forgetful():  # the optimizer's state dropped after each step: momentum starts over every time
+        step()
+        s.strategy.dp.optimizer.state.clear()
+    s.strategy.dp.step = forgetful
+    verdict = run(cfg, s)
+    assert not verdict["passed"] and "optimizer" in verdict["failed"]
+
+
+def test_what_a_check_leaves_out_is_said(tmp_path):
+    cfg, s = one_process(tmp_path)
+    notes = unexercised(dataclasses.replace(cfg, num_batches=1), s.strategy, 0, 1)
+    assert any(n.startswith("one step:") and "--num-batches 2" in n for n in notes)
+    assert not unexercised(cfg, s.strategy, 0, 3)
+    sgd = dataclasses.replace(cfg, momentum=0.0)
+    assert not unexercised(sgd, s.strategy, 0, 1)  # plain SGD keeps no state: one step leaves nothing out
+
+
+def test_the_compare_reports_check_column_names_what_failed():
+    from paralab.report.page import check_text
+    passed = {"check": {"result": "PASS", "failed": [], "max_weight_dev": 1e-14, "max_optimizer_dev": 3e-13,
+                        "max_loss_dev": 0.0, "max_output_dev": 2e-13}}
+    assert check_text(passed) == "PASS (3e-13)"  # the largest deviation of any kind
+    failed = {"check": {"result": "FAIL", "failed": ["loss"], "max_weight_dev": 1e-14, "max_optimizer_dev": 3e-13,
+                        "max_loss_dev": 2.6, "max_output_dev": 2e-13}}
+    assert check_text(failed) == "FAIL loss (2.6e+00)"
+    older = {"check": {"result": "PASS", "max_weight_dev": 1e-6, "max_output_dev": 2e-5}}  # before losses were
+    assert check_text(older) == "PASS (2e-05)" and check_text(None) == "-"
