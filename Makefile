@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup data demo test test-slow bench gpu-check clean
+.PHONY: setup data demo test test-slow mutants bench gpu-check clean
 
 # A virtual environment with torch installed first, pinned (a bare `torch`
 # requirement can pull gigabytes of CUDA wheels). If the Python that creates
@@ -53,6 +53,10 @@ test: setup
 # The long matrices (every strategy in float64 at real hyper-parameters, 20 steps): CI runs them too.
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# Seeded bugs --check must catch (tests/test_mutants.py: a copy of the package per bug; part of test-slow).
+mutants: setup
+	$(BIN)/python -m pytest -q tests/test_mutants.py
 
 bench: setup
 	$(BIN)/python bench/run.py

@@ -1,0 +1,73 @@
+"""Every ``paralab train ... --check`` the README and docs/ print PASSes as printed.
+
+The commands are read from the pages themselves (code blocks and inline code),
+so a page that changes is tested as it now reads. Each runs in a folder of its
+own (its ``--out runs/...`` lands there) and must exit 0 with ``check: PASS``.
+A page may print a check that is meant to fail (fp32 at real settings, to show
+why fp64 exists): the line says so with ``# FAILs`` and must then exit 1 with
+``check: FAIL``. Commands this machine cannot run (a GPU, several hosts) are
+left out here by the reason in :data:`ELSEWHERE`; `make gpu-check` runs the GPU
+path where one is lent.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import run_paralab
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: what a command holds that this machine cannot give it, and why it is left out here
+ELSEWHERE = {"--device cuda": "needs a CUDA GPU", "torch-dp": "needs CUDA GPUs", "--rank": "one rank of several hosts",
+             "torch-cp": "needs CUDA"}
+#: what makes a command take longer than about half a minute here: the slow selection runs those
+SLOW = ("--workers 8", "--workers 4", "--workers 3", "--num-batches 20", "vgg16-cs1390")
+
+
+def commands() -> list[tuple[str, str, bool]]:
+    """(page:line, command, expected to fail) for every `paralab train ... --check` the pages print."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for n, line in enumerate(lines, 1):
+            while line.rstrip().endswith("\\") and n < len(lines):  # a command continued on the next line
+                line = line.rstrip()[:-1] + " " + lines[n].strip()
+                n += 1
+            for text in re.findall(r"`(paralab train [^`]*)`", line) or [line.strip()]:
+                if not text.startswith("paralab train ") or not re.search(r"--check(\s|$)", text):
+                    continue
+                command, _, comment = text.partition("#")
+                if "..." in command or "STRATEGY" in command:  # a pattern, not a command
+                    continue
+                found.append((f"{page.relative_to(ROOT)}:{n}", " ".join(command.split()), "FAILs" in comment))
+    return found
+
+
+CASES = [pytest.param(where, command, fails, id=where,
+                      marks=[pytest.mark.slow] if any(s in command for s in SLOW) or "--num-batches" not in command
+                      else [])
+         for where, command, fails in commands()]
+
+
+def test_the_pages_print_checks_and_each_is_found_once():
+    where = [c.values[0] for c in CASES]
+    assert len(where) >= 25 and len(set(where)) == len(where)
+    assert any(w.startswith("README.md") for w in where) and any(w.startswith("docs/correctness.md") for w in where)
+
+
+@pytest.mark.parametrize("where,command,fails", CASES)
+def test_a_printed_check_passes_as_printed(where, command, fails, tmp_path, monkeypatch):
+    reason = next((why for what, why in ELSEWHERE.items() if what in command), None)
+    if reason:
+        pytest.skip(f"{where}: {reason}")
+    monkeypatch.chdir(tmp_path)
+    r = run_paralab(*shlex.split(command)[1:], fast=False, timeout=900)
+    output = r.stdout[-3000:] + r.stderr[-3000:]
+    if fails:
+        assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{where}: {command}\n{output}"
+    else:
+        assert r.returncode == 0 and "check: PASS" in r.stdout, f"{where}: {command}\n{output}"

@@ -1,0 +1,254 @@
+"""Seeded bugs that ``--check`` must catch: each a copy of the package with one realistic line changed.
+
+A check that passes correct code proves little until it is seen to fail
+wrong code. Each mutant below is a bug someone could write (or has: the
+classes come from issue 34, found by hand in the newest strategies): a
+gradient averaged twice, a loss reported wrong while its gradient is right,
+momentum lost, a ring turned the wrong way, a stage's gradient left out...
+For each, the package is copied, the one line is replaced (the original must
+occur exactly once, so a moved line fails here rather than passing
+vacuously), and the smallest check of that layout runs against the copy
+(``PYTHONPATH``, a fresh interpreter): it must end ``check: FAIL`` with exit
+code 1, not crash. The same command against the unchanged copy must PASS,
+so a mutant is caught by the check, not by a command that fails anyway.
+
+Some mutants are invisible to a check that does not reach their path; their
+command is the one that does, and the note says what a smaller one leaves
+out (``check: not exercised: ...`` says so at run time):
+
+- PowerSGD starts after ``--powersgd-start-iter`` steps;
+- a ring of 2 cp ranks has next == previous (``--cp 4``);
+- 2 workers give fsdp no padding at this width (``--workers 3``);
+- recomputation's random state matters only with ``--dropout``.
+
+Every check runs at the default precision of ``--check`` (fp64): the fp32
+course setting moves the weights less than its tolerance for the small-gradient
+bugs (a key gradient 2.8 times too large, a router's gates detached). A bug in
+the model itself (``models/``) is not among them: the reference runs the same
+model, so a check compares layouts, not the model with a textbook.
+
+``make mutants`` runs this module; it is in the slow selection (about 40
+fresh processes).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import paralab
+
+pytestmark = pytest.mark.slow
+
+SRC = Path(paralab.__file__).parent
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+CNN = ["--dataset", "synthetic", "--synthetic-size", "256", "--width", "0.125", "--batch-size", "16"]
+GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "4",
+       "--context", "16", "--batch-size", "8"]
+COMMON = ["--num-batches", "3", "--check", "--no-progress", "--eval-batches", "1", "--eval-batch-size", "16",
+          "--timeout", "60"]
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str          # under src/paralab
+    old: str           # a line (or part of one) that occurs exactly once
+    new: str
+    command: tuple     # `paralab train` arguments of the check that must FAIL
+    why: str           # what the bug is, in words
+
+
+def cnn(strategy, *args):
+    """A check of a VGG-11 (the layout's own options after the defaults, so they win)."""
+    return (strategy, *CNN, *args)
+
+
+def gpt(strategy, *args):
+    """A check of the gpt."""
+    return (strategy, *GPT, *args)
+
+
+MUTANTS = [
+    # ---- data parallelism
+    Mutant("ddp-averaged-twice", "strategies/ddp.py",
+           "torch.div(param.grad, self.comm.world, out=view)", "torch.div(param.grad, self.comm.world ** 2, out=view)",
+           cnn("ddp", "--workers", "2"), "a bucket's gradients divided by N twice"),
+    Mutant("allreduce-never-averages", "strategies/allreduce.py",
+           "p.grad.div_(self.comm.world)", "p.grad.div_(1)",
+           cnn("allreduce", "--workers", "2"), "the all-reduced sum used as the mean"),
+    Mutant("gather-scatter-divides-by-one-less", "strategies/gather_scatter.py",
+           "mean /= world", "mean /= world - 1",
+           cnn("gather-scatter", "--workers", "3", "--batch-size", "24"), "the mean over N-1"),
+    Mutant("momentum-freed-every-step", "strategies/replicas.py",
+           "            self.optimizer.zero_grad(set_to_none=True)",
+           "            self.optimizer.zero_grad(set_to_none=True); self.optimizer.state.clear()",
+           cnn("ddp", "--workers", "2"), "the optimizer's state dropped after each step (momentum restarts)"),
+    Mutant("checkpoint-without-momentum", "strategies/replicas.py",
+           'return {"optimizer": self.optimizer.state_dict()}',
+           'return {"optimizer": {**self.optimizer.state_dict(), "state": {}}}',
+           cnn("allreduce", "--workers", "2"), "the saved state (a checkpoint) leaves the momentum out"),
+    # ---- sharded data parallelism
+    Mutant("fsdp-padding-in-front", "strategies/fsdp/flat.py",
+           "flat_grad = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(pad)] if pad else []))",
+           "flat_grad = torch.cat(([grads[0].new_zeros(pad)] if pad else []) + [g.reshape(-1) for g in grads])",
+           cnn("fsdp", "--workers", "3", "--zero-stage", "3", "--batch-size", "24"),
+           "a unit's flat gradient padded at the front, not the end: invisible where nothing is padded "
+           "(2 workers at this width)"),
+    Mutant("hsdp-mean-over-the-shard-group", "strategies/fsdp/flat.py",
+           "shard_grad.div_(self.comm.world * (self.replicate.world if self.replicate is not None else 1))",
+           "shard_grad.div_(self.comm.world)",
+           cnn("fsdp", "--workers", "4", "--zero-stage", "2", "--replicate", "2"),
+           "HSDP's gradient divided by the shard group's size, not by every replica's"),
+    # ---- tensor and sequence parallelism
+    Mutant("tp-f-backward-not-reduced", "strategies/tensor/ops.py",
+           'ctx.comm.all_reduce(grad, name="tp_f_backward")', "pass",
+           gpt("tp", "--workers", "2"), "Megatron's f: the input gradient of a column-parallel layer not summed"),
+    Mutant("sp-layernorm-not-reduced", "strategies/tensor/group.py",
+           "return copy_to_tp(p, self.comm) if self.sequence_parallel else p", "return p",
+           gpt("tp", "--workers", "2", "--sequence-parallel"),
+           "sequence parallelism: a LayerNorm's partial gradients not summed over tp"),
+    Mutant("vocab-parallel-loss-forward", "strategies/tensor/ops.py",
+           "        return lse - target_logit", "        return lse_local - target_logit",
+           gpt("tp", "--workers", "2"),
+           "the vocabulary-parallel cross-entropy's value uses the local log-sum-exp (its backward is right: only "
+           "the loss shows it)"),
+    # ---- context parallelism
+    Mutant("cp-loss-summed", "strategies/context/strategy.py",
+           "loss=loss.item() / self.cp.comm.world", "loss=loss.item()",
+           gpt("cp", "--workers", "2"), "the ranks' losses summed, not averaged (gradients right: only the loss shows)"),
+    Mutant("cp-ring-backwards", "strategies/context/ring.py",
+           "nxt, prev = (comm.rank + 1) % comm.world, (comm.rank - 1) % comm.world",
+           "nxt, prev = (comm.rank - 1) % comm.world, (comm.rank + 1) % comm.world",
+           gpt("cp", "--workers", "4", "--cp-method", "ring"),
+           "K/V sent the wrong way round the ring: invisible on a ring of 2 (next == previous)"),
+    Mutant("cp-ring-key-gradient-unscaled", "strategies/context/ring.py",
+           "dkv[0][..., ks, :] += ds.transpose(-2, -1) @ q[..., qs, :] * scale",
+           "dkv[0][..., ks, :] += ds.transpose(-2, -1) @ q[..., qs, :]",
+           gpt("cp", "--workers", "2"), "the key gradient sqrt(d) = 2.8 times too large"),
+    Mutant("ulysses-combine-not-reversed", "strategies/context/ulysses.py",
+           'HeadsToSeq.apply(out.index_select(2, back).contiguous(), comm, "cp_a2a_out")',
+           'HeadsToSeq.apply(out.index_select(2, order).contiguous(), comm, "cp_a2a_out")',
+           gpt("cp", "--workers", "2", "--cp-method", "all-to-all"),
+           "the all-to-all back to sequence shards with the forward permutation, not its inverse"),
+    # ---- experts
+    Mutant("ep-experts-mean-over-edp", "strategies/expert/replicas.py",
+           "p.grad.div_(self.ep)", "p.grad.div_(1)",
+           gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2"),
+           "experts' gradients averaged over the replicas holding them, not over every data-parallel replica"),
+    Mutant("ep-combine-gates-detached", "strategies/expert/dispatch.py",
+           "        return combine(tokens, index, gates, back)", "        return combine(tokens, index, gates.detach(), back)",
+           gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2"),
+           "the expert-parallel combine detaches the gates: the router learns only from the load-balancing loss "
+           "(below fp32's tolerance at the course setting)"),
+    # ---- pipelines
+    Mutant("pipeline-microbatch-loss-unweighted", "strategies/pipeline/executor.py",
+           "losses[i] = st.ctx.loss(out, ys) * weight", "losses[i] = st.ctx.loss(out, ys)",
+           cnn("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "1f1b", "--norm", "none"),
+           "each microbatch's loss taken whole: gradients M times too large"),
+    Mutant("pipeline-reports-last-microbatch", "strategies/pipeline/executor.py",
+           "loss_sum += losses[i].detach().to(self.dtype)", "loss_sum = losses[i].detach().to(self.dtype)",
+           cnn("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "gpipe", "--norm", "none"),
+           "the step's loss is the last microbatch's share (gradients right: only the loss shows)"),
+    Mutant("zero-bubble-w-first-unit-only", "strategies/pipeline/stage.py",
+           "for root, root_grad, params in self.weight_work.pop(mb):",
+           "for root, root_grad, params in self.weight_work.pop(mb)[:1]:",
+           gpt("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1"),
+           "a zero-bubble W computes the weight gradients of one unit of the stage"),
+    # ---- compression
+    Mutant("powersgd-no-error-feedback", "strategies/compression/buckets.py",
+           "v.add_(method.error[k])                              # M = G/N + e",
+           "v.add_(0 * method.error[k])",
+           cnn("ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "2", "--num-batches", "5"),
+           "PowerSGD without error feedback: invisible before it starts (--powersgd-start-iter, 10 by default)"),
+    # ---- recomputation and dropout
+    Mutant("recompute-forgets-the-generator", "training/recompute.py",
+           "            torch.set_rng_state(self.cpu_rng)", "            pass",
+           gpt("single", "--recompute", "full", "--dropout", "0.1"),
+           "a recomputed block draws other dropout masks: invisible without --dropout"),
+    Mutant("recompute-forgets-where-samples-sit", "training/recompute.py",
+           "dropout.placed(self.draws)", "dropout.placed(dropout.where())",
+           gpt("pipeline", "--workers", "2", "--microbatches", "4", "--recompute", "full", "--dropout", "0.1"),
+           "a recompute in backward takes the current microbatch's rows for its masks"),
+    Mutant("recompute-batchnorm-twice", "training/recompute.py",
+           "                b.copy_(saved)", "                pass",
+           cnn("single", "--recompute", "full"), "a recompute updates BatchNorm's running statistics again"),
+    Mutant("dropout-microbatch-rows", "strategies/base.py",
+           "with around() if around else nullcontext(), dropout.microbatch(i):",
+           "with around() if around else nullcontext(), dropout.microbatch(0):",
+           gpt("ddp", "--workers", "2", "--accumulate", "2", "--dropout", "0.1"),
+           "every accumulated microbatch draws the first one's dropout masks"),
+]
+
+
+#: mutants a smaller check cannot see, that check, and the line it prints about the path it leaves out: the
+#: check must PASS the mutant there and say so (so "not exercised" is true, and the command above is needed)
+HIDDEN = [
+    ("fsdp-padding-in-front", cnn("fsdp", "--workers", "2", "--zero-stage", "3"), "no shard is padded"),
+    ("cp-ring-backwards", gpt("cp", "--workers", "2", "--cp-method", "ring"), "a ring of 2 ranks"),
+    ("powersgd-no-error-feedback", cnn("ddp", "--workers", "2", "--compress", "powersgd"), "nothing was compressed"),
+    ("recompute-forgets-the-generator", gpt("single", "--recompute", "full"), "draws no random numbers"),
+]
+
+
+def _copy(root: Path) -> Path:
+    shutil.copytree(SRC, root / "paralab", ignore=IGNORE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return _copy(tmp_path_factory.mktemp("pristine"))
+
+
+def train(root: Path, command: tuple, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root), "PARALAB_SERVE": "off", "PYTHONUNBUFFERED": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    # the layout's own options after the common ones, so they win (--num-batches)
+    return subprocess.run([sys.executable, "-m", "paralab", "train", command[0], *COMMON, *command[1:],
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
+
+
+def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
+    assert len(MUTANTS) >= 20
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+    assert len({(m.file, m.old) for m in MUTANTS}) == len(MUTANTS)
+
+
+@pytest.mark.parametrize("command", sorted({m.command for m in MUTANTS}), ids=lambda c: " ".join(c[:3]))
+def test_the_unchanged_package_passes_each_command(pristine, tmp_path, command):
+    r = train(pristine, command, tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def mutated(pristine: Path, dest: Path, mutant: Mutant) -> Path:
+    """A copy of the package with ``mutant``'s one change."""
+    shutil.copytree(pristine / "paralab", dest / "paralab")
+    path = dest / "paralab" / mutant.file
+    text = path.read_text()
+    assert text.count(mutant.old) == 1, f"{mutant.file}: the line to change occurs {text.count(mutant.old)} times"
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return dest
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_the_check_catches_the_mutant(pristine, tmp_path, mutant):
+    r = train(mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
+    output = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{mutant.name} ({mutant.why}) not caught:\n{output}"
+
+
+@pytest.mark.parametrize("name,command,note", HIDDEN, ids=[h[0] for h in HIDDEN])
+def test_a_smaller_check_misses_it_and_says_what_it_left_out(pristine, tmp_path, name, command, note):
+    mutant = next(m for m in MUTANTS if m.name == name)
+    r = train(mutated(pristine, tmp_path / "copy", mutant), command, tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert any(line.startswith("check: not exercised:") and note in line for line in r.stdout.splitlines()), \
+        r.stdout[-3000:]
