@@ -193,3 +193,29 @@ def test_resuming_a_checkpoint_of_another_precision_under_check_says_how(capsys,
     err = refused(capsys, tmp_path, "single", *FAST[:-2], "--num-batches", "2", "--check", "--resume",
                   str(tmp_path / "fp32"))
     assert "precision: checkpoint has 'fp32', this run 'fp64'" in err and "give --precision fp32" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "single", "--momentum", "nan"], "argument --momentum: 'nan' is not a finite number"),
+    (["train", "single", "--weight-decay", "nan"], "argument --weight-decay: 'nan' is not a finite number"),
+    (["train", "single", "--timeout", "inf"], "argument --timeout: 'inf' is not a finite number"),
+    (["train", "single", "--lr=-inf"], "argument --lr: '-inf' is not a finite number"),
+    (["train", "single", "--model", "gpt", "--experts", "4", "--capacity-factor", "nan"],
+     "argument --capacity-factor: 'nan' is not a finite number"),
+    (["serve", "--idle", "nan"], "argument --idle: 'nan' is not a finite number"),
+    (["compare", "--run-timeout", "inf"], "argument --run-timeout: 'inf' is not a finite number"),
+    (["calc", "allreduce", "--parameters", "nan", "--workers", "2", "--bandwidth", "1"], "'nan' is not a finite"),
+])
+def test_a_float_that_is_not_finite_is_refused_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_config_made_in_a_program_refuses_a_non_finite_float():
+    from paralab.errors import UsageError
+    from paralab.run.config import RunConfig
+    for name in ("momentum", "weight_decay", "lr", "timeout"):
+        with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} must be a finite number"):
+            RunConfig(**{name: float("nan")}).validate()

@@ -19,7 +19,8 @@ all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
   Any command can take some of them (``only=``) with its own defaults
   (``defaults=``): ``paralab compare`` runs width 0.25 by default;
 - the checks of single values (:func:`check`, exit 2 naming the flag):
-  ``choices``, ``minimum``/``maximum``/``above``, ``positive``; ``None`` always passes
+  ``choices``, ``minimum``/``maximum``/``above``, ``positive``, and a float
+  is finite (no option means NaN or infinity); ``None`` always passes
   (an option whose default is None, e.g. ``--num-batches``, is optional);
 - a command line that gives a config back (:func:`to_argv`: the options that
   differ from their default; ``RunConfig.from_argv`` reads it) and which
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import field
 
 from .errors import UsageError
@@ -60,6 +62,18 @@ def option(default, help: str, *, type=None, choices=(), noun: str | None = None
 
 def builtin_type(value):
     return type(value)
+
+
+def finite_float(text: str) -> float:
+    """A number that is neither NaN nor infinite: what a float option or argument reads (argparse ``type=``).
+    Python's ``float`` takes "nan" and "inf", which no option of paralab's means."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def flag(name: str) -> str:
@@ -100,7 +114,8 @@ def add_flags(parser, *classes, only=None, defaults=None, suppress: bool = False
                                 help=f"{text} (default {'on' if default else 'off'})", **kw)
         else:
             shown = "" if default is None else " (default %(default)s)"
-            parser.add_argument(flag(name), type=meta["type"], metavar=meta["metavar"], help=text + shown, **kw)
+            kind = finite_float if meta["type"] is float else meta["type"]
+            parser.add_argument(flag(name), type=kind, metavar=meta["metavar"], help=text + shown, **kw)
 
 
 def check(obj, cls) -> None:
@@ -109,6 +124,8 @@ def check(obj, cls) -> None:
         value, meta = getattr(obj, f.name, None), f.metadata
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(f.name)} must be a finite number (got {value})")
         if meta["choices"] and value not in meta["choices"]:
             allowed = ", ".join(map(str, meta["choices"]))
             if meta["noun"]:

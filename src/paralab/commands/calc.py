@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..models import GPTOptions, ModelOptions, MoEOptions
-from ..options import add_flags, flag
+from ..options import add_flags, finite_float, flag
 
 HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
 
@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
                    help="fp32 | mixed (fp16/bf16 parameters and gradients, fp32 optimizer state and master "
                         "weights) (default %(default)s)")
     q.add_argument("--stage", help="only these stages, e.g. 0,3 (0 = DDP; default all)")
-    q.add_argument("--unit-parameters", type=float,
+    q.add_argument("--unit-parameters", type=finite_float,
                    help="the largest unit's parameter count, for the working set and peak of stages 1-3 "
                         "(default with --model: its largest unit)")
     q.add_argument("--step-in-backward", action="store_true",
@@ -94,8 +94,8 @@ def add_arguments(p) -> None:
     _size_options(q, bytes_option=True)
     q.add_argument("--precision", default="fp32", help="gradient precision: fp32 | fp16 | bf16 (default %(default)s)")
     q.add_argument("--workers", type=int, required=True, help="workers N")
-    q.add_argument("--bandwidth", type=float, required=True, help="link bandwidth B in Gb/s (gigabits per second)")
-    q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
+    q.add_argument("--bandwidth", type=finite_float, required=True, help="link bandwidth B in Gb/s (gigabits per second)")
+    q.add_argument("--latency", type=finite_float, default=0.0, help="per-message latency in microseconds (default 0)")
     q.add_argument("--messages", type=int, default=1,
                    help="separate all-reduce calls (one per tensor or bucket), each paying the latency")
     q.add_argument("--per-tensor", action="store_true",
@@ -107,13 +107,13 @@ def add_arguments(p) -> None:
                                    "and the microbatches each stage keeps alive under GPipe and 1F1B.")
     q.add_argument("--stages", "--workers", dest="stages", type=int, required=True, help="pipeline stages p")
     q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
-    q.add_argument("--forward-ms", type=float,
+    q.add_argument("--forward-ms", type=finite_float,
                    help="T_F: one stage's forward of one microbatch (ms; with --schedule, one rank's over all its "
                         "stages): adds the ideal step time, and with --schedule the bubble at these times")
-    q.add_argument("--backward-ms", type=float,
+    q.add_argument("--backward-ms", type=finite_float,
                    help="T_B: one stage's backward of one microbatch (ms, default 2 x forward; a zero-bubble "
                         "schedule splits it evenly into T_I and T_W); with --weight-ms, T_I alone")
-    q.add_argument("--weight-ms", type=float,
+    q.add_argument("--weight-ms", type=finite_float,
                    help="T_W: the weight-gradient part of the backward (ms); --backward-ms is then T_I, the "
                         "input-gradient part (zero bubble, Qi et al. 2024); a schedule that runs the backward "
                         "whole takes T_B = T_I + T_W")
@@ -138,7 +138,7 @@ def add_arguments(p) -> None:
     q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
     q.add_argument("--tp", type=int, default=2)
     q.add_argument("--sequence-parallel", action="store_true")
-    q.add_argument("--peak-tflops", type=float,
+    q.add_argument("--peak-tflops", type=finite_float,
                    help="peak FLOP/s for MFU (default with RUN: this machine's measured fp32 matmul rate per "
                         "core, times the run's workers; stated as such)")
     q.set_defaults(calc=calc_tp)
@@ -184,7 +184,7 @@ def add_arguments(p) -> None:
     q.add_argument("--partition", default="params",
                    help="balanced (measures unit times here) | params | counts such as 2,3,8 "
                         "(default %(default)s: deterministic; a run's own cut is in its summary)")
-    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds the transfer time")
+    q.add_argument("--bandwidth", type=finite_float, help="link bandwidth in Gb/s: adds the transfer time")
     q.set_defaults(calc=calc_comm)
 
     q = sub.add_parser("run", help="bandwidth utilisation and predicted vs measured comm of a run",
@@ -192,9 +192,9 @@ def add_arguments(p) -> None:
                                    "achieved bandwidth, HPML Lab 4 Q3.2's bandwidth utilisation, the ring "
                                    "all-reduce prediction beside the measurement, and a pipeline's bubble.")
     q.add_argument("run", help="run directory written by `paralab train`")
-    q.add_argument("--bandwidth", type=float, help="link bandwidth in Gb/s: adds predictions and link share "
+    q.add_argument("--bandwidth", type=finite_float, help="link bandwidth in Gb/s: adds predictions and link share "
                    "(default: the link rate of a run made with --network)")
-    q.add_argument("--latency", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
+    q.add_argument("--latency", type=finite_float, default=0.0, help="per-message latency in microseconds (default 0)")
     q.set_defaults(calc=calc_run)
 
 
@@ -238,10 +238,10 @@ def calc_memory_run(run_dir: Path, as_json: bool) -> int:
 
 def _size_options(q, bytes_option: bool, required: bool = True) -> None:
     g = q.add_mutually_exclusive_group(required=required)
-    g.add_argument("--parameters", type=float, help="parameter count Psi (e.g. 7.5e9)")
+    g.add_argument("--parameters", type=finite_float, help="parameter count Psi (e.g. 7.5e9)")
     add_flags(g, ModelOptions, only=("--model",), defaults=dict(model=None))  # or --parameters
     if bytes_option:
-        g.add_argument("--bytes", type=float, help="message size S in bytes")
+        g.add_argument("--bytes", type=finite_float, help="message size S in bytes")
     add_flags(q, ModelOptions, only=("--width",))
 
 

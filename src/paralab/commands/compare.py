@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 
 from .. import options
+from ..options import finite_float
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
@@ -115,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-args", default="",
                    help='more `paralab train` options for every run, e.g. --train-args="--norm none"')
     p.add_argument("--out", help="report directory (default reports/compare-<time>)")
-    p.add_argument("--run-timeout", type=float, default=600.0,
+    p.add_argument("--run-timeout", type=finite_float, default=600.0,
                    help="seconds before a run is stopped and reported as failed (default %(default)s)")
     p.add_argument("--verbose", action="store_true", help="stream every run's full output")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")

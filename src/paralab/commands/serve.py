@@ -22,6 +22,7 @@ import sys
 import time
 
 from ..errors import UsageError
+from ..options import finite_float
 
 HELP = "keep torch imported in a background server so that later commands start warm"
 
@@ -30,7 +31,7 @@ def add_arguments(p) -> None:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--status", action="store_true", help="say whether a server runs, and its log")
     what.add_argument("--stop", action="store_true", help="end the running server")
-    p.add_argument("--idle", type=float, default=30.0, metavar="MINUTES",
+    p.add_argument("--idle", type=finite_float, default=30.0, metavar="MINUTES",
                    help="end the server after this many minutes without a command (default: 30)")
 
 

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from .. import options
+from ..options import finite_float
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 from .compare import (CHECK_CACHE, changed_fields, config_overrides, cores_per_worker, parse_int_list,
@@ -97,7 +98,7 @@ def _common(q) -> None:
     options.add_flags(q, *ALL_OPTION_CLASSES, only=("--network",))
     q.add_argument("--train-args", default="", help='more `paralab train` options, e.g. --train-args="--norm none"')
     q.add_argument("--out", help="sweep directory (default reports/sweep-<kind>-<time>)")
-    q.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run (default %(default)s)")
+    q.add_argument("--run-timeout", type=finite_float, default=900.0, help="seconds per run (default %(default)s)")
     q.add_argument("--verbose", action="store_true", help="stream every run's output")
 
 
