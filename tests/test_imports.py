@@ -25,7 +25,7 @@ ONLY_IMPORTED_BY = {
 #: or the ones below it
 LAYERS = [
     ("core", ("paralab", "paralab.errors", "paralab.options", "paralab.kinds", "paralab.progress",
-              "paralab.recorder", "paralab.oplog", "paralab.comm", "paralab.mesh")),
+              "paralab.recorder", "paralab.oplog", "paralab.wire", "paralab.comm", "paralab.mesh")),
     ("what is trained", ("paralab.models", "paralab.data", "paralab.training")),
     ("the algorithms", ("paralab.strategies",)),
     ("reading records, checking", ("paralab.analysis", "paralab.check")),

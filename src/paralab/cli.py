@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .commands import COMMANDS
+from .run import folder
 from .run.config import RunConfig
 from .errors import UsageError
 
@@ -34,9 +35,30 @@ def cmd_train(args) -> int:
         cfg.launched_by = "slurm"
     cfg.validate()
     run_dir = Path(cfg.out or cfg.default_out())
-    if (run_dir / "summary.json").exists() and not (cfg.resume and Path(cfg.resume) == run_dir):
-        raise UsageError(f"{run_dir} already holds a run; pass another --out")
-    return launch(cfg, str(run_dir))
+    # one run per folder (run/folder.py): the launcher holds it, or, ranks started one per process, rank 0
+    held = folder.claim(run_dir) if launches_rank0(cfg) else None
+    try:
+        if folder.holds_a_run(run_dir) and not (cfg.resume and Path(cfg.resume) == run_dir):
+            if not cfg.overwrite:
+                raise UsageError(f"{run_dir} already holds a run; pass another --out, --resume {run_dir} to "
+                                 "continue it, or --overwrite to replace it")
+            if held is not None:
+                folder.clear(run_dir)
+        return launch(cfg, str(run_dir))
+    finally:
+        if held is not None:
+            held.release()
+
+
+def launches_rank0(cfg: RunConfig) -> bool:
+    """Whether this process starts the run's rank 0: the launcher of local ranks, or the process that is rank 0
+    (``--rank``, torchrun's RANK, Slurm's SLURM_PROCID)."""
+    import os
+    if cfg.launched_by == "torchrun":
+        return os.environ.get("RANK", "0") == "0"
+    if cfg.launched_by == "slurm":
+        return os.environ.get("SLURM_PROCID", "0") == "0"
+    return cfg.rank in (None, 0)
 
 
 def cmd_data(args) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import oplog
+from . import oplog, wire
 from .oplog import DONE, FAILED, IN_FLIGHT, WAITING
 from .recorder import Recorder
 
@@ -122,14 +122,15 @@ class Comm:
         return result
 
     def _logged(self, kind: str, fn, *args, **kwargs):
-        """An object collective (no tensor of ours, no span): logged only."""
+        """A structure's collective (no tensor of ours, no span): logged only; ``fn``'s result."""
         slot = self.log.enter(kind, self.name, self.key, 0)
         try:
-            fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except BaseException:
             self.log.set_state(slot, FAILED)
             raise
         self.log.set_state(slot, DONE)
+        return result
 
     def _launch(self, name: str, kind: str, size: int, fn, *args, **kwargs) -> Pending:
         rec = self.recorder
@@ -235,28 +236,80 @@ class Comm:
     def barrier(self, name: str = "barrier"):
         return self._timed(name, "barrier", 0, dist.barrier, group=self.group)
 
-    # ------------------------------------------------------------ python objects (set-up, records)
+    # ------------------------------------------------------------ structures (set-up, records, checks)
+    # Dicts, lists, tuples, strings, numbers and tensors, written by wire.py (JSON and raw tensor bytes):
+    # torch.distributed's own object collectives pickle, and unpickling what a peer sends can run any code.
+    def _message_device(self) -> torch.device:
+        """Where a message's bytes travel: NCCL moves CUDA tensors only, gloo CPU ones."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _message(self, obj) -> torch.Tensor:
+        return torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8).to(self._message_device())
+
+    @staticmethod
+    def _read(t: torch.Tensor):
+        return wire.decode(t.cpu().numpy().tobytes())
+
     def gather_objects(self, obj, dst: int = 0) -> list | None:
-        """Collect one picklable object per rank on ``dst`` (None elsewhere)."""
+        """Every rank's ``obj`` on ``dst``, in rank order (None elsewhere): its size, then its bytes, sent to
+        ``dst`` by each rank."""
         if self.world == 1:
             return [obj]
-        out = [None] * self.world if self.rank == dst else None
-        self._logged("gather_object", dist.gather_object, obj, out, dst=self._global(dst), group=self.group)
-        return out
+
+        def gather():
+            if self.rank != dst:
+                message = self._message(obj)
+                dist.send(torch.tensor([message.numel()], device=message.device), self._global(dst), self.group)
+                dist.send(message, self._global(dst), self.group)
+                return None
+            out, device = [], self._message_device()
+            for r in range(self.world):
+                if r == dst:
+                    out.append(obj)
+                    continue
+                size = torch.zeros(1, dtype=torch.int64, device=device)
+                dist.recv(size, self._global(r), self.group)
+                message = torch.empty(int(size), dtype=torch.uint8, device=device)
+                dist.recv(message, self._global(r), self.group)
+                out.append(self._read(message))
+            return out
+        return self._logged("gather_object", gather)
 
     def all_gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` on every rank, in rank order: the sizes, then the bytes, each padded to the
+        longest, in one all-gather."""
         if self.world == 1:
             return [obj]
-        out = [None] * self.world
-        self._logged("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
-        return out
+
+        def all_gather():
+            message = self._message(obj)
+            sizes = torch.zeros(self.world, dtype=torch.int64, device=message.device)
+            _all_gather_single(sizes, torch.tensor([message.numel()], device=message.device), group=self.group)
+            longest = int(sizes.max())
+            padded = torch.zeros(longest, dtype=torch.uint8, device=message.device)
+            padded[:message.numel()] = message
+            everyone = torch.empty(self.world * longest, dtype=torch.uint8, device=message.device)
+            _all_gather_single(everyone, padded, group=self.group)
+            return [self._read(everyone[r * longest:r * longest + int(n)]) for r, n in enumerate(sizes.tolist())]
+        return self._logged("all_gather_object", all_gather)
 
     def broadcast_object(self, obj, src: int = 0):
+        """``src``'s ``obj`` on every rank."""
         if self.world == 1:
             return obj
-        box = [obj]
-        self._logged("broadcast_object", dist.broadcast_object_list, box, src=self._global(src), group=self.group)
-        return box[0]
+
+        def broadcast():
+            device = self._message_device()
+            message = self._message(obj) if self.rank == src else None
+            size = torch.tensor([message.numel() if message is not None else 0], device=device)
+            dist.broadcast(size, self._global(src), self.group)
+            if message is None:
+                message = torch.empty(int(size), dtype=torch.uint8, device=device)
+            dist.broadcast(message, self._global(src), self.group)
+            return obj if self.rank == src else self._read(message)
+        return self._logged("broadcast_object", broadcast)
 
 
 # ---------------------------------------------------------------- testing only: a rank that hangs

@@ -73,7 +73,9 @@ class RecordOptions:
     eval_batches: int | None = option(None, "test batches evaluated (not given: the whole test split)",
                                         type=int, positive=True)
     eval_batch_size: int = option(500, "test evaluation batch", positive=True)
-    out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>)", type=str)
+    out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>); one run at a time",
+                             type=str)
+    overwrite: bool = option(False, "replace the finished run --out holds (else refused: --resume continues it)")
     progress: bool = option(True, "progress bar on rank 0")
     checkpoint_every: int = option(0, "save resumable state every N steps, and at the end (0: at the end only)",
                                    minimum=0)
@@ -203,6 +205,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError("--check-every N compares with the reference every N steps: it needs --check")
         if self.precision is None:  # not given: an exact check (docs/correctness.md#the-default-precision)
             self.precision = "fp64" if self.check else "fp32"
+        if self.out and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise UsageError(f"--out {self.out} is a file: name a folder (made if missing)")
         if self.check_cache and not self.check:
             raise UsageError("--check-cache DIR keeps the reference that --check trains: add --check (or drop it)")
         if self.check_cache and Path(self.check_cache).exists() and not Path(self.check_cache).is_dir():

@@ -26,7 +26,7 @@ from . import restart
 from .config import RunConfig
 from .failures import Ending, describe, explain, resume_hint
 from .hangs import explain_hang
-from .rendezvous import pin
+from .rendezvous import loopback_interface, pin
 from .warm import rank_context
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
@@ -60,6 +60,8 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         if cfg.network_emulated:  # --network: into this rank's own namespace before any socket exists
             from .network import join
             join(cfg.network_emulated, rank)
+        elif "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's sockets on the loopback alone, as the store's
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         worker.run_worker(cfg, rank, world, rank, init_method, run_dir)
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)

@@ -7,6 +7,10 @@
   is the first host of ``SLURM_JOB_NODELIST`` (:func:`expand_nodelist`).
 - :func:`free_port` and :func:`tcp_url`: a local run's rendezvous on
   127.0.0.1 at a free port; a manual run's on ``--master-addr``.
+- :func:`bound_store`: the rendezvous store, served by rank 0 on that
+  address alone (torch's own store listens on every interface), and
+  :func:`loopback_interface`: a local run's gloo on the loopback too, so
+  nothing of a local run can be reached from another host.
 - :func:`choose_gloo_interface`: across hosts, gloo uses the interface that
   routes to the master unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 - :func:`pin`: each local rank on its own cores (``--cores-per-worker C``:
@@ -200,6 +204,51 @@ def free_port() -> int:
                 continue
             return s.getsockname()[1]
     raise OSError("no free TCP port on 127.0.0.1")
+
+
+def bound_store(init_method: str, rank: int, world: int, timeout: float):
+    """The rendezvous store of ``tcp://HOST:PORT``: rank 0 serves it on HOST's address only (a socket it binds
+    itself, handed to the store), every other rank connects there. A store can be read and written by any
+    client that reaches it, so a local run's (HOST 127.0.0.1) is reachable from this host alone, and a
+    multi-host run's only on the interface that carries ``--master-addr``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    rest = init_method.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    host, port = host.strip("[]"), int(port)
+    wait = timedelta(seconds=timeout)
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=wait)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise dist.DistNetworkError(f"rank 0 cannot serve the rendezvous on {host}:{port} ({exc.strerror}): "
+                                    "--master-addr must be an address of rank 0's host") from None
+    listener.listen(max(128, world))
+    return dist.TCPStore(host, port, world, is_master=True, timeout=wait, master_listen_fd=listener.detach())
+
+
+def loopback_interface() -> str:
+    """The name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    try:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+                if socket.inet_ntoa(packed[20:24]) == "127.0.0.1":
+                    return name
+    except (OSError, ImportError):
+        pass
+    return "lo"
 
 
 def tcp_url(host: str, port: int) -> str:

@@ -27,7 +27,7 @@ from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
 from .failures import GroupNotFormed, group_not_formed
-from .rendezvous import on_gpu
+from .rendezvous import bound_store, loopback_interface, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, dropout, model_shape
@@ -113,8 +113,9 @@ def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init
         if init_method is None:  # torchrun: its store, under a prefix of this start of the group
             dist.init_process_group(store=torchrun_store(rank, world, cfg.timeout), rank=rank, world_size=world,
                                     **kwargs)
-        else:
-            dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
+        else:  # rank 0 serves the store on the rendezvous address alone, not on every interface
+            store = bound_store(init_method, rank, world, cfg.timeout)
+            dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as exc:  # a rank never came, or rank 0 cannot be reached
         where = (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if init_method is None
                  else init_method.removeprefix("tcp://"))

@@ -1,0 +1,87 @@
+"""One run per folder: the lock a run holds on its ``--out``, and what may be done with a folder that holds one.
+
+A run's records, checkpoints and op logs all live in its folder, so two runs
+writing one folder would leave a mixture of both that neither could read (one
+run's records gone, a checkpoint of one strategy's rank 0 and another's rank
+1). So:
+
+- a run holds an exclusive lock (``flock``) on its folder while it runs,
+  taken by the process that launches it (for ranks started one per process,
+  rank 0's); a second run into a folder in use is refused before it starts,
+  naming the process that holds it (read from ``/proc/locks``). The lock
+  goes when that process ends, however it ends: there is no stale lock file;
+- a folder that holds a finished run is reused only by ``--resume`` (which
+  continues it) or ``--overwrite`` (which clears it first);
+- ``--out`` naming a file is refused before start (``RunConfig.validate``).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+class Claim:
+    """A run's hold on its folder (released when this process ends, or by :meth:`release`)."""
+
+    def __init__(self, folder: Path, fd: int, created: bool):
+        self.folder, self.fd, self.created = folder, fd, created
+
+    def release(self) -> None:
+        """Let the folder go; one this claim created and nothing was written to is removed."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.created:
+            try:
+                self.folder.rmdir()
+            except OSError:  # the run wrote something: it stays
+                pass
+
+
+def claim(folder: Path) -> Claim:
+    """Hold ``folder`` (made if missing) for this run; UsageError if another run holds it."""
+    folder = Path(folder)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"--out {folder} is in use by a run that is still going ({holder(folder)}); wait for it "
+                         "to end, or pass another --out") from None
+    return Claim(folder, fd, created)
+
+
+def holder(folder: Path) -> str:
+    """Who holds ``folder``'s lock, in words: its pid and command line, as ``/proc/locks`` and
+    ``/proc/PID/cmdline`` say (Linux); "another process" where they cannot be read."""
+    try:
+        inode = os.stat(folder).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                pid = int(fields[4])
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                return f"pid {pid}: {command}" if command else f"pid {pid}"
+    except (OSError, ValueError):
+        pass
+    return "another process"
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished run (its records were written)."""
+    return (Path(folder) / "summary.json").exists()
+
+
+def clear(folder: Path) -> None:
+    """``--overwrite``: everything in ``folder`` removed (the folder itself, and its lock, stay)."""
+    for entry in Path(folder).iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
