@@ -151,3 +151,40 @@ def paralab(tmp_path):
         out = kwargs.pop("out", tmp_path / f"run{next(counter)}")
         return run_paralab(*args, out=out, **kwargs)
     return run
+
+
+# ---------------------------------------------------------------- checkpoints as a writer would have left them
+def commit_generation(run_dir, step: int, identity: dict, payloads: dict, world: int, tag: str | None = None):
+    """A committed checkpoint generation written in this process (``run/generations.py``'s layout): rank ->
+    payload for the ranks given (a rank left out has no file: the manifest still lists what it would hold)."""
+    import torch
+
+    from paralab.run import generations
+    folder = generations.folder_for(run_dir, step, tag)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for rank in range(world):
+        path = folder / f"rank{rank}.pt"
+        torch.save(payloads.get(rank, payloads[min(payloads)]), path)
+        files[str(rank)] = {"bytes": path.stat().st_size, "sha256": generations.sha256(path)}
+        if rank not in payloads:
+            path.unlink()
+    (folder / generations.MANIFEST).write_text(json.dumps({"format": generations.FORMAT, "step": step,
+                                                           "world": world, "identity": identity, "files": files}))
+    return folder
+
+
+def recommit(run_dir, rank: int, change) -> None:
+    """Rank ``rank``'s file of the newest committed checkpoint rewritten with ``change(saved)`` applied, and its
+    manifest entry with it: what a writer with that bug would have committed (not a file edited since)."""
+    import torch
+
+    from paralab.run import generations
+    gen = generations.newest(run_dir)
+    saved = torch.load(gen.path(rank), weights_only=True)
+    change(saved)
+    torch.save(saved, gen.path(rank))
+    manifest = gen.folder / generations.MANIFEST
+    doc = json.loads(manifest.read_text())
+    doc["files"][str(rank)] = {"bytes": gen.path(rank).stat().st_size, "sha256": generations.sha256(gen.path(rank))}
+    manifest.write_text(json.dumps(doc))

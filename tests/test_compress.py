@@ -89,7 +89,8 @@ def test_refused_before_start(changes, message):
 
 # ---------------------------------------------------------------------------- runs
 def weights(run) -> dict:
-    return torch.load(run.out / "checkpoint" / "rank0.pt", weights_only=True)["state"]["model"]
+    from paralab.run.checkpoint import checkpoint_path
+    return torch.load(checkpoint_path(run.out, 0), weights_only=True)["state"]["model"]
 
 
 def allreduce_bytes(run) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_paralab
+from conftest import commit_generation, run_paralab
 from paralab.run.checkpoint import load
 from paralab.cli import main
 from paralab.models import build_model
@@ -153,12 +153,15 @@ def test_torch_ddp_rank_files_hold_rank0s_batchnorm_statistics(tmp_path, capsys)
 
 
 def fake_run(run: Path, strategy: str, workers: int, ranks) -> Path:
-    """A run directory holding the checkpoints a data-parallel run of the seeded model would write."""
+    """A run directory holding the checkpoint a data-parallel run of the seeded model would commit (the files
+    of ``ranks``; the manifest lists every rank's)."""
     from paralab.run import checkpoint
     from paralab.run.config import RunConfig
-    cfg = RunConfig(strategy=strategy, workers=workers, width=0.125, norm="none", dataset="synthetic")
-    for rank in ranks:
-        checkpoint.save(run, rank, 3, cfg, {"model": seeded_model("none").state_dict(), "optimizer": {}})
+    cfg = RunConfig(strategy=strategy, workers=workers, width=0.125, norm="none", dataset="synthetic").validate()
+    identity = checkpoint.identity(cfg)
+    payload = {"step": 3, "identity": identity, "losses": "[]",
+               "state": {"model": seeded_model("none").state_dict(), "optimizer": {}}}
+    commit_generation(run, 3, identity, {rank: payload for rank in ranks}, workers)
     return run
 
 
@@ -167,7 +170,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
     empty.mkdir()
     assert main(["export", str(empty)]) == 2
     err = capsys.readouterr().err
-    assert "has no checkpoint" in err and "--checkpoint-every" in err and not (empty / "model.pt").exists()
+    assert "has no complete checkpoint" in err and "--checkpoint-every" in err and not (empty / "model.pt").exists()
     assert main(["export", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
@@ -203,10 +206,11 @@ class Payload:
 
 
 def test_a_crafted_checkpoint_is_refused_without_running_anything(tmp_path, capsys):
+    """Even committed (its manifest's sum matches it), a file holding a pickled call is read with
+    weights_only: refused, and the call never made."""
     marker = tmp_path / "ran"
-    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
-    with open(tmp_path / "run" / "checkpoint" / "rank0.pt", "wb") as f:
-        torch.save({"step": 1, "identity": {"world": 1}, "state": Payload(marker)}, f)
+    commit_generation(tmp_path / "run", 1, {"world": 1}, {0: {"step": 1, "identity": {"world": 1},
+                                                             "state": Payload(marker)}}, 1)
     assert main(["export", str(tmp_path / "run")]) == 2
     assert "not a readable paralab checkpoint" in capsys.readouterr().err
     assert not marker.exists()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST
+from conftest import FAST, commit_generation
 from paralab.cli import main
 from paralab.run.config import RunConfig
 from paralab.errors import UsageError
@@ -221,19 +221,24 @@ def test_a_single_process_run_that_fails_says_how_to_resume(paralab):
         assert words[words.index(flag) + 1] == value, words
 
 
-def test_resume_refuses_rank_files_of_different_steps(tmp_path):
-    """A run stopped between two ranks' saves leaves files that cannot continue one run together."""
+def test_a_save_that_stopped_half_way_is_ignored_and_the_last_committed_one_offered(tmp_path):
+    """A run stopped between two ranks' saves of step 4 leaves a torn generation: it is never read; step 2's,
+    committed, is what a resume continues from and what the hint offers."""
     from paralab.run import checkpoint
     from paralab.run.failures import resume_hint
     cfg = RunConfig(strategy="ddp", workers=2, dataset="synthetic", batch_size=32, num_batches=10).validate()
-    for rank, step in ((0, 4), (1, 2)):
-        checkpoint.save(tmp_path, rank, step, cfg, {"model": {}})
-    with pytest.raises(UsageError, match="different steps \\(rank 0: 4, rank 1: 2\\)"):
+    ident = checkpoint.identity(cfg)
+    with pytest.raises(UsageError, match="no complete checkpoint"):
         RunConfig(**{**cfg.to_dict(), "resume": str(tmp_path)}).validate()
     assert resume_hint(cfg, tmp_path) is None  # no complete checkpoint: no command offered
-    checkpoint.save(tmp_path, 1, 4, cfg, {"model": {}})
+    commit_generation(tmp_path, 2, ident, {r: {"step": 2, "identity": ident, "state": {"model": {}}} for r in (0, 1)}, 2)
+    torn = commit_generation(tmp_path, 4, ident, {0: {"step": 4, "identity": ident, "state": {"model": {}}}}, 2)
+    (torn / "manifest.json").unlink()  # rank 1 never wrote its file: no commit
+    assert checkpoint.resumable_step(tmp_path, cfg) == 2
+    assert "step-00000004" in checkpoint.torn_note(tmp_path) and "step 2's" in checkpoint.torn_note(tmp_path)
+    RunConfig(**{**cfg.to_dict(), "resume": str(tmp_path)}).validate()  # resumes, from step 2
     command, lines = resume_hint(cfg, tmp_path)
-    assert lines[0] == f"paralab: the checkpoint of step 4 is complete ({tmp_path / 'checkpoint'}); to resume:"
+    assert lines[0] == f"paralab: the checkpoint of step 2 is complete ({tmp_path / 'checkpoint'}); to resume:"
     words = shlex.split(command)
     assert words[words.index("--resume") + 1] == words[words.index("--out") + 1] == str(tmp_path)
 
@@ -329,7 +334,8 @@ def test_manual_ranks_on_one_host(tmp_path, fault):
         assert all(len(d["buckets"]) > 1 for d in summary["strategy_details"].values())  # --bucket-mb arrived
         config = json.loads((tmp_path / "rank0" / "config.json").read_text())
         assert config["launched_by"] == "manual" and config["rank"] == 0 and config["world_size"] == 2
-        assert (tmp_path / "rank1" / "checkpoint" / "rank1.pt").exists()  # each rank keeps its own state
+        from paralab.run.checkpoint import checkpoint_path
+        assert checkpoint_path(tmp_path / "rank1", 1).exists()  # each rank keeps its own state (and manifest)
     else:
         why = f"rank 0 (exit {rc0}):\n{err0[-2000:]}\nrank 1 (exit {rc1}):\n{err1[-2000:]}"
         assert rc1 == 1 and "RuntimeError: injected fault on rank 1 at step 1" in err1, why

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_paralab
+from conftest import commit_generation, recommit, run_paralab
 from paralab.commands.export import consolidate
 from paralab.run import checkpoint
 
@@ -110,11 +110,8 @@ def test_without_the_optimizer_state_the_run_differs(paralab, tmp_path, single):
     far outside the tolerance, so the comparisons above do test that it is carried."""
     a = paralab("train", "ddp", "--workers", "2", *VGG, "--num-batches", "5", out=tmp_path / "a")
     assert a.returncode == 0
-    for rank in range(2):
-        saved = checkpoint.load(a.out, rank)
-        saved["state"]["optimizer"]["state"] = {}
-        torch.save(saved, tmp_path / "bare.pt")
-        (tmp_path / "bare.pt").replace(a.out / "checkpoint" / f"rank{rank}.pt")
+    for rank in range(2):  # as a writer that left the optimizer state out would have committed it
+        recommit(a.out, rank, lambda saved: saved["state"]["optimizer"].update(state={}))
     b = paralab("train", "single", *VGG, "--num-batches", "10", "--resume", str(a.out), out=tmp_path / "b")
     assert b.returncode == 0, b.stderr
     mine, theirs = consolidate(b.out)[0], consolidate(single(VGG))[0]
@@ -138,7 +135,8 @@ def test_batchnorm_is_said_and_same_split_stays_exact(paralab, tmp_path):
 
 # ---------------------------------------------------------------------------------- refused before start
 def _unchanged(folder: Path):
-    return {p.name: p.read_bytes() for p in sorted((folder / "checkpoint").glob("rank*.pt"))}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted((folder / "checkpoint").rglob("*"))
+            if p.is_file()}
 
 
 def test_bad_resumes_refused_before_start(paralab, tmp_path):
@@ -161,10 +159,11 @@ def test_bad_resumes_refused_before_start(paralab, tmp_path):
                 "--resume", str(p.out), out=tmp_path / "x3")
     assert p.returncode == 0 and r.returncode == 2 and "global batch" in r.stderr, r.stderr
     # a missing rank file of the old layout
-    (a.out / "checkpoint" / "rank1.pt").rename(tmp_path / "rank1.pt")
+    kept = checkpoint.checkpoint_path(a.out, 1)
+    kept.rename(tmp_path / "rank1.pt")
     r = paralab("train", "single", *VGG, "--num-batches", "4", "--resume", str(a.out), out=tmp_path / "x4")
     assert r.returncode == 2 and "rank1.pt is missing" in r.stderr and not (tmp_path / "x4").exists(), r.stderr
-    (tmp_path / "rank1.pt").rename(a.out / "checkpoint" / "rank1.pt")
+    (tmp_path / "rank1.pt").rename(kept)
     assert _unchanged(a.out) == before
 
 
@@ -174,10 +173,12 @@ def test_shapes_that_do_not_fit_are_named(tmp_path):
     from paralab.errors import UsageError
     from paralab.models import build_model
     from paralab.run.config import RunConfig
-    cfg = RunConfig(strategy="ddp", workers=2, width=0.125, norm="none", dataset="synthetic")
+    cfg = RunConfig(strategy="ddp", workers=2, width=0.125, norm="none", dataset="synthetic").validate()
     wide = build_model("vgg11", width=0.25, norm="none", num_classes=10)
     state = {"model": wide.state_dict(), "optimizer": torch.optim.SGD(wide.parameters(), lr=0.1).state_dict()}
-    checkpoint.save(tmp_path, 0, 3, RunConfig.from_dict({**cfg.to_dict(), "strategy": "single", "workers": 1}), state)
+    single = RunConfig.from_dict({**cfg.to_dict(), "strategy": "single", "workers": 1}).validate()
+    ident = checkpoint.identity(single)
+    commit_generation(tmp_path, 3, ident, {0: {"step": 3, "identity": ident, "state": state, "losses": "[]"}}, 1)
     with pytest.raises(UsageError, match="shapes differ: 0.*weight"):
         checkpoint.check_resumable(tmp_path, cfg)
 

@@ -24,7 +24,8 @@ def losses(out) -> list:
 
 def state(out, world: int) -> list[dict]:
     """Every rank's final checkpointed state (weights, BatchNorm buffers, optimizer state)."""
-    return [torch.load(out / "checkpoint" / f"rank{r}.pt", weights_only=True)["state"] for r in range(world)]
+    from paralab.run.checkpoint import checkpoint_path
+    return [torch.load(checkpoint_path(out, r), weights_only=True)["state"] for r in range(world)]
 
 
 def same(a, b) -> bool:

@@ -24,7 +24,7 @@ def test_synthetic_is_learnable_and_run_directory_is_complete(paralab):
     assert split["comm"] == 0
     assert s["samples_per_s"] > 0 and abs(s["samples_per_s"] * s["seconds_per_iter"] - 32) < 1e-6
     for name in ("config.json", "steps.jsonl", "spans.jsonl", "summary.json", "eval.txt", "trace.json",
-                 "checkpoint/rank0.pt"):
+                 "checkpoint/step-00000100/rank0.pt", "checkpoint/step-00000100/manifest.json"):
         assert (r.out / name).exists(), name
     assert len(r.rows("steps.jsonl")) == 100
     cfg = json.loads((r.out / "config.json").read_text())

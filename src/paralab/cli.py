@@ -44,7 +44,7 @@ def cmd_train(args) -> int:
                                  "continue it, or --overwrite to replace it")
             if held is not None:
                 folder.clear(run_dir)
-        return launch(cfg, str(run_dir))
+        return launch(cfg, str(run_dir), on_end=held.release if held is not None else None)
     finally:
         if held is not None:
             held.release()

@@ -51,7 +51,7 @@ LAYOUT_ONLY = frozenset((
     "sequence_parallel", "accumulate", "bucket_mb", "zero_stage", "step_in_backward", "prefetch", "replicate",
     "gpus", "dispatcher", "cp_method", "cp_balance", "recompute",
     "log_every", "warmup", "eval_batches", "eval_batch_size", "out", "progress", "checkpoint_every", "resume",
-    "check", "save_init", "check_every", "check_cache", "overwrite",
+    "check", "save_init", "check_every", "check_cache", "overwrite", "keep_checkpoints",
     "workers", "cores_per_worker", "world_size", "rank", "master_addr", "master_port", "backend", "device",
     "timeout", "network", "max_restarts", "start", "launched_by", "network_emulated", "started_by", "restarts",
 ))

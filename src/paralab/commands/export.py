@@ -50,15 +50,16 @@ def add_arguments(p) -> None:
 
 def read_states(run_dir: Path, tag: str | None) -> tuple[list[dict], int, dict]:
     """Every rank's checkpoint (weights_only), checked to be one run at one step: (files, step, identity)."""
-    from ..run.checkpoint import checkpoint_path, read_all
-    first = checkpoint_path(run_dir, 0, tag)
-    if tag and not first.exists():
-        raise UsageError(f"{run_dir} has no starting-weights checkpoint ({first} is missing); "
+    import sys
+
+    from ..run.checkpoint import checkpoint_path, read_all, torn_note
+    if tag and checkpoint_path(run_dir, 0, tag) is None:
+        raise UsageError(f"{run_dir} has no starting-weights checkpoint (no committed checkpoint/{tag}/); "
                          "a run keeps them only when trained with --save-init")
-    if not first.exists():
-        raise UsageError(f"{run_dir} has no checkpoint ({first} is missing), so there is nothing to export; "
-                         "a run saves one when it finishes, and every N steps with --checkpoint-every N")
-    files = read_all(run_dir, tag)
+    torn = None if tag else torn_note(run_dir)
+    if torn:
+        print(f"paralab: {torn}", file=sys.stderr, flush=True)
+    files = read_all(run_dir, tag)  # the newest committed generation, or UsageError saying why not
     return files, files[0]["step"], files[0]["identity"]
 
 

@@ -1,12 +1,16 @@
-"""Resumable state: one file per rank, written atomically, read with ``weights_only=True``.
+"""Resumable state: what a rank saves and what a resume, a restart or an export may read back.
 
-``<run>/checkpoint/rank<R>.pt`` holds the step reached, the model identity
-and the strategy's own state (sharded strategies keep their shard). The data
-order and augmentation are functions of (seed, step), so no RNG state is needed
-to resume bit-identically. ``--save-init`` also writes the starting state, in
-the same layout, to ``<run>/checkpoint/init/rank<R>.pt`` (``paralab export
-RUN --init``). ``paralab export`` turns any strategy's rank files into one
-plain state_dict (each strategy's ``consolidate``).
+A checkpoint is a generation (``generations.py``): ``<run>/checkpoint/step-<S>/``
+holds one file per rank and a manifest committed last; only committed
+generations are read, files checked against their SHA-256 and loaded with
+``weights_only=True``. Each rank's file holds the step reached, the model
+identity, the strategy's own state (sharded strategies keep their shard)
+and the rank's losses so far. The data order and augmentation are functions
+of (seed, step), so no RNG state is needed to resume bit-identically.
+``--save-init`` also writes the starting state, in the same layout, as the
+``init`` generation (``paralab export RUN --init``). ``paralab export`` turns
+any strategy's rank files into one plain state_dict (each strategy's
+``consolidate``).
 
 A checkpoint whose identity differs from the run's only in its layout
 (:data:`LAYOUT_KEYS`: strategy, workers, pp, tp, ep, ZeRO stage, microbatches...)
@@ -18,14 +22,14 @@ takes its part (``load_portable``). Anything else that differs is refused.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
 from ..options import identity_fields
+from . import generations
+from .generations import WriteError  # noqa: F401 - what a failed save raises, for its callers
 from ..strategies.all_options import StrategyOptions
 
 # What must match for a resumed run to continue the same arithmetic: the model and
@@ -51,41 +55,33 @@ LAYOUT_KEYS += ("replicate",)  # HSDP's replica groups (fsdp --replicate)
 INIT = "init"
 
 
-def checkpoint_path(run_dir: Path, rank: int, tag: str | None = None) -> Path:
-    """``<run>/checkpoint/rank<R>.pt``, or with ``tag`` (``INIT``) ``<run>/checkpoint/<tag>/rank<R>.pt``."""
-    folder = Path(run_dir) / "checkpoint"
-    return (folder / tag if tag else folder) / f"rank{rank}.pt"
+def checkpoint_path(run_dir: Path, rank: int, tag: str | None = None) -> Path | None:
+    """Rank ``rank``'s file in the newest committed generation of ``run_dir`` (or the ``tag`` one), or None."""
+    gen = generations.newest(run_dir, tag)
+    return None if gen is None else gen.path(rank)
 
 
 def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_KEYS} | {"world": cfg.world}
 
 
-def save(run_dir: Path, rank: int, step: int, cfg, state: dict, tag: str | None = None,
-         losses: list | None = None) -> Path:
-    """Write rank ``rank``'s state at ``step`` atomically. ``losses``: this rank's [step, loss] pairs so
-    far (JSON text in the file), so that a resumed run still has the whole run's losses."""
-    path = checkpoint_path(run_dir, rank, tag)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"step": step, "identity": identity(cfg), "state": state,
-                        "losses": json.dumps(losses or [])}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+def save(run_dir: Path, rank: int, step: int, cfg, state: dict, comm, tag: str | None = None,
+         losses: list | None = None, written=None) -> None:
+    """Rank ``rank``'s state at ``step``, committed with every other rank's as one generation (a collective;
+    ``generations.write``). ``losses``: this rank's [step, loss] pairs so far (JSON text in the file), so
+    that a resumed run still has the whole run's losses. WriteError on every rank if any could not write."""
+    payload = {"step": step, "identity": identity(cfg), "state": state, "losses": json.dumps(losses or [])}
+    generations.write(run_dir, rank, step, payload, comm, identity(cfg), tag=tag, keep=cfg.keep_checkpoints,
+                      written=written)
 
 
-def load(run_dir: Path, rank: int, tag: str | None = None, mmap: bool = False) -> dict:
-    """One rank's checkpoint; ``weights_only``: the file's bytes cannot run code. ``mmap``: tensors
-    are read only when touched (to read the step or identity of a large file cheaply)."""
-    return torch.load(checkpoint_path(run_dir, rank, tag), map_location="cpu", weights_only=True, mmap=mmap)
+def load(run_dir: Path, rank: int, tag: str | None = None) -> dict:
+    """Rank ``rank``'s state in the newest committed generation, checked against its manifest (UsageError
+    naming the file otherwise); ``weights_only``: the file's bytes cannot run code."""
+    gen = generations.newest(run_dir, tag)
+    if gen is None:
+        raise UsageError(f"{run_dir} has no committed checkpoint")
+    return torch.load(gen.verify(rank), map_location="cpu", weights_only=True)
 
 
 def losses(saved: dict) -> list:
@@ -93,32 +89,30 @@ def losses(saved: dict) -> list:
     return json.loads(saved.get("losses") or "[]")
 
 
-def steps(run_dir: Path, ranks, tag: str | None = None) -> dict[int, int | None]:
-    """The step each rank's file in ``run_dir`` holds (None: missing or unreadable); ``ranks``: an
-    iterable of ranks, or the world size (every rank)."""
-    found = {}
-    for rank in (range(ranks) if isinstance(ranks, int) else ranks):
-        try:
-            found[rank] = int(load(run_dir, rank, tag, mmap=True)["step"])
-        except Exception:  # noqa: BLE001 - missing, truncated, not a checkpoint
-            found[rank] = None
-    return found
+def torn_note(run_dir: Path) -> str | None:
+    """One line about saves that stopped half way (newer than the newest committed one), or None."""
+    torn = generations.torn(run_dir)
+    if not torn:
+        return None
+    last = generations.newest(run_dir)
+    return (f"{', '.join(p.name for p in torn)} in {Path(run_dir) / 'checkpoint'} "
+            f"{'is' if len(torn) == 1 else 'are'} incomplete (a rank stopped while saving): ignored; "
+            + (f"the newest complete checkpoint is step {last.step}'s" if last else "no complete checkpoint"))
 
 
 def resumable_step(run_dir: Path, cfg, ranks=None) -> int | None:
-    """The step a run with ``cfg`` can resume from ``run_dir`` (the files of ``ranks``, default every
-    rank, present, readable, of this run, at one step), else None."""
-    ranks = list(range(cfg.world) if ranks is None else ranks)
-    try:
-        saved = load(run_dir, ranks[0], mmap=True)["identity"]
-        if saved != identity(cfg):
-            if not another_layout(run_dir, cfg, ranks[0]):
-                return None
-            ranks = list(range(int(saved["world"])))  # another layout: every old rank's file
-    except Exception:  # noqa: BLE001
+    """The step a run with ``cfg`` can resume from ``run_dir``: its newest committed generation, if it is
+    this run (or this run in another layout) and holds the files of ``ranks`` (default every rank's);
+    else None."""
+    gen = generations.newest(run_dir)
+    if gen is None:
         return None
-    found = set(steps(run_dir, ranks).values())
-    return found.pop() if len(found) == 1 and None not in found else None
+    if gen.identity != identity(cfg):
+        if not layout_only(gen.identity, cfg):
+            return None
+        ranks = range(gen.world)  # another layout: every old rank's file
+    ranks = list(range(gen.world) if ranks is None else ranks)
+    return gen.step if all(gen.present(r) for r in ranks) else None
 
 
 def differences(saved: dict, cfg) -> dict[str, tuple]:
@@ -128,12 +122,17 @@ def differences(saved: dict, cfg) -> dict[str, tuple]:
             if saved.get(k, IDENTITY_DEFAULTS.get(k)) != mine[k]}
 
 
-def another_layout(run_dir: Path, cfg, rank: int | None = None) -> bool:
-    """Whether ``run_dir``'s checkpoint is this run in another layout (else: the same layout). Reads the
-    identity of ``rank``'s file where it exists, else rank 0's."""
-    probe = rank if rank is not None and checkpoint_path(run_dir, rank).exists() else 0
-    diffs = differences(load(run_dir, probe, mmap=True)["identity"], cfg)
+def layout_only(saved: dict, cfg) -> bool:
+    """Whether a checkpoint of identity ``saved`` is this run in another layout (only LAYOUT_KEYS differ)."""
+    diffs = differences(saved, cfg)
     return bool(diffs) and all(k in LAYOUT_KEYS for k in diffs)
+
+
+def another_layout(run_dir: Path, cfg, rank: int | None = None) -> bool:
+    """Whether ``run_dir``'s newest committed checkpoint is this run in another layout (else: the same
+    layout, or none)."""
+    gen = generations.newest(run_dir)
+    return gen is not None and layout_only(gen.identity, cfg)
 
 
 def saved_config(cfg, saved: dict):
@@ -154,32 +153,25 @@ def describe(ident: dict) -> str:
 
 
 def read_all(run_dir: Path, tag: str | None = None) -> list[dict]:
-    """Every rank's file of ``run_dir``'s checkpoint (weights_only), checked to be one run at one step;
-    UsageError naming the file that is missing, unreadable or from another run or step."""
-    first = checkpoint_path(run_dir, 0, tag)
-    if not first.exists():
-        raise UsageError(f"{run_dir} has no checkpoint ({first} is missing); "
-                         "a run saves one when it finishes, and every N steps with --checkpoint-every N")
-    files, world, rank = [], None, 0
-    while world is None or rank < world:
-        path = checkpoint_path(run_dir, rank, tag)
-        if not path.exists():
-            raise UsageError(f"{path} is missing: the run had {world} ranks and every rank's file is needed "
-                             "(ranks started with --rank keep theirs on their own host: copy them here)")
+    """Every rank's file of ``run_dir``'s newest committed checkpoint (weights_only), each checked against the
+    manifest; UsageError naming what is missing or does not match."""
+    gen = generations.newest(run_dir, tag)
+    if gen is None:
+        torn = torn_note(run_dir) if not tag else None
+        raise UsageError(f"{run_dir} has no complete checkpoint" + (f" ({torn})" if torn else "")
+                         + "; a run saves one when it finishes, and every N steps with --checkpoint-every N")
+    files = []
+    for rank in range(gen.world):
+        path = gen.verify(rank)
         try:
-            saved = load(run_dir, rank, tag)
-            ident, step = saved["identity"], int(saved["step"])
-            if not isinstance(saved["state"], dict):
-                raise TypeError("its state is not a dict")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(saved.get("state"), dict) or int(saved["step"]) != gen.step:
+                raise TypeError("its state or step is not the manifest's")
+        except UsageError:
+            raise
         except Exception as exc:  # noqa: BLE001 - anything unreadable is the input's fault
             raise UsageError(f"{path} is not a readable paralab checkpoint ({exc})")
-        if world is None:
-            world = int(ident["world"])
-        elif ident != files[0]["identity"] or step != files[0]["step"]:
-            raise UsageError(f"{path} is not from the same run and step as rank 0's "
-                             f"(step {step} vs {files[0]['step']}); the run stopped while saving")
         files.append(saved)
-        rank += 1
     return files
 
 
@@ -242,24 +234,19 @@ def carried_notes(old, new, model) -> list[str]:
 def check_resumable(run_dir: Path, cfg) -> None:
     """Refuse --resume from a directory without a matching checkpoint (before any worker starts)."""
     ranks = [cfg.rank] if cfg.rank is not None else range(cfg.world)
-    probe = next((r for r in (*ranks, 0) if checkpoint_path(run_dir, r).exists()), None)
-    if probe is not None:
-        try:
-            other = another_layout(run_dir, cfg, probe)
-        except Exception:  # noqa: BLE001 - unreadable: the loop below says so
-            other = False
-        if other:
-            return check_reshardable(run_dir, cfg)
+    gen = generations.newest(run_dir)
+    if gen is None:
+        torn = torn_note(run_dir)
+        raise UsageError(f"--resume {run_dir}: no complete checkpoint there" + (f" ({torn})" if torn else "")
+                         + "; resume from a run made with --checkpoint-every or one that finished")
+    if layout_only(gen.identity, cfg):
+        return check_reshardable(run_dir, cfg)
     for rank in ranks:
-        path = checkpoint_path(run_dir, rank)
-        if not path.exists():
-            raise UsageError(f"--resume {run_dir}: no checkpoint for rank {rank} ({path} is missing); "
-                             "resume from a run made with --checkpoint-every or one that finished")
         try:
-            whole = load(run_dir, rank, mmap=True)
-            saved, step = whole["identity"], whole["step"]
-        except Exception as exc:  # noqa: BLE001
-            raise UsageError(f"--resume {run_dir}: {path} is not a readable paralab checkpoint ({exc})")
+            gen.verify(rank)  # present, and the bytes its manifest committed
+        except UsageError as exc:
+            raise UsageError(f"--resume {run_dir}: {exc}") from None
+        saved, step = gen.identity, gen.step
         differ = differences(saved, cfg)
         other = [k for k in differ if k not in LAYOUT_KEYS]  # the layout alone would be resharded
         diffs = [f"{k}: checkpoint has {old!r}, this run {new!r}" for k, (old, new) in differ.items()
@@ -275,12 +262,6 @@ def check_resumable(run_dir: Path, cfg) -> None:
                              f"({'; '.join(diffs)}); use the same options"
                              + (" (the layout may differ: strategy, workers, pp, tp... are resharded)"
                                 if other and len(other) < len(differ) else ""))
-    if cfg.rank is None and cfg.world > 1:  # every rank's file is here: they must hold the same step
-        found = steps(run_dir, cfg.world)
-        if len(set(found.values())) > 1:
-            raise UsageError(f"--resume {run_dir}: the rank files hold different steps "
-                             f"({', '.join(f'rank {r}: {s}' for r, s in found.items())}); the run stopped while "
-                             "saving them, and they cannot continue one run together")
 
 
 def check_reshardable(run_dir: Path, cfg) -> None:

@@ -77,6 +77,8 @@ class RecordOptions:
                              type=str)
     overwrite: bool = option(False, "replace the finished run --out holds (else refused: --resume continues it)")
     progress: bool = option(True, "progress bar on rank 0")
+    keep_checkpoints: int = option(2, "committed checkpoints kept; an older one is deleted only once a newer one "
+                                      "is committed", minimum=1)
     checkpoint_every: int = option(0, "save resumable state every N steps, and at the end (0: at the end only)",
                                    minimum=0)
     resume: str | None = option(None, "run directory whose checkpoint to continue from", type=str)

@@ -47,8 +47,9 @@ from .hangs import explain_hang
 from .local import die_with_parent, run_local
 from .rendezvous import choose_gloo_interface, free_port, pin, slurm_place, tcp_url, under_torchrun
 
-def launch(cfg: RunConfig, run_dir: str) -> int:
-    """Run every rank this command is responsible for; return the exit code."""
+def launch(cfg: RunConfig, run_dir: str, on_end=None) -> int:
+    """Run every rank this command is responsible for; return the exit code. ``on_end``: called before a
+    rank that is this process ends it (the torchrun, Slurm and manual forms end the process themselves)."""
     if under_torchrun():
         cfg.launched_by = "torchrun"
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -57,7 +58,7 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
         if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:  # ranks on other hosts
             cfg.master_addr = os.environ.get("MASTER_ADDR", cfg.master_addr)
             choose_gloo_interface(cfg, rank)
-        _leave(_run_here(cfg, rank, world, local, None, run_dir))
+        _leave(_run_here(cfg, rank, world, local, None, run_dir), on_end)
     if cfg.launched_by == "slurm":  # the command line saw under_slurm()
         place = slurm_place(master_port=cfg.master_port)  # an unreadable environment: exit 2, nothing started
         cfg.master_addr, cfg.master_port = place.master_addr, place.master_port
@@ -68,13 +69,13 @@ def launch(cfg: RunConfig, run_dir: str) -> int:
         if place.nodes > 1:
             choose_gloo_interface(cfg, place.rank)
         _leave(_run_here(cfg, place.rank, place.world, place.local_rank,
-                         tcp_url(place.master_addr, place.master_port), run_dir))
+                         tcp_url(place.master_addr, place.master_port), run_dir), on_end)
     if cfg.world_size is not None:
         cfg.launched_by = "manual"
         pin(0, cfg, 1)
         choose_gloo_interface(cfg, cfg.rank)
         _leave(_run_here(cfg, cfg.rank, cfg.world_size, 0, tcp_url(cfg.master_addr, cfg.master_port or 29500),
-                         run_dir))
+                         run_dir), on_end)
     if cfg.network and cfg.workers > 1:
         return _run_on_network(cfg, run_dir)
     init_method = tcp_url("127.0.0.1", cfg.master_port or free_port())
@@ -157,14 +158,17 @@ def _run_in_user_namespace(cfg: RunConfig, run_dir: str) -> int:
             child.wait()
 
 
-def _leave(code: int):
-    """End a torchrun or manual rank once its work is done and written.
+def _leave(code: int, on_end=None):
+    """End a torchrun or manual rank once its work is done and written (``on_end`` first: the run's hold on
+    its folder let go).
 
     It skips the interpreter's shutdown, as spawned ranks do: tearing down
     gloo's background threads in static destructors occasionally aborts the
     process ("terminate called without an active exception") after a run that
     succeeded, which would turn a good run into a failed exit code.
     """
+    if on_end is not None:
+        on_end()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

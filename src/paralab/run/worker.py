@@ -26,7 +26,7 @@ from . import checkpoint, hangs, held, records
 from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
-from .failures import GroupNotFormed, group_not_formed
+from .failures import GroupNotFormed, group_not_formed, resume_hint
 from .rendezvous import bound_store, loopback_interface, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
@@ -79,26 +79,30 @@ def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int):
                              warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch)
 
 
-def fault_injection(rank: int, step: int, attempt: int = 1) -> None:
+def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step") -> None:
     """Testing only: PARALAB_FAULT=RANK:STEP[:KIND[:ATTEMPT]] makes that rank fail at the start of that step.
 
     KIND: ``raise`` (the default: a RuntimeError, reported with its traceback), ``kill`` (SIGKILL to
     itself: no traceback, as ``kill -9`` or the kernel's out-of-memory killer) or ``oom`` (an
     out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
-    Python error, as a shell or container runtime reports a process the out-of-memory killer took).
-    ATTEMPT: only in that start of the group (``--max-restarts``: 1 is the first); every start if
-    left out. Several faults: comma-separated.
+    Python error, as a shell or container runtime reports a process the out-of-memory killer took);
+    ``save``: SIGKILL while saving the checkpoint of step STEP, its own file written and the generation
+    not yet committed (``moment="save"``: what ``generations.write`` calls). ATTEMPT: only in that start
+    of the group (``--max-restarts``: 1 is the first); every start if left out. Several faults:
+    comma-separated.
     """
     spec = os.environ.get("PARALAB_FAULT")
     for fault in spec.split(",") if spec else ():
         fault_rank, fault_step, *rest = fault.split(":")
         kind = rest[0] if rest else "raise"
-        if kind not in ("raise", "kill", "oom"):
-            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill or oom")
+        if kind not in ("raise", "kill", "oom", "save"):
+            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom or save")
         if len(rest) > 1 and int(rest[1]) != attempt:
             continue
+        if (kind == "save") != (moment == "save"):
+            continue
         if rank == int(fault_rank) and step == int(fault_step):
-            if kind == "kill":
+            if kind in ("kill", "save"):
                 import signal
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "oom":
@@ -241,10 +245,12 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if check is not None:
             check.after_step(step + 1)  # outside the step's timing (recorder.step is -1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
-            checkpoint.save(run_dir, rank, step + 1, cfg, strategy.state_dict(), losses=losses)
+            error = save_or_stop(cfg, run_dir, rank, step + 1, strategy, losses, comm, progress, attempt)
+            if error:
+                break
     else:
         progress.close()
-        checkpoint.save(run_dir, rank, s.total_steps, cfg, strategy.state_dict(), losses=losses)
+        error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
 
     # ------------------------------------------------------------------ evaluate, check, write
     recorder.step = -1
@@ -264,8 +270,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                       held=held_record)
     if main:
         say(f"records written to {run_dir}")
-    if error is not None:
-        raise SystemExit(3)
+    if error is not None:  # 4: a checkpoint could not be written; 3: the loss diverged
+        raise SystemExit(4 if error.startswith(CHECKPOINT_FAILED) else 3)
     if verdict is not None and not verdict["passed"]:
         raise SystemExit(1)
 
@@ -346,6 +352,9 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {resume} at step {start_step}")
     elif resume:
+        torn = checkpoint.torn_note(Path(resume))
+        if torn:
+            say(f"paralab: {torn}")
         saved = checkpoint.load(Path(resume), rank)
         s.strategy.load_state_dict(saved["state"])
         start_step, losses = saved["step"], checkpoint.losses(saved)
@@ -354,7 +363,7 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {resume} at step {start_step}")
     elif cfg.save_init:  # the starting weights, for `paralab export RUN --init` (a collective for some)
-        checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), tag="init")
+        checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), s.comm, tag="init")
     note = s.source.data_note(start_step, s.total_steps)  # uneven data: samples repeated, or left out
     if note:
         say(f"paralab: note: {note}")
@@ -375,6 +384,29 @@ def restarted_from(cfg: RunConfig, rank: int, s: Setup) -> Path | None:
         print(f"paralab: restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}): "
               f"continuing from {s.run_dir}'s checkpoint of step {steps[0]}", flush=True)
     return s.run_dir
+
+
+#: how the error of a run whose checkpoint could not be written begins (exit code 4)
+CHECKPOINT_FAILED = "could not save"
+
+
+def save_or_stop(cfg: RunConfig, run_dir: Path, rank: int, step: int, strategy, losses: list, comm: Comm,
+                 progress: Progress, attempt: int = 1) -> str | None:
+    """Save and commit this step's checkpoint with every rank (a collective); where any rank could not write
+    its part, the error that stops every rank alike (printed once, with what is intact and how to resume)."""
+    try:
+        checkpoint.save(run_dir, rank, step, cfg, strategy.state_dict(), comm, losses=losses,
+                        written=lambda: fault_injection(rank, step, attempt, moment="save"))
+        return None
+    except checkpoint.WriteError as exc:
+        intact = checkpoint.resumable_step(run_dir, cfg)
+        hint = resume_hint(cfg, run_dir) if intact is not None else None
+        error = (f"{CHECKPOINT_FAILED}: {exc}; " + (f"step {intact}'s is intact: {hint[0]}" if hint and hint[0]
+                                                   else "no checkpoint of this run was committed before it"))
+        progress.close()
+        if rank == 0:
+            print(f"paralab: {error}", file=sys.stderr, flush=True)
+        return error
 
 
 def log_or_stop(cfg: RunConfig, comm: Comm, progress: Progress, say, rank: int, step: int, total_steps: int,
