@@ -159,3 +159,15 @@ def test_plan_bench_predicts_runs_and_again_at_the_machines_speed(tmp_path):
     assert set(v["at_speed"]) == {"median_abs_error", "worst_abs_error", "spearman",
                                   "predicted_best_among_two_fastest"}
     assert "at the machine's speed around each run" in r.stdout
+
+
+@pytest.mark.slow  # a short chaos run: three faults at random moments, and a full disk (bench/chaos.py)
+def test_chaos_bench_survives_its_faults(tmp_path):
+    d = bench(tmp_path, "chaos", "--trials", "3", "--seed", "1")
+    t = d["totals"]
+    assert t["faults"] == t["finished"] == t["identical"] == 3
+    assert t["bytes_lost"] == 0 and t["max_redone"] <= t["K"] == 1
+    assert {x["fault"] for x in d["trials"]} <= {"rank", "save", "launcher"}
+    full = d["disk_full"]
+    assert "skipped" in full or (full["exit"] == 4 and full["one_line"] and full["bytes_lost"] == 0
+                                 and full["resumed_identical"])

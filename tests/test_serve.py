@@ -109,3 +109,70 @@ def test_a_folder_open_to_others_is_refused(tmp_path):
     r = paralab(folder, "serve")
     assert r.returncode == 2 and "is not a folder of this user's alone" in r.stderr, r.stderr
     assert not (folder / f"paralab-serve-{os.getuid()}" / "serve.sock").exists()
+
+
+def _session_alive(pid: int) -> list[int]:
+    from conftest import session_processes
+    return session_processes(pid)
+
+
+def test_a_served_run_lives_as_long_as_its_client_and_stop_ends_what_it_serves(tmp_path):
+    """kill -9 of the client: the command and its ranks end within seconds; `--status` lists what is served;
+    `--stop` ends the server and every command it serves, saying which; one server per user."""
+    folder = tmp_path / "xdg"
+    folder.mkdir(mode=0o700)
+    starts = [subprocess.Popen([sys.executable, "-m", "paralab", "serve", "--idle", "5"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=served_env(folder)) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in starts]
+    assert sum("ready in" in o for o in outs) == 1 and sum("already running" in o for o in outs) == 1, outs
+    long = ["train", "ddp", "--workers", "2", "--num-batches", "100000", *FAST]
+    try:
+        client = subprocess.Popen([sys.executable, "-m", "paralab", *long, "--out", str(tmp_path / "a")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=served_env(folder))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "a" / "oplog").exists() and time.monotonic() < deadline:  # its ranks run
+            time.sleep(0.1)
+        status = paralab(folder, "serve", "--status")
+        assert "serving 1 command(s)" in status.stdout and str(tmp_path / "a") in status.stdout
+        served = int(status.stdout.split("serving 1 command(s): pid ")[1].split(":")[0])
+        assert _session_alive(served)  # the command, its launcher's ranks
+        client.kill()  # kill -9: no word to the server
+        client.wait()
+        deadline = time.monotonic() + 20
+        while _session_alive(served) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _session_alive(served)
+        assert any("its client went away: ending" in line for line in log_lines(folder))
+
+        second = subprocess.Popen([sys.executable, "-m", "paralab", *long, "--out", str(tmp_path / "b")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=served_env(folder))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "b" / "oplog").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop = paralab(folder, "serve", "--stop")
+    assert stop.returncode == 0 and "stopped" in stop.stdout
+    assert "ended the 1 command(s) it served" in stop.stdout and str(tmp_path / "b") in stop.stdout
+    assert second.wait(timeout=30) not in (0, None)  # its client learnt the command was ended
+    assert paralab(folder, "serve", "--status").returncode == 1
+
+
+def test_a_silent_connection_holds_up_no_served_command(tmp_path):
+    import socket as sockets
+    folder = tmp_path / "xdg"
+    folder.mkdir(mode=0o700)
+    assert paralab(folder, "serve", "--idle", "5").returncode == 0
+    silent = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    try:
+        silent.connect(str(folder / f"paralab-serve-{os.getuid()}" / "serve.sock"))  # and says nothing
+        r = paralab(folder, "calc", "--help")
+        assert r.returncode == 0 and "usage: paralab calc" in r.stdout
+        assert log_lines(folder)[-1].endswith("exited 0")  # served, not run cold after a timeout
+        silent.setblocking(False)
+        try:
+            assert silent.recv(1) != b""  # not closed yet: the command did not wait for it to be dropped
+        except BlockingIOError:
+            pass
+    finally:
+        silent.close()
+        paralab(folder, "serve", "--stop")

@@ -119,6 +119,26 @@ def delegate(argv: list[str]) -> int | None:
         return _lost()
 
 
+def control(what: str, timeout: float = 30.0) -> dict | None:
+    """Ask the running server (``"status"``, ``"stop"``) through its socket: its answer, or None where no
+    server of this user's answers. No pid is signalled: only the process that listens on the socket in this
+    user's private folder is asked, and it answers for itself."""
+    path = socket_path()
+    if path is None or not path.exists():
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(str(path))
+        conn.sendall(json.dumps({"control": what}).encode() + b"\n")
+        line = conn.makefile("r").readline()
+        return json.loads(line) if line else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
 def _lost() -> int:
     print("paralab: the warm server went away before the command ended (paralab serve --stop; run it again)",
           file=sys.stderr, flush=True)
@@ -133,10 +153,51 @@ def _fingerprint() -> dict:
     return {str(f): f.stat().st_mtime_ns for f in files if f.exists()}
 
 
+#: seconds a connection may take to send its request before it is dropped (it never holds up the others)
+REQUEST_SECONDS = 10.0
+#: seconds between asking a command whose client went away to end (SIGTERM) and making it (SIGKILL)
+GRACE_SECONDS = 2.0
+
+
+class Served:
+    """A running command: its client's connection (the command lives as long as it), its command line."""
+
+    def __init__(self, conn: socket.socket, argv: list[str]):
+        self.conn, self.argv = conn, argv
+        self.ending: float | None = None  # when it was asked to end (its client gone, or the server stopping)
+
+    def end(self, pid: int, now: float) -> None:
+        """Ask the command and every process of its session to end; :func:`_escalate` makes them."""
+        if self.ending is None:
+            self.ending = now
+            _signal_group(pid, signal.SIGTERM)
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # the command made itself a session (and group) leader: pid is its group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def serve(idle_seconds: float, command) -> None:
     """The server's loop (the process ``paralab serve`` starts in the background); ``command()`` is what
-    each forked child runs once it has become the client's command (the command line's ``main``)."""
+    each forked child runs once it has become the client's command (the command line's ``main``).
+
+    One server per user: it holds ``serve.lock`` (flock) while it lives; a second one exits at once. Every
+    connection is read when it is ready (a silent one is dropped after :data:`REQUEST_SECONDS` and holds up
+    no other); a command's client connection is watched while it runs: when the client goes (killed,
+    ``kill -9`` included), the command and every process it started are ended within
+    :data:`GRACE_SECONDS` or so. ``paralab serve --stop`` and ``--status`` talk to it through the socket."""
+    import fcntl
     import importlib
+    where = folder(create=True)
+    lock = os.open(where / "serve.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("another server of this user's runs: leaving", flush=True)
+        return
     me, before = identity(), dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
@@ -144,7 +205,7 @@ def serve(idle_seconds: float, command) -> None:
     # imports would set it in its own
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
     fingerprint = _fingerprint()
-    path = folder(create=True) / "serve.sock"
+    path = where / "serve.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path.with_suffix(".tmp")
     tmp.unlink(missing_ok=True)
@@ -153,23 +214,54 @@ def serve(idle_seconds: float, command) -> None:
     listener.listen(16)
     os.replace(tmp, path)  # clients see the socket only once it listens
     inode = path.stat().st_ino
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `paralab serve --stop`: leave in order
-    children: dict[int, tuple] = {}  # running commands: pid -> (the client's connection, the command)
+    started = time.time()
+    leaving = None  # "stop" (--stop: the commands served end too) or "stale" (they go on to their ends)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    children: dict[int, Served] = {}            # running commands, by pid
+    pending: dict[socket.socket, float] = {}    # connections whose request has not come yet, since when
     last = time.monotonic()
     try:
-        while children or time.monotonic() - last < idle_seconds:
-            ready, _, _ = select.select([listener], [], [], 0.2)
+        while leaving is None and (children or pending or time.monotonic() - last < idle_seconds):
+            watched = [listener, *pending, *(c.conn for c in children.values() if c.ending is None)]
+            ready, _, _ = select.select(watched, [], [], 0.2)
+            now = time.monotonic()
             _reap(children)
-            if not ready:
-                continue
-            conn, _ = listener.accept()
-            last = time.monotonic()
-            if _fingerprint() != fingerprint:  # torch or this module changed: refuse, and stop serving
-                _reply(conn, {"refused": "stale"})
-                break
-            taken = _take(conn, me, added, command, [listener, conn, *(c for c, _ in children.values())])
-            if taken:
-                children[taken[0]] = (conn, taken[1])
+            for conn in ready:
+                if conn is listener:
+                    accepted, _ = listener.accept()
+                    pending[accepted] = now
+                    last = now
+                elif conn in pending:
+                    del pending[conn]
+                    request = _read(conn)
+                    if request is None:
+                        continue
+                    if request.get("control") == "status":
+                        _reply(conn, {"pid": os.getpid(), "since": started,
+                                      "running": {str(pid): c.argv for pid, c in children.items()}}, close=True)
+                    elif request.get("control") == "stop":
+                        _reply(conn, {"pid": os.getpid(), "ending": {str(pid): c.argv for pid, c in children.items()}},
+                               close=True)
+                        leaving = "stop"
+                    elif _fingerprint() != fingerprint:  # torch or this module changed: refuse, and stop serving
+                        _reply(conn, {"refused": "stale"})  # (the commands it serves go on, to their ends)
+                        leaving = "stale"
+                    else:
+                        taken = _take(conn, request, me, added, command,
+                                      [listener, conn, *pending, *(c.conn for c in children.values())])
+                        if taken:
+                            children[taken[0]] = Served(conn, taken[1])
+                else:  # a running command's client: readable means it went away (it sends nothing more)
+                    pid = next(p for p, c in children.items() if c.conn is conn)
+                    if _gone(conn):
+                        print(f"pid {pid}: its client went away: ending `paralab {' '.join(children[pid].argv)}`",
+                              flush=True)
+                        children[pid].end(pid, now)
+            for conn, since in list(pending.items()):  # silent too long: dropped, the others not held up
+                if now - since > REQUEST_SECONDS:
+                    del pending[conn]
+                    conn.close()
+            _escalate(children, now)
     finally:
         try:
             if path.stat().st_ino == inode:  # still ours (a newer server may have replaced it)
@@ -177,28 +269,55 @@ def serve(idle_seconds: float, command) -> None:
         except OSError:
             pass
         listener.close()
-        while children:  # leaving: running commands go on; their clients still learn the exit code
-            _reap(children, block=True)
+        for conn in pending:
+            conn.close()
+        now = time.monotonic()
+        for pid, child in children.items() if leaving == "stop" else ():  # --stop: every command served ends with it
+            print(f"pid {pid}: the server stops: ending `paralab {' '.join(child.argv)}`", flush=True)
+            child.end(pid, now)
+        while children:  # (stale: they end by themselves; their clients still learn the exit code)
+            _reap(children)
+            _escalate(children, time.monotonic())
+            time.sleep(0.05)
+        os.close(lock)
 
 
-def _reply(conn: socket.socket, message: dict) -> None:
+def _gone(conn: socket.socket) -> bool:
+    """Whether the client at the other end of ``conn`` has gone (its end closed: it sends nothing else)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _escalate(children: dict, now: float) -> None:
+    """A command asked to end that has not within :data:`GRACE_SECONDS` is made to (SIGKILL, its session)."""
+    for pid, child in children.items():
+        if child.ending is not None and now - child.ending > GRACE_SECONDS:
+            _signal_group(pid, signal.SIGKILL)
+
+
+def _reply(conn: socket.socket, message: dict, close: bool = False) -> None:
     try:
         conn.sendall(json.dumps(message).encode() + b"\n")
     except OSError:
         pass
-    if "pid" not in message:
+    if close or "pid" not in message:
         conn.close()
 
 
-def _take(conn: socket.socket, me: dict, added: dict, command, sockets: list) -> tuple[int, list[str]] | None:
-    """Read one command; fork its child; (the child's pid, the command) or None (refused: said, closed).
-    ``sockets``: the server's, which the child closes (a command must not hold the server's connections)."""
+def _read(conn: socket.socket) -> dict | None:
+    """One request from a connection that is readable: its JSON (and the descriptors it carried, under
+    ``"fds"``); None (closed) where it is not this user's, not JSON, or not whole within a short wait."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     if struct.unpack("3i", creds)[1] != os.getuid():
         conn.close()
         return None
+    fds = []
     try:
-        conn.settimeout(10)
+        conn.settimeout(1.0)  # the client sends its request in one message: it is here, or nearly
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         while not data.endswith(b"\n"):
             more = conn.recv(1 << 20)
@@ -207,9 +326,22 @@ def _take(conn: socket.socket, me: dict, added: dict, command, sockets: list) ->
             data += more
         request = json.loads(data)
         conn.settimeout(None)
+        if not isinstance(request, dict):
+            raise ValueError("not a request")
     except (OSError, ValueError):
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return None
+    request["fds"] = fds
+    return request
+
+
+def _take(conn: socket.socket, request: dict, me: dict, added: dict, command, sockets: list
+          ) -> tuple[int, list[str]] | None:
+    """Fork a command's child; (the child's pid, the command) or None (refused: said, closed).
+    ``sockets``: the server's, which the child closes (a command must not hold the server's connections)."""
+    fds = request.pop("fds")
     if request.get("identity") != me or len(fds) != 3:
         for fd in fds:
             os.close(fd)
@@ -269,13 +401,13 @@ def _stream(fd: int, mode: str):
                             write_through=unbuffered, errors="backslashreplace" if fd == 2 else "strict")
 
 
-def _reap(children: dict, block: bool = False) -> None:
-    """Tell each client whose command has ended its exit code (``block``: wait for one to end)."""
+def _reap(children: dict) -> None:
+    """Tell each client whose command has ended its exit code (where the client is still there)."""
     for pid in list(children):
-        done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
             code = code if code >= 0 else 128 - code
-            conn, argv = children.pop(pid)
-            print(f"pid {pid}: `paralab {' '.join(argv)}` exited {code}", flush=True)  # the server's log
-            _reply(conn, {"exit": code})
+            child = children.pop(pid)
+            print(f"pid {pid}: `paralab {' '.join(child.argv)}` exited {code}", flush=True)  # the server's log
+            _reply(child.conn, {"exit": code}, close=True)

@@ -40,7 +40,8 @@ from ..strategies import plan
 from ..strategies.base import Context
 
 
-#: the step this rank is in (the launcher's report says it if the rank fails)
+#: the steps this rank has done, or during one, the step it is in (0 to N - 1: as many done before it): what
+#: the launcher's report says if the rank fails (a restart's steps done twice are counted from it)
 at_step: int | None = None
 
 
@@ -229,7 +230,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         else:
             result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
         t1 = recorder.now()
-        recorder.step = -1
+        recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
         step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
         losses.append([step, result.loss])
         if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
