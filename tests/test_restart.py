@@ -149,3 +149,23 @@ def test_torchrun_restarts_and_the_group_finds_its_checkpoint(tmp_path, paralab)
     assert "restarted by torchrun (restart 1): continuing from" in p.stdout and "checkpoint of step 2" in p.stdout
     assert losses(out) == losses(plain.out)
     assert same(state(out, 2), state(plain.out, 2))
+
+
+def test_a_restarted_run_reads_as_one_run(paralab):
+    """Killed in step 7 (checkpoints every 3): steps.jsonl holds every step once per rank, steps 0-5 from the
+    first start and 6-9 from the second, the attempts end to end in time; the step done twice (6) is listed
+    with the restart; nothing of the journal is left."""
+    r = paralab("train", "ddp", "--workers", "2", "--num-batches", "10", "--checkpoint-every", "3",
+                "--max-restarts", "1", env={"PARALAB_FAULT": "1:7:kill:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = r.rows("steps.jsonl")
+    assert sorted((x["step"], x["rank"]) for x in rows) == [(s, k) for s in range(10) for k in range(2)]
+    assert {x["step"]: x["attempt"] for x in rows} == {s: 1 if s < 6 else 2 for s in range(10)}
+    summary = r.summary
+    assert summary["attempts"] == {"1": [0, 5], "2": [6, 9]} and summary["restarts"][0]["redone"] == [6]
+    assert "losses_before_resume" not in summary  # every loss is in steps.jsonl
+    spans = r.rows("spans.jsonl")
+    first = max(s["t1"] for s in spans if s["attempt"] == 1)
+    assert all(s["t0"] >= first for s in spans if s["attempt"] == 2)  # one timeline, the attempts in order
+    assert all(x["t0"] >= first for x in rows if x["attempt"] == 2)
+    assert not (r.out / "records").exists()

@@ -222,8 +222,9 @@ class Recorder:
         out["comm_async"] = union_length([(s.t0, s.t1) for s in spans if s.args.get("async")])
         return out
 
-    def dump(self) -> list[dict]:
-        return [asdict(s) for s in self.spans]
+    def dump(self, start: int = 0) -> list[dict]:
+        """The spans recorded so far (from the ``start``-th), as dicts."""
+        return [asdict(s) for s in self.spans[start:]]
 
 
 def exclusive_seconds(spans: list[Span]) -> list[tuple[Span, float]]:

@@ -12,6 +12,15 @@ multi-node runs need no shared file system) and writes:
     trace.json    Chrome/Perfetto trace
 
 Everything plots and reports need is in these files.
+
+A run that starts again from its own checkpoint (``--max-restarts``, torchrun's restarts, or ``--resume
+RUN`` into RUN) is one run: while it trains, each rank appends what it recorded since its last
+checkpoint to a journal (``records/rank<R>.jsonl``: one line per checkpoint, its rows and spans and the
+attempt they belong to), and the start after it takes the records of the steps before its checkpoint
+from there (:func:`journal_read`). So ``steps.jsonl`` and ``spans.jsonl`` hold every step once, each with
+the attempt that ran it (``attempt``), the attempts laid end to end in time; the steps done twice are
+listed with the restarts in summary.json (``restarts[*].redone``). The journal goes once the records are
+written.
 """
 from __future__ import annotations
 
@@ -36,15 +45,73 @@ from ..analysis.trace import chrome_trace
 SPLIT_KEYS = CATEGORIES + ("other",)
 
 
-def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict) -> dict:
+def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, attempt: int = 1) -> dict:
     seconds = t1 - t0
     accounted = sum(split[c] for c in CATEGORIES)
     split = {**split, "other": max(0.0, seconds - accounted)}
-    row = {"rank": rank, "step": step, "t0": t0, "t1": t1, "seconds": seconds,
+    row = {"rank": rank, "step": step, "attempt": attempt, "t0": t0, "t1": t1, "seconds": seconds,
            "loss": result.loss, "samples": result.samples, "split": split}
     if getattr(result, "moe", None):
         row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
     return row
+
+
+JOURNAL = "records"
+
+
+def journal_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / JOURNAL / f"rank{rank}.jsonl"
+
+
+def journal_append(run_dir: Path, rank: int, attempt: int, rows: list[dict], spans: list[dict]) -> None:
+    """After a committed checkpoint: this rank's rows and spans since its last one, as one line (flushed
+    to disk; a line cut short by a crash is skipped when read)."""
+    path = journal_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"attempt": attempt, "steps": rows, "spans": spans}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def journal_read(run_dir: Path, rank: int, before: int) -> tuple[list[dict], list[dict]]:
+    """This rank's rows and spans of steps ``0 .. before - 1`` from the journal: each step from the last
+    attempt that recorded it (times on that attempt's clock: :func:`end_to_end` lays them out)."""
+    chosen: dict[int, tuple[int, dict]] = {}  # step -> (attempt, row)
+    spans_of: dict[tuple[int, int], list[dict]] = {}  # (attempt, step) -> spans
+    try:
+        lines = journal_path(run_dir, rank).read_text().splitlines()
+    except OSError:
+        return [], []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            attempt = int(entry["attempt"])
+        except (ValueError, KeyError, TypeError):
+            continue  # cut short by a crash
+        for row in entry["steps"]:
+            if row["step"] < before and attempt >= chosen.get(row["step"], (0, None))[0]:
+                chosen[row["step"]] = (attempt, {**row, "attempt": attempt})
+        for span in entry["spans"]:
+            spans_of.setdefault((attempt, span["step"]), []).append({**span, "attempt": attempt})
+    rows = [row for _, (_, row) in sorted(chosen.items())]
+    spans = [s for step, (attempt, _) in sorted(chosen.items()) for s in spans_of.get((attempt, step), [])]
+    return rows, spans
+
+
+def end_to_end(rows: list[dict], spans: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Every rank's ``rows`` and ``spans`` (each with its ``attempt``; an attempt's ranks share one clock)
+    shifted so that each attempt begins where the one before it ended: one timeline for the run."""
+    out_rows, out_spans, at = [], [], None
+    for attempt in sorted({r["attempt"] for r in rows} | {s["attempt"] for s in spans}):
+        mine = [r for r in rows if r["attempt"] == attempt]
+        theirs = [s for s in spans if s["attempt"] == attempt]
+        start = min([r["t0"] for r in mine] + [s["t0"] for s in theirs])
+        shift = 0.0 if at is None else at - start
+        out_rows += [{**r, "t0": r["t0"] + shift, "t1": r["t1"] + shift} for r in mine]
+        out_spans += [{**s, "t0": s["t0"] + shift, "t1": s["t1"] + shift} for s in theirs]
+        at = max([r["t1"] for r in out_rows] + [s["t1"] for s in out_spans])
+    return out_rows, out_spans
 
 
 def environment(world: int, backend: str, device: torch.device) -> dict:
@@ -235,20 +302,28 @@ def predicted_memory(model: dict) -> dict:
 
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
-              dataset, evaluation, check, error, global_batch, is_main, earlier=(), held=None) -> None:
+              dataset, evaluation, check, error, global_batch, is_main, earlier=(), held=None,
+              carried=((), ())) -> None:
     """Gather every rank's records to rank 0, which writes the run directory. ``earlier``: this rank's
-    [step, loss] pairs from before a resume (summary.json ``losses_before_resume``)."""
+    [step, loss] pairs from before a resume that are not in ``carried`` (summary.json
+    ``losses_before_resume``); ``carried``: the rows and spans of this run's earlier attempts
+    (:func:`journal_read`), laid before this attempt's."""
     extra = strategy.extra_summary()
     peaks = recorder.allocator_peaks()  # CUDA only; absent on CPU
     if peaks:
         extra = {**extra, ALLOCATOR: peaks}
     if held:
         extra = {**extra, HELD: held}
-    gathered = comm.gather_objects((step_rows, recorder.dump(), extra, list(earlier)))
+    attempt = step_rows[0]["attempt"] if step_rows else 1
+    rows = list(carried[0]) + list(step_rows)
+    spans = list(carried[1]) + [s | {"attempt": attempt} for s in recorder.dump()]
+    gathered = comm.gather_objects((rows, spans, extra, list(earlier)))
+    journal_path(run_dir, comm.rank).unlink(missing_ok=True)  # the records are in what rank 0 writes now
     if not is_main:
         return
-    steps = sorted((r for rows, *_ in gathered for r in rows), key=lambda r: (r["step"], r["rank"]))
-    spans = sorted((s for _, ss, *_ in gathered for s in ss), key=lambda s: (s["t0"], s["rank"]))
+    steps, spans = end_to_end([r for rows, *_ in gathered for r in rows], [s for _, ss, *_ in gathered for s in ss])
+    steps = sorted(steps, key=lambda r: (r["step"], r["rank"]))
+    spans = sorted(spans, key=lambda s: (s["t0"], s["rank"]))
     extras = {}
     per_rank = [dict(e) for _, _, e, _ in gathered]
     derive_details(cfg, spans, per_rank)
@@ -270,8 +345,14 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     before = sorted([rank, step, loss] for rank, (*_, pairs) in enumerate(gathered) for step, loss in pairs)
     if before:  # a resumed run: the losses of the steps its checkpoint had trained
         summary["losses_before_resume"] = before
-    if cfg.restarts:
-        summary["restarts"] = cfg.restarts
+    if cfg.restarts:  # each restart, with the steps it made the group do again
+        summary["restarts"] = [r | {"redone": list(range(r["resumed_from_step"], r["reached_step"]))
+                                    if r.get("reached_step") is not None else []} for r in cfg.restarts]
+    attempts = sorted({r.get("attempt", 1) for r in steps})
+    if len(attempts) > 1:
+        summary["attempts"] = {str(a): [min(r["step"] for r in steps if r.get("attempt", 1) == a),
+                                        max(r["step"] for r in steps if r.get("attempt", 1) == a)]
+                               for a in attempts}
     if getattr(cfg, "experts", 0):  # a mixture of experts: active vs total, and the load the routers saw
         summary["moe"] = moe_analysis.parameters(cfg) | {"experts": cfg.experts, "top_k": cfg.top_k,
                                                          "gating": cfg.gating,
@@ -281,3 +362,7 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     if evaluation is not None:
         (run_dir / "eval.txt").write_text(format_report(evaluation))
     write_json(run_dir / "trace.json", chrome_trace(spans, world))
+    try:
+        (run_dir / JOURNAL).rmdir()  # every rank has removed its journal (on this host)
+    except OSError:
+        pass

@@ -194,7 +194,15 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
     start_step, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
-    earlier = list(losses)
+    # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
+    attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    carried: tuple[list, list] = ([], [])  # a run started again from its own checkpoint: its earlier records
+    if cfg.resume and Path(cfg.resume).resolve() == Path(run_dir).resolve() or attempt > 1:
+        carried = records.journal_read(run_dir, rank, start_step)
+    record_attempt = max([attempt] + [r["attempt"] + 1 for r in carried[0]])  # what this start's rows say
+    covered = {r["step"] for r in carried[0]}
+    earlier = [pair for pair in losses if pair[0] not in covered]  # the rest: summary's losses_before_resume
+    journaled = (0, 0)  # this start's rows and spans already in the journal
 
     check = None  # --check: the single-process reference beside the run, compared at the checked steps
     if cfg.check:
@@ -208,8 +216,6 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     error = None
     first_bad = None  # first step whose loss was not finite, on this rank
     global at_step
-    # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
-    attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     held_record = None
     replicas, replica = strategy.replicas()
     for step in range(start_step, s.total_steps):
@@ -231,7 +237,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
         t1 = recorder.now()
         recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
-        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step)))
+        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt))
         losses.append([step, result.loss])
         if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
             first_bad = step
@@ -249,6 +255,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             error = save_or_stop(cfg, run_dir, rank, step + 1, strategy, losses, comm, progress, attempt)
             if error:
                 break
+            # what this rank recorded since its last checkpoint, for a start after a crash (records.py)
+            records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
+                                   recorder.dump(journaled[1]))
+            journaled = (len(step_rows), len(recorder.spans))
     else:
         progress.close()
         error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
@@ -268,7 +278,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
                       evaluation=result_eval, check=verdict, error=error, global_batch=s.global_batch, is_main=main,
-                      held=held_record)
+                      held=held_record, carried=carried)
     if main:
         say(f"records written to {run_dir}")
     if error is not None:  # 4: a checkpoint could not be written; 3: the loss diverged
