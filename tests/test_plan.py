@@ -171,13 +171,37 @@ def test_json_output(capsys):
     assert data["why"] and data["command"].startswith("paralab train")
 
 
-def test_the_175b_example(capsys):
-    """Counted from the shape, nothing built (its time is measured in docs/plan.md, not asserted here)."""
+def test_the_175b_example_gives_the_first_row_its_page_prints(capsys):
+    """docs/plan.md's headline example, counted from the shape (nothing built): its first row is the layout
+    and MFU the page prints (a sane ~48 % layout, not the 4 % one-microbatch zero-bubble layout an idle law
+    used outside its range put first)."""
+    import re
+    from pathlib import Path
+    row = re.compile(r"^ ?1  (\S.*?)\s{2,}\d+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", re.M)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "plan.md").read_text()
+    layout, mfu = row.search(page).groups()
     code = main(["plan", "--model", "gpt", "--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048",
                  "--vocab", "50257", "--workers", "1024", "--cluster", "h100-sxm", "--global-batch", "1536",
                  "--top", "3"])
     out = capsys.readouterr().out
     assert code == 0 and "why:" in out and "175,221,817,344 parameters" in out
+    assert row.search(out).groups() == (layout, mfu), out
+    assert float(mfu) > 40
+
+
+def test_an_idle_law_outside_its_range_gives_way_to_a_bound_that_holds():
+    """ZB-H1's closed form needs m >= p (and T_W <= T_F + T_I): with one microbatch on 16 stages it is
+    negative; the bound used instead is 1F1B's fill and drain, which the simulator never exceeds."""
+    from paralab.analysis.plan.predict import makespan
+    from paralab.strategies.pipeline.schedules import spec_of
+    zb = spec_of("zb-h1").idle
+    f, i, w = 1.0, 1.0, 3.0  # W dearer than F + I: the law's own range excluded too
+    assert zb.value(16, 1, f, i, w) < 0 and zb.bounded(16, 1, 1, f, i, w) == 15 * (f + i + w)
+    assert zb.bounded(4, 8, 1, 1.0, 1.0, 1.0) == zb.value(4, 1, 1.0, 1.0, 1.0)  # inside its range: the law
+    for name in ("zb-h1", "zb-h2"):
+        for p, m in ((4, 1), (4, 3), (8, 2)):
+            simulated = makespan(name, p, m, 1, (1.0,) * p, (2.0,) * p, 0.0) - m * 3.0
+            assert simulated <= spec_of(name).idle.bounded(p, m, 1, 1.0, 1.0, 1.0) + 1e-9, (name, p, m)
 
 
 def refused(capsys, *argv) -> str:

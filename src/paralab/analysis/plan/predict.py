@@ -223,7 +223,9 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         else:  # the closed form on the slowest rank's times: only to shortlist
             f_r = max(sum(F[s] for s in held) for held in ranks)
             b_r = max(sum(B[s] for s in held) for held in ranks)
-            free = m * (f_r + b_r) + spec.idle.value(p, v, f_r, *split_backward(b_r))
+            # (where the law does not hold, e.g. zero bubble with fewer microbatches than stages, a bound that
+            # does: an underestimate there would fill the shortlist with layouts the simulator then ranks low)
+            free = m * (f_r + b_r) + spec.idle.bounded(p, m, v, f_r, *split_backward(b_r))
             real = free + 2 * (p - 1) * transfer
         bubble = max(free - busy[r_max], 0.0)
         pp_comm = max(real - free, 0.0)

@@ -57,6 +57,15 @@ class IdleLaw:
     value: Callable[[int, int, float, float, float], float]       # (p, v, T_F, T_I, T_W) -> idle time
     substituted: Callable[..., str]                               # (p, v, F, I, W, B: times as written) -> text
     note: str = ""                                                # when it holds
+    #: (p, m, v, T_F, T_I, T_W) -> whether the closed form holds there (it underestimates, even below 0,
+    #: outside): :meth:`bounded` then takes 1F1B's fill and drain, which no schedule here idles more than
+    holds: Callable[[int, int, int, float, float, float], bool] = lambda p, m, v, f, i, w: True
+
+    def bounded(self, p: int, m: int, v: int, f: float, i: float, w: float) -> float:
+        """The idle time where the closed form holds, else (p-1)(T_F+T_I+T_W): never below what it is."""
+        if self.holds(p, m, v, f, i, w):
+            return max(self.value(p, v, f, i, w), 0.0)
+        return (p - 1) * (f + i + w)
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,8 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
             "backward split into I (input gradient) and W (weights), W filling the drain"),
         idle=IdleLaw("idle = (p-1)(T_F+T_I-T_W)", lambda p, v, f, i, w: (p - 1) * (f + i - w),
                      lambda p, v, F, I, W, B: f"({p}-1)({F} + {I} - {W})",
-                     "each W fills a slot of the drain; for T_W <= T_F + T_I and m >= p"),
+                     "each W fills a slot of the drain; for T_W <= T_F + T_I and m >= p",
+                     holds=lambda p, m, v, f, i, w: m >= p and w <= f + i),
         split_backward=True,
         alive_law=Law("ZB-H1: microbatches alive per stage (peak)", "alive(k) = min(p, m)",
                       lambda p, m, v: f"alive(k) = min({p}, {m}) = {min(p, m)} for k = 0..{p - 1}",
@@ -162,7 +172,8 @@ REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
             "back to back without a synchronisation overlap by it (the paper's zero bubble)"),
         idle=IdleLaw("idle = (p-1)T_F, one step on its own", lambda p, v, f, i, w: (p - 1) * f,
                      lambda p, v, F, I, W, B: f"({p}-1) x {F}",
-                     "only the fill; for m >= 2p-1 and T_I, T_W not far from T_F"),
+                     "only the fill; for m >= 2p-1 and T_I, T_W not far from T_F",
+                     holds=lambda p, m, v, f, i, w: m >= 2 * p - 1),
         split_backward=True,
         alive_law=Law("ZB-H2: microbatches alive per stage (peak)", "alive(k) = min(2p-1, m)",
                       lambda p, m, v: f"alive(k) = min(2x{p}-1, {m}) = {min(2 * p - 1, m)} for k = 0..{p - 1}",
