@@ -118,9 +118,11 @@ def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init
         if init_method is None:  # torchrun: its store, under a prefix of this start of the group
             dist.init_process_group(store=torchrun_store(rank, world, cfg.timeout), rank=rank, world_size=world,
                                     **kwargs)
-        else:  # rank 0 serves the store on the rendezvous address alone, not on every interface
+        elif init_method.startswith("tcp://"):  # rank 0 serves the store on that address alone, not every interface
             store = bound_store(init_method, rank, world, cfg.timeout)
             dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+        else:  # a file store (tests' in-process ranks): nothing listens
+            dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as exc:  # a rank never came, or rank 0 cannot be reached
         where = (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if init_method is None
                  else init_method.removeprefix("tcp://"))
