@@ -59,9 +59,11 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
-# Small and fast: every multi-worker test uses these unless it needs otherwise.
+# Small and fast: every multi-worker test uses these unless it needs otherwise. fp32, as a plain run's: a test
+# whose --check is about something else (launching, failures, records) keeps the course setting's speed; the
+# tests of the check itself and of its default precision (fp64) say --precision, or do not use these.
 FAST = ["--dataset", "synthetic", "--synthetic-size", "512", "--width", "0.125", "--batch-size", "32",
-        "--no-progress", "--eval-batches", "1", "--eval-batch-size", "64", "--timeout", "30"]
+        "--no-progress", "--eval-batches", "1", "--eval-batch-size", "64", "--timeout", "30", "--precision", "fp32"]
 
 
 @dataclass

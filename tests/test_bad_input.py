@@ -83,7 +83,7 @@ def test_corrupt_fashion_file(capsys, tmp_path):
 def test_resume_without_checkpoint(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     err = refused(capsys, tmp_path, "single", *FAST, "--resume", str(tmp_path / "empty"))
-    assert "no checkpoint" in err
+    assert "no complete checkpoint" in err
 
 
 def test_resume_from_another_model(capsys, tmp_path):

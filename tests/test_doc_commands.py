@@ -24,8 +24,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: what a command holds that this machine cannot give it, and why it is left out here
 ELSEWHERE = {"--device cuda": "needs a CUDA GPU", "torch-dp": "needs CUDA GPUs", "--rank": "one rank of several hosts",
              "torch-cp": "needs CUDA"}
-#: what makes a command take longer than about half a minute here: the slow selection runs those
-SLOW = ("--workers 8", "--workers 4", "--workers 3", "--num-batches 20", "vgg16-cs1390")
+#: the default selection runs the README's (the tour); the pages' (half a minute to several minutes each in
+#: fp64, a check's default) run in the slow selection
+DEFAULT = ("README.md",)
 
 
 def commands() -> list[tuple[str, str, bool]]:
@@ -48,8 +49,7 @@ def commands() -> list[tuple[str, str, bool]]:
 
 
 CASES = [pytest.param(where, command, fails, id=where,
-                      marks=[pytest.mark.slow] if any(s in command for s in SLOW) or "--num-batches" not in command
-                      else [])
+                      marks=[] if where.startswith(DEFAULT) and "--workers 8" not in command else [pytest.mark.slow])
          for where, command, fails in commands()]
 
 
