@@ -42,6 +42,11 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--dropout", "0.1"], "--dropout drops the gpt's residual branches; --model vgg11 has none"),
     (["single", "--model", "gpt", "--dropout", "1"], "--dropout must be at most 0.99"),
     (["single", "--model", "gpt", "--dropout", "-0.1"], "--dropout must be at least 0"),
+    # a cosine schedule with nothing left after its warm-up, a floor without a cosine or not below the rate
+    (["single", "--lr-schedule", "cosine", "--warmup-epochs", "1"], "leaves none of the run's 1 steps to decay over"),
+    (["single", "--min-lr", "0.01"], "--min-lr is the floor of --lr-schedule cosine"),
+    (["single", "--lr-schedule", "cosine", "--min-lr", "0.1"], "--min-lr 0.1 is the floor the cosine decays to"),
+    (["single", "--lr-schedule", "linear"], "--lr-schedule must be one of"),
     # the reference (the whole model, in one process, on every rank) cannot fit: refused before any rank starts
     (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "64", "--embed", "8192",
       "--heads", "64", "--check"], "the reference alone holds at least"),

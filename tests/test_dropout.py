@@ -68,7 +68,7 @@ def test_a_microbatch_no_driver_placed_is_refused_rather_than_drawn_wrong():
 
 
 GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "4", "--embed", "32", "--heads", "4",
-       "--context", "16", "--batch-size", "16", "--num-batches", "3", "--dropout", "0.2", "--check",
+       "--context", "16", "--batch-size", "16", "--num-batches", "3", "--dropout", "0.2", "--check", "--precision", "fp64",
        "--eval-batches", "1", "--eval-batch-size", "16"]
 LAYOUTS = [
     ["single"], ["single", "--recompute", "full"],

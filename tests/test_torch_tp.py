@@ -83,7 +83,7 @@ def test_torch_tp_resumes_and_exports(paralab, tmp_path):
                     "--lr", "0.001", "--precision", "fp64")
     assert first.returncode == 0, first.stdout + first.stderr
     resumed = paralab("train", "torch-tp", "--workers", "2", *GPT, "--num-batches", "4", "--optimizer", "adam",
-                      "--lr", "0.001", "--resume", str(first.out), "--check")
+                      "--lr", "0.001", "--resume", str(first.out), "--check", "--precision", "fp64")
     _check_passes_on_every_rank(resumed, 2)
     out = tmp_path / "model.pt"
     exported = paralab("export", str(resumed.out), "-o", str(out))

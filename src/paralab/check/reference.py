@@ -131,7 +131,7 @@ def reference_bytes(cfg) -> tuple[int, int]:
     with torch.device("meta"):
         model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
     parameters = sum(p.numel() for p in model.parameters())
-    states = 2 if cfg.optimizer == "adam" else int(cfg.momentum > 0)
+    states = 2 if cfg.optimizer in ("adam", "adamw") else int(cfg.momentum > 0)
     return parameters, parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
 
 

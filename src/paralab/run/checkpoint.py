@@ -41,6 +41,7 @@ IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "bat
 IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 IDENTITY_DEFAULTS |= {"replicate": 1}  # HSDP (fsdp --replicate)
 IDENTITY_DEFAULTS |= {"dropout": 0.0}  # the gpt's residual dropout
+IDENTITY_DEFAULTS |= {"lr_schedule": "constant"}  # a cosine's rate at each step depends on its length
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",
@@ -62,7 +63,16 @@ def checkpoint_path(run_dir: Path, rank: int, tag: str | None = None) -> Path | 
 
 
 def identity(cfg) -> dict:
-    return {k: getattr(cfg, k) for k in IDENTITY_KEYS} | {"world": cfg.world}
+    return {k: getattr(cfg, k) for k in IDENTITY_KEYS} | {"world": cfg.world, "lr_schedule": schedule(cfg)}
+
+
+def schedule(cfg) -> str:
+    """The schedule as far as resuming goes: a cosine's rate at a step depends on its floor, its warm-up and
+    the steps it decays over, so a cosine run resumes only to finish the steps it was started with."""
+    if cfg.lr_schedule != "cosine":
+        return cfg.lr_schedule
+    length = f"--num-batches {cfg.num_batches}" if cfg.num_batches else f"--epochs {cfg.epochs}"
+    return f"cosine to {cfg.min_lr:g} after {cfg.warmup_epochs:g} warm-up epochs over {length}"
 
 
 def save(run_dir: Path, rank: int, step: int, cfg, state: dict, comm, tag: str | None = None,
@@ -254,6 +264,9 @@ def check_resumable(run_dir: Path, cfg) -> None:
         if "precision" in differ and cfg.check:
             diffs.append("a --check without --precision runs in fp64, exact; to continue this checkpoint give "
                          f"--precision {differ['precision'][0]} (its check is then that precision's)")
+        if "lr_schedule" in differ:
+            diffs.append("a cosine schedule's rate at each step depends on its floor, warm-up and length, so a "
+                         "cosine run resumes only to finish the steps it was started with")
         if not diffs and cfg.num_batches is not None and cfg.num_batches <= step:
             raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                              f"ask for more than that with --num-batches (got {cfg.num_batches})")

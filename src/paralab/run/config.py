@@ -31,7 +31,8 @@ from ..options import option
 from ..strategies.all_options import OPTION_CLASSES, StrategyOptions
 from .warm import START_METHODS
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp64")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -50,17 +51,24 @@ class OptimizerOptions:
     epochs: int = option(1, "epochs to train, unless --num-batches is given", positive=True)
     num_batches: int | None = option(None, "train exactly this many steps instead of --epochs", type=int,
                                      positive=True)
-    optimizer: str = option("sgd", "the optimizer", choices=OPTIMIZERS)
+    optimizer: str = option("sgd", "sgd (with --momentum); adam (torch's Adam: --weight-decay added to the gradient); "
+                                   "adamw (torch's AdamW: --weight-decay decoupled from the gradient)",
+                            choices=OPTIMIZERS)
     lr: float = option(0.1, "learning rate", positive=True)
     momentum: float = option(0.9, "SGD momentum", minimum=0)
-    weight_decay: float = option(1e-4, "L2 weight decay", minimum=0)
+    weight_decay: float = option(1e-4, "weight decay: L2 in the gradient (sgd, adam), decoupled (adamw)", minimum=0)
     seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation")
     precision: str | None = option(None, "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and "
                                          "--check reference in float64: exact checks at real hyper-parameters). "
                                          "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
                                    type=str, choices=PRECISIONS)
     lr_scaling: str = option("none", "linear: lr x global batch / 256 (Goyal et al.)", choices=("none", "linear"))
-    warmup_epochs: float = option(0.0, "linear lr warm-up over this many epochs", minimum=0)
+    warmup_epochs: float = option(0.0, "linear lr warm-up over this many epochs (constant: from --lr to the scaled "
+                                       "rate; cosine: from 0)", minimum=0)
+    lr_schedule: str = option("constant", "constant: the rate after warm-up held; cosine: after warm-up, half a cosine "
+                                          "from the rate down to --min-lr over the run's steps "
+                                          "(training/lr_schedule.py)", choices=LR_SCHEDULES)
+    min_lr: float = option(0.0, "--lr-schedule cosine's floor", minimum=0)
     allow_slow_bf16: bool = option(False, "run --precision bf16 even on a CPU without bf16 instructions (refused "
                                           "otherwise: much slower than fp32 there, on slow fallback kernels)")
 
@@ -289,6 +297,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if n < batch:
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
                                  "lower the batch size or drop --drop-last")
+        if self.lr_schedule == "cosine" or self.min_lr:
+            check_schedule(self, shape.dp)
         if self.check:
             check_reference_fits(self)
         if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
@@ -330,6 +340,28 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def check_schedule(cfg: RunConfig, replicas: int) -> None:
+    """A cosine schedule must have steps left after its warm-up, and a floor below its rate (exit 2 otherwise)."""
+    if cfg.lr_schedule != "cosine":
+        raise UsageError(f"--min-lr is the floor of --lr-schedule cosine; this run's schedule is "
+                         f"{cfg.lr_schedule}: add --lr-schedule cosine or drop --min-lr")
+    from ..data import steps_per_epoch, train_size
+    from ..training.lr_schedule import target_lr
+    n = train_size(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None, cfg.synthetic_size,
+                   model=cfg.model, context=cfg.context)
+    per_rank = cfg.per_worker_batch or cfg.batch_size // replicas
+    per_epoch = steps_per_epoch(n, replicas, per_rank, cfg.drop_last)
+    total, warmup = cfg.num_batches or cfg.epochs * per_epoch, cfg.warmup_epochs * per_epoch
+    if warmup >= total:
+        raise UsageError(f"--lr-schedule cosine: the warm-up (--warmup-epochs {cfg.warmup_epochs:g}: {warmup:g} steps at "
+                         f"{per_epoch} an epoch) leaves none of the run's {total} steps to decay over; "
+                         "shorten the warm-up or train longer")
+    target = target_lr(cfg.lr, cfg.lr_scaling, per_rank * replicas)
+    if cfg.min_lr >= target:
+        raise UsageError(f"--min-lr {cfg.min_lr:g} is the floor the cosine decays to: it must be below the rate "
+                         f"({target:g}); lower it")
 
 
 def check_reference_fits(cfg: RunConfig) -> None:

@@ -45,12 +45,15 @@ from ..analysis.trace import chrome_trace
 SPLIT_KEYS = CATEGORIES + ("other",)
 
 
-def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, attempt: int = 1) -> dict:
+def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, attempt: int = 1,
+             lr: float | None = None) -> dict:
+    """One rank's row of ``steps.jsonl``: its times, its reported loss, its samples, the learning rate the
+    step used, its time split (and, for a mixture of experts, the routing)."""
     seconds = t1 - t0
     accounted = sum(split[c] for c in CATEGORIES)
     split = {**split, "other": max(0.0, seconds - accounted)}
     row = {"rank": rank, "step": step, "attempt": attempt, "t0": t0, "t1": t1, "seconds": seconds,
-           "loss": result.loss, "samples": result.samples, "split": split}
+           "loss": result.loss, "samples": result.samples, "lr": lr, "split": split}
     if getattr(result, "moe", None):
         row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
     return row

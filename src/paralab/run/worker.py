@@ -59,6 +59,8 @@ def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
     def make(params, **how):
         if cfg.optimizer == "adam":
             opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **how)
+        elif cfg.optimizer == "adamw":
+            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **how)
         else:
             opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how)
         if created is not None:
@@ -75,9 +77,10 @@ def build_model_factory(cfg: RunConfig, num_classes: int):
     return make
 
 
-def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int):
+def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int, total_steps: int):
     return functools.partial(lr_at, lr=cfg.lr, scaling=cfg.lr_scaling, global_batch=global_batch,
-                             warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch)
+                             warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch,
+                             schedule=cfg.lr_schedule, min_lr=cfg.min_lr, total_steps=total_steps)
 
 
 def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step") -> None:
@@ -224,7 +227,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         recorder.step = at_step = step
         t0 = recorder.now()
         fault_injection(rank, step, attempt=attempt)
-        set_lr(s.optimizers, s.lr_for(step))
+        lr = s.lr_for(step)
+        set_lr(s.optimizers, lr)
         with recorder.span("data", "load"):
             x, y = source.batch(step)
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
@@ -239,7 +243,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
         t1 = recorder.now()
         recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
-        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt))
+        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr))
         losses.append([step, result.loss])
         if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
             first_bad = step
@@ -327,7 +331,7 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
               f"global batch {global_batch}, {total_steps} steps", flush=True)
         print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape, composition)}" if composition else ""),
               flush=True)
-    lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch)
+    lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch, total_steps)
     return Setup(recorder, comm, mesh, data, source, strategy, model_fn, optimizers, lr_for, ctx.dtype,
                  global_batch, total_steps, parameters, run_dir)
 
