@@ -229,6 +229,45 @@ def test_bad_input_exits_2(capsys, tmp_path):
                                                         "--cluster", "h100-sxm")
 
 
+GOOD_CLUSTER = dict(peak_tflops={"bf16": 312}, memory_gb=80, memory_gbs=2039, devices_per_node=8, intra_gbps=2400,
+                    intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6, source="my notes")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"unit_overhead_us": "NaN"}, "unit_overhead_us must be a number, zero or more (got nan)"),
+    ({"p2p_overhead_us": -1000}, "p2p_overhead_us must be a number, zero or more (got -1000)"),
+    ({"inter_latency_us": "Infinity"}, "inter_latency_us must be a number, zero or more (got inf)"),
+    ({"memory_gb": "80"}, "memory_gb must be a positive number (got '80')"),
+    ({"intra_gbps": True}, "intra_gbps must be a positive number (got True)"),
+    ({"efficiency": 1.5}, "efficiency must be a fraction in (0, 1] (got 1.5)"),
+    ({"devices_per_node": 8.5}, "devices_per_node must be a positive integer (got 8.5)"),
+    ({"peak_tflops": {"bf16": 0}}, "peak_tflops.bf16 must be a positive number (got 0)"),
+    ({"crowding": -1}, "crowding must be a number, zero or more"),
+    ({"source": 3}, "source must be a string"),
+    ({"inter_gpbs": 100}, "unknown field 'inter_gpbs' (did you mean 'inter_gbps'?)"),
+])
+def test_a_cluster_file_field_out_of_range_is_refused_by_name(capsys, tmp_path, change, message):
+    """Every field of a cluster file checked as an option is: a string, NaN, inf or a negative time where a
+    number belongs, exit 2 naming the field, and no plan printed (NaN: a table of nan; -1000 us: a step of
+    -1237 ms, before)."""
+    fields = {**GOOD_CLUSTER, **change}
+    text = json.dumps(fields).replace('"NaN"', "NaN").replace('"Infinity"', "Infinity")
+    f = tmp_path / "c.json"
+    f.write_text(text)
+    err = refused(capsys, "--workers", "8", "--cluster", str(f))
+    assert message in err and "run the first" not in capsys.readouterr().out
+    f.write_text(json.dumps(GOOD_CLUSTER))
+    assert main(["plan", "--workers", "8", "--cluster", str(f), "--top", "1"]) == 0  # the file alone was wrong
+
+
+def test_a_binary_cluster_file_is_refused(capsys, tmp_path):
+    f = tmp_path / "c.json"
+    f.write_bytes(bytes(range(256)) * 4)
+    assert "not a text file" in refused(capsys, "--workers", "8", "--cluster", str(f))
+    f.write_text("[1, 2]")
+    assert "expected a table of fields, got list" in refused(capsys, "--workers", "8", "--cluster", str(f))
+
+
 def test_cluster_file_toml_and_presets_cite_sources(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text("\n".join(f"{k} = {v}" for k, v in dict(
@@ -461,3 +500,38 @@ def test_a_pipelines_send_or_receive_is_measured_through_the_executor():
     from paralab.analysis.plan.calibrate import p2p_time
     t = p2p_time()
     assert 1e-6 < t < 0.05
+
+
+@pytest.mark.parametrize("pins", [["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatch", "2"],
+                                  ["--zero", "3", "--pp", "1", "--tp", "1"],
+                                  ["--experts", "4", "--top-k", "2", "--ep", "2", "--pp", "1", "--tp", "1",
+                                   "--zero", "0"]],
+                         ids=["tp-pp", "zero3", "moe"])
+def test_the_printed_command_makes_the_planned_run(capsys, tmp_path, pins):
+    """The first row's command, pasted (with one step on this machine's data), trains the planned model with its
+    shape, the batch and every dimension of the layout: the run's own config.json says so."""
+    import shlex
+
+    from conftest import run_paralab
+    shape = ["--model", "gpt", "--layers", "4", "--embed", "32", "--heads", "4", "--context", "16"]
+    assert main(["plan", *shape, "--workers", "4", "--global-batch", "8", "--cluster", "h100-sxm", "--top", "1",
+                 "--json", *pins]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    words = shlex.split(plan["command"])
+    assert words[:2] == ["paralab", "train"]
+    r = run_paralab(*words[1:], "--num-batches", "1", "--dataset", "synthetic-text", "--eval-batches", "1",
+                    out=tmp_path / "run", fast=False)
+    assert r.returncode == 0, plan["command"] + "\n" + r.stderr[-3000:]
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    layout = plan["ranked"][0]["layout"]
+    assert (cfg["model"], cfg["layers"], cfg["embed"], cfg["heads"], cfg["context"]) == ("gpt", 4, 32, 4, 16)
+    assert cfg["batch_size"] == 8 and cfg["workers"] == 4 and cfg["optimizer"] == "adam"
+    assert (cfg["tp"], cfg["pp"], cfg["cp"], cfg["ep"]) == (layout["tp"], layout["pp"], layout["cp"], layout["ep"])
+    assert cfg["strategy"] == ("ddp" if layout["zero"] == 0 else "fsdp") and cfg["recompute"] == layout["recompute"]
+    if layout["zero"]:
+        assert cfg["zero_stage"] == layout["zero"] and cfg["replicate"] == layout["replicate"]
+    if layout["pp"] > 1:
+        assert (cfg["schedule"], cfg["microbatches"], cfg["virtual_stages"]) == (
+            layout["schedule"], layout["microbatches"], layout["virtual"])
+    if "--experts" in pins:
+        assert (cfg["experts"], cfg["top_k"]) == (4, 2)

@@ -173,7 +173,7 @@ def test_train_args_become_config_overrides():
 
 def test_train_command_makes_the_same_config():
     from paralab.cli import build_parser, config_from_args
-    from paralab.commands.compare import train_command
+    from paralab.run.config import train_command
     cfg = RunConfig(strategy="pipeline", workers=2, width=0.25, check=True, augment=False, step_in_backward=False,
                     microbatches=4, schedule="1f1b", eval_batches=2, cores_per_worker=1, lr=0.02)
     text = train_command(cfg, "runs/x")

@@ -67,7 +67,7 @@ from pathlib import Path
 
 from .. import options
 from ..options import finite_float
-from ..run.config import ALL_OPTION_CLASSES, RunConfig
+from ..run.config import ALL_OPTION_CLASSES, RunConfig, train_command
 from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
 # steps before PowerSGD starts) is spelled where compression is: strategies/compression/methods.py
@@ -135,13 +135,6 @@ def config_overrides(text: str, what: str = "--train-args", owned=(), owner: str
     if clash:
         raise UsageError(f"{what} may not set {', '.join(clash)}: {owner} sets them for every run")
     return given
-
-
-def train_command(cfg: RunConfig, run_dir=None) -> str:
-    """The `paralab train` command line that makes the same run (for people: reports, --dry-run):
-    ``--workers`` first, the options that differ from their default, ``--out RUN_DIR`` last."""
-    words = ["paralab", "train", *cfg.to_argv(first=("workers",), out=None)]
-    return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
 
 
 def sharing_references(cfg: RunConfig, report: Path, share: bool = True) -> RunConfig:

@@ -37,7 +37,7 @@ from pathlib import Path
 from ..analysis.memory import OPTIMIZERS
 from ..errors import UsageError
 from ..models import MODELS, GPTOptions, ModelOptions, MoEOptions
-from ..options import add_flags, check, option
+from ..options import add_flags, check, name_of, option
 from ..strategies.pipeline.schedules import SCHEDULES
 
 HELP = "choose a layout: every dp/ZeRO/tp/pp/schedule/recompute layout that fits, predicted and ranked"
@@ -116,12 +116,15 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     except ValueError as exc:  # a cluster without the precision's peak, and the like
         raise UsageError(str(exc)) from None
+    command = layout_command(args, plan.ranked[0].layout, plan.workers)
     if args.json:
-        print(json.dumps(to_json(plan, where), indent=1))
+        print(json.dumps(to_json(plan, where, command), indent=1))
     else:
-        show(plan, where)
+        show(plan, where, command)
+        if args.model == "gpt" and args.vocab != BYTES:
+            print(f"(the plan counts a {args.vocab}-token vocabulary; paralab's gpt reads bytes: {BYTES} tokens)")
     if args.report:
-        page = write_report(to_json(plan, where), Path(args.report))
+        page = write_report(to_json(plan, where, command), Path(args.report))
         print(f"plan page: {page}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -186,11 +189,37 @@ def _cluster(args, presets):
     return load_cluster(args.cluster), f"file {args.cluster}"
 
 
+BYTES = 256  # paralab's gpt's vocabulary: byte tokens
+
+#: the plan's --optimizer (the memory model's names) as `paralab train` spells it
+TRAIN_OPTIMIZER = {"adam": {"optimizer": "adam"}, "sgd-momentum": {"optimizer": "sgd"},
+                   "sgd": {"optimizer": "sgd", "momentum": 0.0}}
+
+
+def layout_config(args, layout, workers: int):
+    """The `paralab train` run of ``layout``: the planned model with its shape (and experts), the global batch,
+    the optimizer whose state the plan counted, and every dimension, as RunConfig fields."""
+    from ..run.config import RunConfig
+    model = {"model": args.model, "width": args.width}
+    if args.model == "gpt":
+        model |= {k: getattr(args, k) for k in ("layers", "embed", "heads", "context")}
+        model |= {name_of(x): getattr(args, name_of(x)) for x in MOE} if args.experts else {}
+    return RunConfig(**model, **layout.run_options(workers), batch_size=args.global_batch,
+                     **TRAIN_OPTIMIZER[args.optimizer])
+
+
+def layout_command(args, layout, workers: int) -> str:
+    """The command line of :func:`layout_config`, from the run options' own declaration (``to_argv``)."""
+    from ..run.config import train_command
+    return train_command(layout_config(args, layout, workers),
+                         first=("workers", "model", "batch_size") + (("zero_stage",) if layout.zero else ()))
+
+
 def _ms(x: float) -> str:
     return f"{x * 1e3:.4g}"
 
 
-def show(plan, where: str) -> None:
+def show(plan, where: str, command: str) -> None:
     from ..analysis.plan import why_first
     from ..report.page import text_table
     c, s = plan.cluster, plan.setting
@@ -213,15 +242,14 @@ def show(plan, where: str) -> None:
     best = plan.ranked[0]
     if len(plan.ranked) > 1:
         print("\nwhy: " + why_first(best, plan.ranked[1]))
-    print(f"\nrun the first: {best.layout.command(plan.workers)}"
-          + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
+    print(f"\nrun the first: {command}" + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
     print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "
           "overlapped); cp comm = context-parallel messages left exposed; " + ("ep comm = expert parallelism's token "
           "all-to-alls (synchronous); MFU counts the active FLOPs (top-k experts); " if moe else "") + "bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "
           "communication left exposed; mem = peak per device (model states + activations). docs/plan.md")
 
 
-def to_json(plan, where: str) -> dict:
+def to_json(plan, where: str, command: str) -> dict:
     from dataclasses import asdict
 
     from ..analysis.plan import why_first
@@ -230,4 +258,4 @@ def to_json(plan, where: str) -> dict:
             "considered": plan.considered, "fitting": plan.fitting,
             "ranked": [x.to_dict() for x in plan.ranked],
             "why": why_first(plan.ranked[0], plan.ranked[1]) if len(plan.ranked) > 1 else "",
-            "command": plan.ranked[0].layout.command(plan.workers)}
+            "command": command}

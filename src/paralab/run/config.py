@@ -342,6 +342,14 @@ def available_memory() -> int | None:
     return None
 
 
+def train_command(cfg: RunConfig, run_dir=None, first=("workers",)) -> str:
+    """The `paralab train` command line that makes the same run (for people: reports, --dry-run, plans):
+    ``--workers`` (and ``first``) first, the options that differ from their default, ``--out RUN_DIR`` last."""
+    import shlex
+    words = ["paralab", "train", *cfg.to_argv(first=first, out=None)]
+    return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
+
+
 def check_schedule(cfg: RunConfig, replicas: int) -> None:
     """A cosine schedule must have steps left after its warm-up, and a floor below its rate (exit 2 otherwise)."""
     if cfg.lr_schedule != "cosine":

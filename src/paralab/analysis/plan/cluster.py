@@ -15,6 +15,7 @@ measured (``calibrate.py``).
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -125,54 +126,79 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
 REQUIRED = tuple(f.name for f in fields(Cluster) if f.default is MISSING and f.name != "name")
 
 
+#: what each number of a cluster file must be (every field but ``name``, ``source``, ``peak_tflops`` and
+#: ``collectives``, which :func:`load_cluster` checks apart)
+RANGES = {"memory_gb": "positive", "memory_gbs": "positive", "intra_gbps": "positive", "inter_gbps": "positive",
+          "efficiency": "fraction", "usable_fraction": "fraction", "intra_latency_us": "non-negative",
+          "inter_latency_us": "non-negative", "unit_overhead_us": "non-negative", "p2p_overhead_us": "non-negative",
+          "crowding": "non-negative", "devices_per_node": "a positive integer"}
+
+
 def load_cluster(path: str) -> Cluster:
     """A cluster from a JSON or TOML file (by its suffix; ``name`` defaults to the file's stem).
-    UsageError naming the field for a missing, unknown or invalid one."""
+    UsageError naming the field for a missing, unknown (with the nearest known name) or invalid one: every
+    number finite and in its range (:data:`RANGES`), so no plan is ever printed from a NaN or a negative time."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--cluster {path}: no such file, and not a preset ({', '.join(names())})")
-    text = p.read_text()
+    kind = "TOML" if p.suffix == ".toml" else "JSON"
     try:
+        text = p.read_text(encoding="utf-8")
         if p.suffix == ".toml":
             import tomllib
             data = tomllib.loads(text)
         else:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=lambda c: float(c))  # NaN/Infinity: refused below, by name
+    except UnicodeDecodeError:
+        raise UsageError(f"--cluster {path}: not a text file (a {kind} cluster file is text; docs/plan.md)") from None
     except ValueError as exc:
-        raise UsageError(f"--cluster {path}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {exc}") from None
+        raise UsageError(f"--cluster {path}: not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--cluster {path}: expected a table of fields, got {type(data).__name__}")
     data.setdefault("name", p.stem)
-    known = {f.name for f in fields(Cluster)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UsageError(f"--cluster {path}: unknown field(s) {', '.join(unknown)}; the fields are {', '.join(known)}")
+    known = [f.name for f in fields(Cluster)]
+    for k in data:
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=1)
+            raise UsageError(f"--cluster {path}: unknown field {k!r}" + (f" (did you mean {near[0]!r}?)" if near
+                             else f"; the fields are {', '.join(known)}"))
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise UsageError(f"--cluster {path}: missing field(s) {', '.join(missing)} (every cluster file gives "
                          f"{', '.join(REQUIRED)}; see docs/plan.md)")
+    for k in ("name", "source"):
+        if not isinstance(data[k], str):
+            raise UsageError(f"--cluster {path}: {k} must be a string (got {data[k]!r})")
     peaks = data["peak_tflops"]
     if not isinstance(peaks, dict) or not peaks or any(k not in DTYPES for k in peaks):
         raise UsageError(f"--cluster {path}: peak_tflops must map dtypes ({', '.join(DTYPES)}) to TFLOP/s")
-    for k in ("memory_gb", "memory_gbs", "intra_gbps", "inter_gbps", "efficiency", *(f"peak_tflops.{d}" for d in peaks)):
-        v = peaks[k.split(".")[1]] if k.startswith("peak_tflops.") else data[k]
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise UsageError(f"--cluster {path}: {k} must be a positive number (got {v!r})")
-    for k in ("intra_latency_us", "inter_latency_us", "unit_overhead_us"):
-        if k in data and (not isinstance(data[k], (int, float)) or data[k] < 0):
-            raise UsageError(f"--cluster {path}: {k} must be zero or positive (got {data[k]!r})")
-    if not isinstance(data["devices_per_node"], int) or data["devices_per_node"] < 1:
-        raise UsageError(f"--cluster {path}: devices_per_node must be a positive integer")
+    for d, v in peaks.items():
+        check_number(path, f"peak_tflops.{d}", v, "positive")
+    for k, rule in RANGES.items():
+        if k in data:
+            check_number(path, k, data[k], rule)
     coll = data.get("collectives")
     if coll is not None and not (isinstance(coll, dict) and all(isinstance(by, dict) and all(
             isinstance(pts, list) and pts and all(isinstance(pt, list) and len(pt) == 2 and all(
-                isinstance(x, (int, float)) and x >= 0 for x in pt) for pt in pts) for pts in by.values())
+                number(x) and x >= 0 for x in pt) for pt in pts) for pts in by.values())
             for by in coll.values())):
         raise UsageError(f"--cluster {path}: collectives must map an operation to {{group size: [[bytes, "
                          f"seconds], ...]}} in ascending bytes (as bench/plan.py measures them)")
-    if data["efficiency"] > 1 or not 0 < data.get("usable_fraction", 0.9) <= 1:
-        raise UsageError(f"--cluster {path}: efficiency and usable_fraction are fractions in (0, 1]")
     return Cluster(**data)
+
+
+def number(v) -> bool:
+    """A finite int or float (not a bool, not a string)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_number(path: str, field: str, v, rule: str) -> None:
+    ok = number(v) and {"positive": lambda: v > 0, "non-negative": lambda: v >= 0, "fraction": lambda: 0 < v <= 1,
+                        "a positive integer": lambda: isinstance(v, int) and v >= 1}[rule]()
+    if not ok:
+        what = {"positive": "a positive number", "non-negative": "a number, zero or more",
+                "fraction": "a fraction in (0, 1]"}.get(rule, rule)
+        raise UsageError(f"--cluster {path}: {field} must be {what} (got {v!r})")
 
 
 def names() -> list[str]:

@@ -31,6 +31,7 @@ paralab's fsdp takes no gradient accumulation (one microbatch per step; ``fsdp
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass
 
 from ...strategies.pipeline.schedules import REGISTRY, layout_problem
@@ -78,28 +79,27 @@ class Layout:
             return "ddp"
         return f"fsdp --zero-stage {self.zero}"
 
-    def command(self, workers: int) -> str:
-        """The `paralab train` flags of this layout."""
-        words = [f"paralab train {'ddp' if self.zero == 0 else 'fsdp'} --workers {workers}"]
-        if self.zero:
-            words.append(f"--zero-stage {self.zero}")
-        if self.replicate > 1:
-            words.append(f"--replicate {self.replicate}")
-        if self.ep > 1:
-            words.append(f"--ep {self.ep}")
-        if self.tp > 1:
-            words.append(f"--tp {self.tp}" + (" --sequence-parallel" if self.sp else ""))
-        if self.cp > 1:
-            words.append(f"--cp {self.cp} --cp-method {self.cp_method}")
+    def run_options(self, workers: int) -> dict:
+        """The `paralab train` options (RunConfig's fields) that lay a run out as this layout; the command
+        line is made from them by the run options' own declaration (``commands/plan.py``)."""
+        values = {"strategy": self.flavour().split()[0], "workers": workers, "zero_stage": self.zero or None,
+                  "replicate": self.replicate, "ep": self.ep, "tp": self.tp, "sequence_parallel": self.sp,
+                  "cp": self.cp, "cp_method": self.cp_method, "pp": self.pp, "recompute": self.recompute}
         if self.pp > 1:
-            words.append(f"--pp {self.pp} --schedule {self.schedule} --microbatches {self.microbatches}")
-            if self.virtual > 1:
-                words.append(f"--virtual-stages {self.virtual}")
+            values |= {"schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual}
         elif self.microbatches > 1:
-            words.append(f"--accumulate {self.microbatches}")
-        if self.recompute != "none":
-            words.append(f"--recompute {self.recompute}")
-        return " ".join(words)
+            values["accumulate"] = self.microbatches
+        return {k: v for k, v in values.items() if v is not None}
+
+    def command(self, workers: int) -> str:
+        """`paralab train` with this layout's flags alone (the model, shape and batch left to the caller;
+        ``paralab plan`` prints the whole run's), spelled by the options' own declaration."""
+        from ... import options
+        from ...strategies.all_options import OPTION_CLASSES
+        values = self.run_options(workers)
+        strategy, workers = values.pop("strategy"), values.pop("workers")
+        flags = options.to_argv(values, OPTION_CLASSES, first=("zero_stage",) if self.zero else ())
+        return shlex.join(["paralab", "train", strategy, "--workers", str(workers), *flags])
 
     def to_dict(self) -> dict:
         return asdict(self) | {"label": self.label()}
