@@ -535,3 +535,37 @@ def test_the_printed_command_makes_the_planned_run(capsys, tmp_path, pins):
             layout["schedule"], layout["microbatches"], layout["virtual"])
     if "--experts" in pins:
         assert (cfg["experts"], cfg["top_k"]) == (4, 2)
+
+
+@pytest.mark.parametrize("work,workers", [(gpt_workload(8, 256, 8, 512, 256), 64),
+                                          (gpt_workload(4, 128, 4, 64, 256, experts=4, top_k=2), 16),
+                                          (cnn_workload("vgg11", 0.25), 8)], ids=["gpt", "moe", "vgg"])
+def test_every_label_the_planner_prints_parses_back_to_its_layout(work, workers):
+    lays = enumerate_layouts(work, workers, 64, 8)
+    assert len(lays) > 20
+    for x in lays:
+        assert Layout.parse(x.label()) == x, x.label()
+
+
+def test_a_named_layout_is_evaluated_fitting_or_not_and_placed(capsys):
+    """--layout: the search's first row is placed first with the same prediction; a layout too big for the
+    device still gets its row and how much it lacks; a label that is not a layout, or that the workers do not
+    divide, exits 2 saying which."""
+    shape = ["--model", "gpt", "--layers", "8", "--embed", "512", "--heads", "8", "--context", "512",
+             "--workers", "16", "--global-batch", "32", "--cluster", "a100-sxm"]
+    assert main(["plan", *shape, "--json", "--top", "1"]) == 0
+    first = json.loads(capsys.readouterr().out)["ranked"][0]
+    assert main(["plan", *shape, "--json", "--layout", first["layout"]["label"]]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["rank"] == 1 and got["fits"] and got["evaluated"]["step"] == first["step"]
+    assert got["command"].startswith("paralab train") and "--model gpt" in got["command"]
+    big = ["--model", "gpt", "--layers", "96", "--embed", "12288", "--heads", "96", "--context", "2048",
+           "--workers", "8", "--global-batch", "8", "--cluster", "h100-sxm"]
+    assert main(["plan", *big, "--layout", "dp8 m1xb1"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: needs" in out and "GB more than the 72 GB usable" in out and "dp8 m1xb1" in out
+    assert "it does not fit, so the search leaves it out" in out
+    assert "'tq2' is not a word of a layout" in refused(capsys, *shape, "--layout", "dp8 tq2")
+    assert "dp x cp x tp x pp = 8, not the 16 workers" in refused(capsys, *shape, "--layout", "dp8 m1xb4")
+    assert "pp2 needs its schedule" in refused(capsys, *shape, "--layout", "dp8 pp2 m1xb4")
+    assert "--layout names every dimension" in refused(capsys, *shape, "--layout", "dp16 m1xb2", "--tp", "2")

@@ -73,6 +73,9 @@ class PlanOptions:
                                       "fused attention), published (Korthikanti et al.'s Megatron block, for "
                                       "comparing with papers), auto (paralab on this-machine, else published)",
                               choices=("auto", "paralab", "published"))
+    layout: str = option(None, "evaluate this one layout, as the table writes it (e.g. 'dp64 tp8+sp pp16 1f1b "
+                               "m16xb1 zero1'): its prediction even if it does not fit (the memory it needs against "
+                               "the device's) and its place among the searched layouts", type=str, metavar="LAYOUT")
     top: int = option(10, "rows to show", positive=True)
     json: bool = option(False, "print the plan as JSON (for scripts)")
     report: str = option(None, "also write the plan's page to this new directory: plan.json, report.html, "
@@ -110,6 +113,8 @@ def run(args) -> int:
     precision = args.precision or ("mixed" if "bf16" in cluster.peak_tflops else "fp32")
     setting = Setting(args.global_batch, precision, args.optimizer)
     fixed = {k: getattr(args, k) for k in PINS if getattr(args, k) is not None}
+    if args.layout is not None:
+        return evaluate_one(args, work, cluster, where, setting, fixed)
     try:
         plan = make_plan(work, cluster, setting, args.workers, fixed=fixed, top=args.top)
     except NoLayout as exc:
@@ -126,6 +131,38 @@ def run(args) -> int:
     if args.report:
         page = write_report(to_json(plan, where, command), Path(args.report))
         print(f"plan page: {page}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
+    """``--layout``: that layout's row (fitting or not), whether it fits and by how much, its place in the search,
+    and its command."""
+    from ..analysis.plan import Layout, NoLayout, evaluate
+    if fixed or args.report:
+        given = ", ".join("--" + k.replace("_", "-") for k in fixed) or "--report"
+        raise UsageError(f"--layout names every dimension of one layout; {given} would pin or report a search: drop "
+                         "one of them")
+    try:
+        got = evaluate(work, cluster, setting, args.workers, Layout.parse(args.layout))
+    except (NoLayout, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    x, usable = got.prediction, cluster.memory_gb * 1e9 * cluster.usable_fraction
+    parts = x.memory_parts
+    fit = (f"fits: {x.memory / 1e9:.4g} GB of the {usable / 1e9:.4g} GB usable per device" if x.fits else
+           f"does not fit: needs {x.memory / 1e9:.4g} GB per device (model states {parts['model_states'] / 1e9:.4g}"
+           f" GB, activations {parts['activations'] / 1e9:.4g} GB), {(x.memory - usable) / 1e9:.4g} GB more than "
+           f"the {usable / 1e9:.4g} GB usable ({cluster.memory_gb:g} GB x {cluster.usable_fraction:g})")
+    command = layout_command(args, x.layout, args.workers)
+    if args.json:
+        print(json.dumps({"model": work.describe(), "workers": args.workers, "cluster": cluster.to_dict()
+                          | {"from": where}, "evaluated": x.to_dict(), "fits": x.fits, "rank": got.rank,
+                          "searched": len(got.plan.ranked) if got.plan else 0, "where": got.where(),
+                          "command": command}, indent=1))
+        return 0
+    print(f"{work.describe()}; global batch {setting.global_batch}, {setting.precision} precision, "
+          f"{setting.optimizer}; cluster {cluster.name}, {args.workers} devices (times in ms per step):\n")
+    print(table([x], work))
+    print(f"\n{fit}\nplace: {got.where()}\nrun it: {command}")
     return 0
 
 
@@ -219,6 +256,20 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.4g}"
 
 
+def table(predictions, work) -> str:
+    """The plan's table: a row per prediction, its step's terms in ms, memory, MFU and throughput."""
+    from ..report.page import text_table
+    rows, moe = [], work.moe is not None
+    for i, x in enumerate(predictions, 1):
+        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.cp_comm)]
+                    + ([_ms(x.ep_comm)] if moe else [])
+                    + [_ms(x.bubble), _ms(x.pp_comm), _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}",
+                       f"{100 * x.mfu:.1f}", f"{x.tokens_per_s:.4g}"])
+    per = "tokens/s" if work.kind == "gpt" else "samples/s"
+    return text_table(["#", "layout", "step", "compute", "tp comm", "cp comm"] + (["ep comm"] if moe else [])
+                      + ["bubble", "pp comm", "dp comm", "optim", "mem GB", "MFU %", per], rows)
+
+
 def show(plan, where: str, command: str) -> None:
     from ..analysis.plan import why_first
     from ..report.page import text_table
@@ -230,15 +281,8 @@ def show(plan, where: str, command: str) -> None:
     print(f"  source: {c.source}")
     print(f"{plan.considered} layouts divide the model and the workers, {plan.fitting} fit in memory; the fastest "
           f"{len(plan.ranked)}, their bubbles from the schedule simulator (times in ms per step):\n")
-    rows, moe = [], plan.work.moe is not None
-    for i, x in enumerate(plan.ranked, 1):
-        rows.append([i, x.layout.label(), _ms(x.step), _ms(x.compute), _ms(x.tp_comm), _ms(x.cp_comm)]
-                    + ([_ms(x.ep_comm)] if moe else [])
-                    + [_ms(x.bubble), _ms(x.pp_comm), _ms(x.dp_comm), _ms(x.optimizer), f"{x.memory / 1e9:.4g}",
-                       f"{100 * x.mfu:.1f}", f"{x.tokens_per_s:.4g}"])
-    per = "tokens/s" if plan.work.kind == "gpt" else "samples/s"
-    print(text_table(["#", "layout", "step", "compute", "tp comm", "cp comm"] + (["ep comm"] if moe else [])
-                     + ["bubble", "pp comm", "dp comm", "optim", "mem GB", "MFU %", per], rows))
+    moe = plan.work.moe is not None
+    print(table(plan.ranked, plan.work))
     best = plan.ranked[0]
     if len(plan.ranked) > 1:
         print("\nwhy: " + why_first(best, plan.ranked[1]))

@@ -8,8 +8,8 @@ assumptions.
 from .cluster import PRESETS, Cluster, load_cluster
 from .layouts import Layout, enumerate_layouts
 from .predict import Prediction, Setting, predict
-from .search import NoLayout, Plan, make_plan, why_first
+from .search import Evaluation, NoLayout, Plan, evaluate, make_plan, why_first
 from .workload import Workload, cnn_workload, gpt_workload
 
-__all__ = ["PRESETS", "Cluster", "Layout", "NoLayout", "Plan", "Prediction", "Setting", "Workload", "cnn_workload",
+__all__ = ["PRESETS", "Cluster", "Evaluation", "evaluate", "Layout", "NoLayout", "Plan", "Prediction", "Setting", "Workload", "cnn_workload",
            "enumerate_layouts", "gpt_workload", "load_cluster", "make_plan", "predict", "why_first"]

@@ -31,6 +31,7 @@ paralab's fsdp takes no gradient accumulation (one microbatch per step; ``fsdp
 """
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import asdict, dataclass
 
@@ -78,6 +79,64 @@ class Layout:
         if self.zero == 0:
             return "ddp"
         return f"fsdp --zero-stage {self.zero}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """The layout a table row's label names (the inverse of :meth:`label`), e.g. ``dp64 tp8+sp pp16 1f1b
+        m16xb1 zero1``; ValueError saying which word is wrong. Left out: ep, cp, tp, pp 1, ZeRO-0, no
+        recomputation; ``m``/``b`` may be left out for one microbatch of the replica's whole batch (``m1``)."""
+        words, values = text.split(), {}
+        i = 0
+        while i < len(words):
+            w = words[i]
+            nxt = words[i + 1] if i + 1 < len(words) else ""
+            if m := re.fullmatch(r"(dp|ep|cp|tp|pp)(\d+)(\+sp)?", w):
+                dim, n, sp = m.group(1), int(m.group(2)), bool(m.group(3))
+                if sp and dim != "tp" or dim in values:
+                    raise ValueError(f"layout {text!r}: {w!r} " + ("repeats a dimension" if dim in values else
+                                                                  "(+sp belongs to tp)"))
+                values[dim] = n
+                values["sp"] = values.get("sp", False) or sp
+                if dim == "cp" and nxt in ("ring", "a2a"):
+                    values["cp_method"] = "ring" if nxt == "ring" else "all-to-all"
+                    i += 1
+                elif dim == "pp" and nxt in REGISTRY:
+                    values["schedule"] = nxt
+                    i += 1
+                    if i + 1 < len(words) and (v := re.fullmatch(r"v(\d+)", words[i + 1])):
+                        values["virtual"] = int(v.group(1))
+                        i += 1
+            elif m := re.fullmatch(r"m(\d+)xb(\d+)", w):
+                values["microbatches"], values["microbatch"] = int(m.group(1)), int(m.group(2))
+            elif m := re.fullmatch(r"zero([0-3])", w):
+                values["zero"] = int(m.group(1))
+                if h := re.fullmatch(r"hsdp(\d+)x(\d+)", nxt):
+                    values["replicate"] = int(h.group(1))
+                    i += 1
+            elif m := re.fullmatch(r"rc-(none|selective|full)", w):
+                values["recompute"] = m.group(1)
+            else:
+                raise ValueError(f"layout {text!r}: {w!r} is not a word of a layout (dpD epE cpC ring|a2a tpT[+sp] "
+                                 f"ppP SCHEDULE [vV] mMxbB zeroZ [hsdpRxS] rc-R; schedules: {', '.join(REGISTRY)})")
+            i += 1
+        if "dp" not in values:
+            raise ValueError(f"layout {text!r}: give the data-parallel degree (dpD, dp1 for none)")
+        if values.get("pp", 1) > 1 and "schedule" not in values:
+            raise ValueError(f"layout {text!r}: pp{values['pp']} needs its schedule after it "
+                             f"({', '.join(REGISTRY)})")
+        return cls(dp=values["dp"], tp=values.get("tp", 1), pp=values.get("pp", 1), zero=values.get("zero", 0),
+                   sp=values["sp"], schedule=values.get("schedule"), virtual=values.get("virtual", 1),
+                   microbatch=values.get("microbatch", 1), microbatches=values.get("microbatches", 1),
+                   recompute=values.get("recompute", "none"), cp=values.get("cp", 1),
+                   cp_method=values.get("cp_method", "ring"), replicate=values.get("replicate", 1),
+                   ep=values.get("ep", 1))
+
+    def pins(self) -> dict:
+        """Every dimension of this layout as :func:`enumerate_layouts` pins them."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "cp_method": self.cp_method,
+                "zero": self.zero, "sp": self.sp, "schedule": self.schedule, "virtual": self.virtual,
+                "microbatch": self.microbatch, "recompute": self.recompute, "replicate": self.replicate,
+                "ep": self.ep}
 
     def run_options(self, workers: int) -> dict:
         """The `paralab train` options (RunConfig's fields) that lay a run out as this layout; the command

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .layouts import enumerate_layouts, why_none
+from .layouts import Layout, enumerate_layouts, why_none
 from .predict import Prediction, Setting, predict
 from .workload import Workload
 
@@ -56,6 +56,53 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
     final = [x for x in final if x.fits]
     final.sort(key=lambda x: (x.step, x.memory))
     return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest)
+
+
+@dataclass
+class Evaluation:
+    """One named layout, predicted (simulated) whether or not it fits, and where the search ranks it."""
+    prediction: Prediction
+    plan: Plan | None      # the unpinned search on the same model, cluster and batch (None: nothing fits)
+    rank: int | None       # 1-based among the plan's simulated layouts; None if it does not fit or is slower
+                           # than every one of them
+
+    def where(self) -> str:
+        x, plan = self.prediction, self.plan
+        if not x.fits:
+            return "it does not fit, so the search leaves it out"
+        if plan is None:
+            return "no layout the search lists fits"
+        of = f"of the {len(plan.ranked)} fastest the search simulated ({plan.fitting} fit of {plan.considered})"
+        if self.rank is None:
+            return f"slower than all {of}"
+        return f"{self.rank} {of}" + ("" if self.rank == 1 else
+                                      f"; the first, {plan.ranked[0].layout.label()}, takes "
+                                      f"{plan.ranked[0].step * 1e3:.4g} ms")
+
+
+def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, layout: Layout, *,
+             ranked: int = 40) -> Evaluation:
+    """``layout`` predicted with the simulator, fitting or not, and ranked among the ``ranked`` fastest layouts
+    of the unpinned search (:func:`make_plan`); NoLayout saying why if the layout does not divide the model,
+    the workers and the batch, or is not one paralab runs."""
+    if layout not in enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node,
+                                       fixed=layout.pins()):
+        per_replica = setting.global_batch / layout.dp
+        cut = layout.dp * layout.cp * layout.tp * layout.pp
+        why = (f"dp x cp x tp x pp = {cut}, not the {workers} workers" if cut != workers else
+               f"m x b = {layout.microbatches * layout.microbatch}, not the replica's batch (global batch / dp = "
+               f"{per_replica:g})" if layout.microbatches * layout.microbatch != per_replica else
+               why_none(work, workers, setting.global_batch, cluster.devices_per_node, layout.pins()))
+        raise NoLayout(f"layout {layout.label()}: not one the planner lists for this model: {why}")
+    x = predict(work, layout, cluster, setting)
+    try:
+        plan = make_plan(work, cluster, setting, workers, top=ranked, shortlist=ranked)
+    except NoLayout:
+        return Evaluation(x, None, None)
+    if not x.fits:
+        return Evaluation(x, plan, None)
+    faster = sum(y.step < x.step or (y.step == x.step and y.memory < x.memory) for y in plan.ranked)
+    return Evaluation(x, plan, faster + 1 if faster < len(plan.ranked) else None)
 
 
 TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),
