@@ -123,6 +123,10 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
     return losses
 
 
+#: the optimizers that keep two moments and a step count per parameter (torch's Adam and AdamW)
+ADAMS = ("adam", "adamw")
+
+
 def reference_bytes(cfg) -> tuple[int, int]:
     """(the model's parameters, the bytes the reference holds at least): its weights, their gradients and the
     optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
@@ -131,7 +135,7 @@ def reference_bytes(cfg) -> tuple[int, int]:
     with torch.device("meta"):
         model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
     parameters = sum(p.numel() for p in model.parameters())
-    states = 2 if cfg.optimizer in ("adam", "adamw") else int(cfg.momentum > 0)
+    states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
     return parameters, parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
 
 

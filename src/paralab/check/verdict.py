@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
 from . import kept
-from .reference import (TOLERANCES, Comparison, compare_optimizer, compare_tensors, optimizer_state,
+from .reference import (ADAMS, TOLERANCES, Comparison, compare_optimizer, compare_tensors, optimizer_state,
                         reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
@@ -54,7 +54,7 @@ def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
     would exercise it."""
     from ..models import MODALITY
     notes = []
-    if total - start == 1 and (cfg.optimizer in ("adam", "adamw") or cfg.momentum > 0):
+    if total - start == 1 and (cfg.optimizer in ADAMS or cfg.momentum > 0):
         notes.append("one step: the optimizer's state (momentum, Adam's moments) has no history yet, so what "
                      "carries it from step to step is not exercised: --num-batches 2 or more")
     if cfg.compress == "powersgd" and total <= cfg.powersgd_start_iter:
@@ -283,7 +283,7 @@ class Check:
         failed, at a bias that BatchNorm cancels (a wrong output or replica is a real bug, never explained
         away). Adam's moments of such a bias are noise too: an optimizer failure there is explained alike."""
         failing = [v for v in verdicts if not v["passed"]]
-        if not failing or self.cfg.optimizer not in ("adam", "adamw"):
+        if not failing or self.cfg.optimizer not in ADAMS:
             return
         cancelled = cancelled_by_batchnorm(self.ref.model)
         if all(set(v["failed"]) <= {"weights", "optimizer"} and v["worst_weight"] in cancelled for v in failing):

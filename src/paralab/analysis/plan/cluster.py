@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ...errors import UsageError
@@ -99,24 +99,6 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
                    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
                    "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU); "
                    f"{_LATENCY}; {_EFFICIENCY}"),
-    Cluster("a100-40gb", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 40, 1555, 8,
-            intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6,
-            unit_overhead_us=20,
-            source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
-                   "dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
-                   "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                   "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
-                   "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU; the 2020 DGX A100 "
-                   "that Narayanan et al. 2021 and BLOOM trained on); "
-                   f"{_LATENCY}; {_EFFICIENCY}"),
-    Cluster("h800", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 80, 3350, 8,
-            intra_gbps=1600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6,
-            unit_overhead_us=20,
-            source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5: the H100 SXM's compute, FP32 67 TFLOPS, "
-                   "BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3.35 TB/s, NVLink 400 GB/s = 200 GB/s each way), "
-                   "https://www.nvidia.cn/data-center/h800/; 8 GPUs a node with a 400 Gb/s NIC each, as DGX H100 "
-                   "(DeepSeek-V3's report, arXiv 2412.19437, describes its H800 nodes so); "
-                   f"{_LATENCY}; {_EFFICIENCY}"),
     Cluster("h100-sxm", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 80, 3350, 8,
             intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: FP32 67 TFLOPS, BF16/FP16 989 TFLOPS dense "
@@ -139,6 +121,21 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
                    "(IEEE 802.3ae 10GBASE) and loopback at 40 Gb/s inside one: assumed, a plain CPU node, not "
                    "a datasheet; efficiency 0.5 and 50 us per unit forward (dispatch) assumed"),
 )}
+# nodes that differ from one above in their memory or their links alone: only what differs is written
+PRESETS["a100-40gb"] = replace(
+    PRESETS["a100-sxm"], name="a100-40gb", memory_gb=40, memory_gbs=1555,
+    source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
+           "dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
+           "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+           "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
+           "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU; the 2020 DGX A100 "
+           f"that Narayanan et al. 2021 and BLOOM trained on); {_LATENCY}; {_EFFICIENCY}")
+PRESETS["h800"] = replace(
+    PRESETS["h100-sxm"], name="h800", intra_gbps=1600,
+    source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5: the H100 SXM's compute, FP32 67 TFLOPS, "
+           "BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3.35 TB/s, NVLink 400 GB/s = 200 GB/s each way), "
+           "https://www.nvidia.cn/data-center/h800/; 8 GPUs a node with a 400 Gb/s NIC each, as DGX H100 "
+           f"(DeepSeek-V3's report, arXiv 2412.19437, describes its H800 nodes so); {_LATENCY}; {_EFFICIENCY}")
 
 #: the fields a cluster file must give (``name`` defaults to the file's stem; the others have defaults)
 REQUIRED = tuple(f.name for f in fields(Cluster) if f.default is MISSING and f.name != "name")

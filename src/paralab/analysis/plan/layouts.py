@@ -84,7 +84,7 @@ class Layout:
     def parse(cls, text: str) -> "Layout":
         """The layout a table row's label names (the inverse of :meth:`label`), e.g. ``dp64 tp8+sp pp16 1f1b
         m16xb1 zero1``; ValueError saying which word is wrong. Left out: ep, cp, tp, pp 1, ZeRO-0, no
-        recomputation; ``m``/``b`` may be left out for one microbatch of the replica's whole batch (``m1``)."""
+        recomputation, ``m1xb1``."""
         words, values = text.split(), {}
         i = 0
         while i < len(words):

@@ -85,14 +85,14 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
     """``layout`` predicted with the simulator, fitting or not, and ranked among the ``ranked`` fastest layouts
     of the unpinned search (:func:`make_plan`); NoLayout saying why if the layout does not divide the model,
     the workers and the batch, or is not one paralab runs."""
-    if layout not in enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node,
-                                       fixed=layout.pins()):
+    pins = layout.pins()
+    if layout not in enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node, fixed=pins):
         per_replica = setting.global_batch / layout.dp
         cut = layout.dp * layout.cp * layout.tp * layout.pp
         why = (f"dp x cp x tp x pp = {cut}, not the {workers} workers" if cut != workers else
                f"m x b = {layout.microbatches * layout.microbatch}, not the replica's batch (global batch / dp = "
                f"{per_replica:g})" if layout.microbatches * layout.microbatch != per_replica else
-               why_none(work, workers, setting.global_batch, cluster.devices_per_node, layout.pins()))
+               why_none(work, workers, setting.global_batch, cluster.devices_per_node, pins))
         raise NoLayout(f"layout {layout.label()}: not one the planner lists for this model: {why}")
     x = predict(work, layout, cluster, setting)
     try:
