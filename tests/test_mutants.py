@@ -184,6 +184,28 @@ MUTANTS = [
            "with around() if around else nullcontext(), dropout.microbatch(0):",
            gpt("ddp", "--workers", "2", "--accumulate", "2", "--dropout", "0.1"),
            "every accumulated microbatch draws the first one's dropout masks"),
+    # ---- the whole model's gradient norm (--clip-grad 0.05 clips at every step: the weights depend on the norm)
+    Mutant("clip-tp-replicas-counted-per-rank", "strategies/base.py",
+           "return 1 if tp is None or key in tp.layout else tp.group.size", "return 1",
+           gpt("tp", "--workers", "2", "--clip-grad", "0.05"),
+           "a parameter every tp rank holds whole (a LayerNorm's) counted once per tp rank in the norm"),
+    Mutant("clip-dp-replicas-counted-per-rank", "strategies/replicas.py",
+           "return [(p.grad, self.comm.world * copies(keys[id(p)])) for p in self.params if p.grad is not None]",
+           "return [(p.grad, copies(keys[id(p)])) for p in self.params if p.grad is not None]",
+           gpt("ddp", "--workers", "2", "--clip-grad", "0.05"),
+           "every data-parallel replica's copy of the averaged gradient added to the norm"),
+    Mutant("clip-a-stage-left-out", "strategies/pipeline/strategy.py",
+           "        return [held for s in sorted(self.flavours)",
+           "        return [held for s in sorted(self.flavours)[:1]",
+           gpt("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b",
+               "--virtual-stages", "2", "--layers", "4", "--clip-grad", "0.05"),
+           "a rank's second (virtual) stage left out of the norm"),
+    Mutant("clip-experts-averaged", "strategies/expert/replicas.py",
+           "return [held for f in self.parts for held in f.held_gradients(keys, copies)]",
+           "return [(g, c * (self.ep if f is self.sparse else 1)) for f in self.parts "
+           "for g, c in f.held_gradients(keys, copies)]",
+           gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--clip-grad", "0.05"),
+           "the experts' squares averaged over data parallelism instead of summed over the ranks holding them"),
 ]
 
 

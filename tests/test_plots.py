@@ -27,7 +27,8 @@ def png_size(path):
     return img.shape[1], img.shape[0]
 
 
-@pytest.mark.parametrize("kind", [k for k in plots.KINDS if k != "moe-load"])  # moe-load: tests/test_moe.py
+# moe-load: tests/test_moe.py; grad-norm (runs with --clip-grad): tests/test_clip.py
+@pytest.mark.parametrize("kind", [k for k in plots.KINDS if k not in ("moe-load", "grad-norm")])
 def test_every_kind_draws_a_png(runs_dir, tmp_path, capsys, kind):
     runs = [str(runs_dir / "pipeline-w2"), str(runs_dir / "ddp-w2")] if kind == "timeline" else all_runs(runs_dir)
     out = tmp_path / f"{kind}.png"

@@ -67,7 +67,9 @@ class Snapshot:
 
 def usable(cfg, ref) -> bool:
     """Whether this run's reference may be shared: asked for, untrained so far, without compression."""
-    return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None
+    # (a clipped reference's gradient norms are not kept: it trains beside the run)
+    return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None \
+        and not getattr(cfg, "clip_grad", None)
 
 
 def _source_files(model) -> list[str]:

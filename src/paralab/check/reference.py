@@ -19,8 +19,9 @@ batches* as the strategy, replaying the strategy's own batch split:
 What is compared, and how far apart it may be (``TOLERANCES``, absolute, ``rtol=0``, by
 ``--precision``): the weights and buffers and every parameter's optimizer state after each
 checked step (fp32 ``1e-5`` and ``1e-4``, fp64 ``1e-9``), the training loss of every step as each rank reports
-it against its shard's loss in the reference (``1e-4``, ``1e-8``), and the next batch's logits at
-the end (``1e-4``, ``1e-8``). fp32 is for the course setting (a few steps at a small learning
+it against its shard's loss in the reference (``1e-4``, ``1e-8``), under ``--clip-grad`` the whole
+model's gradient norm of every step (``1e-4``, ``1e-10``: torch's ``clip_grad_norm_`` on the reference's
+gradient), and the next batch's logits at the end (``1e-4``, ``1e-8``). fp32 is for the course setting (a few steps at a small learning
 rate); without ``--precision`` a check runs in fp64.
 
 Where a strategy performs the very same operations as the reference (e.g.
@@ -48,12 +49,13 @@ from ..strategies.portable import optimizer_by_name
 #: ``weights`` (and buffers) and ``optimizer`` state after a checked step, each step's training ``loss``
 #: as every rank reports it, and the next batch's ``outputs`` (logits) at the end. Why these values:
 #: docs/correctness.md#tolerances
-TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "outputs": 1e-4},
-              "fp64": {"weights": 1e-9, "optimizer": 1e-9, "loss": 1e-8, "outputs": 1e-8}}
+TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "grad_norm": 1e-4, "outputs": 1e-4},
+              "fp64": {"weights": 1e-9, "optimizer": 1e-9, "loss": 1e-8, "grad_norm": 1e-10, "outputs": 1e-8}}
 
 
 def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
-                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0) -> list[list[float]]:
+                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
+                    clip: float | None = None, norms: dict | None = None) -> list[list[float]]:
     """Train ``model`` on steps ``first_step .. steps - 1``; ``source_batch(step, rank)`` gives shard
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
     learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
@@ -65,6 +67,9 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
 
     ``seed``: the run's, from which the gpt's dropout masks are drawn (``models/dropout.py``: each forward
     says where its samples sit in the global batch, so the masks are the run's whatever the split).
+
+    ``clip`` (``--clip-grad``): the gradient clipped to that norm by torch's ``clip_grad_norm_`` before each
+    step; each step's norm before clipping goes into ``norms`` (step -> norm).
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
@@ -117,6 +122,10 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
                     for b, kept in zip(model.buffers(), kept_buffers):
                         b.copy_(kept)
             losses.append(shard_losses)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip)
+            if norms is not None:
+                norms[step] = norm.item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records

@@ -35,7 +35,7 @@ from .reference import (ADAMS, TOLERANCES, Comparison, compare_optimizer, compar
                         reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
-KINDS = ("weights", "optimizer", "replicas", "loss", "outputs")
+KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
 
 
 def checked_steps(start: int, total: int, every: int | None) -> list[int]:
@@ -97,6 +97,8 @@ class Reference:
         self.source, self.lr_for = source, lr_for
         self.step = 0
         self.losses: dict[int, list[float]] = {}  # step -> each shard's training loss
+        self.clip = getattr(strategy.ctx, "clip_grad", None)
+        self.norms: dict[int, float] = {}  # --clip-grad: step -> the gradient norm before clipping
         # gradient compression: the reference applies the same to each shard's gradient (or None)
         self.compression = reference_for(strategy.ctx.options, self.replicas)
 
@@ -108,7 +110,8 @@ class Reference:
     def advance_to(self, step: int) -> None:
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
                                  self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
-                                 combine=self.compression.combine if self.compression else None, seed=self.seed)
+                                 combine=self.compression.combine if self.compression else None, seed=self.seed,
+                                 clip=self.clip, norms=self.norms)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
@@ -217,9 +220,10 @@ class Check:
         return compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step)
 
     # ------------------------------------------------------------ at the end
-    def finish(self, losses: list, replica: int) -> dict:
-        """Compare the last step, the next batch's logits and this rank's losses (``[step, loss]`` pairs;
-        ``replica``: its data-parallel shard); agree on one verdict over the ranks (a collective)."""
+    def finish(self, losses: list, replica: int, norms: list | None = None) -> dict:
+        """Compare the last step, the next batch's logits, this rank's losses (``[step, loss]`` pairs;
+        ``replica``: its data-parallel shard) and gradient norms (``[step, norm]``, ``--clip-grad``); agree on
+        one verdict over the ranks (a collective)."""
         self.compare_at(self.total)
         x, _ = self.ref.source.batch(self.total)
         out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
@@ -232,6 +236,9 @@ class Check:
         mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
         if mine:
             self.found.append(compare_losses(mine, self.ref.losses, replica, self.tol["loss"]))
+        mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.ref.norms]
+        if mine:
+            self.found.append(compare_norms(mine, self.ref.norms, self.tol["grad_norm"]))
         if self.comm.world > 1:  # every rank is done with the saved states: each removes its own
             self.comm.barrier(name="check_states_read")
             (self.folder / f"rank{self.comm.rank}.pt").unlink(missing_ok=True)
@@ -274,7 +281,8 @@ class Check:
                 "tolerances": self.tol, "steps": self.steps,
                 "failed": sorted({k for v in verdicts for k in v["failed"]}, key=KINDS.index),
                 "max_weight_dev": largest["weights"], "max_optimizer_dev": largest["optimizer"],
-                "max_loss_dev": largest["loss"], "max_output_dev": largest["outputs"],
+                "max_loss_dev": largest["loss"], "max_grad_norm_dev": largest["grad_norm"],
+                "max_output_dev": largest["outputs"],
                 "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
                 "unexercised": notes, "ranks": verdicts}
 
@@ -303,3 +311,14 @@ def compare_losses(mine: list, ref: dict[int, list[float]], replica: int, atol: 
             worst_dev, at = dev, step
     c = Comparison("loss", worst_dev, f"reported {dict(mine)[at]:.6g} vs {ref[at][replica]:.6g}", atol, at + 1)
     return c
+
+
+def compare_norms(mine: list, ref: dict[int, float], atol: float) -> Comparison:
+    """This rank's whole-model gradient norm at each of its steps (``--clip-grad``) against the reference's."""
+    worst_dev, at = 0.0, None
+    for step, norm in mine:
+        dev = abs(norm - ref[step])
+        dev = float("inf") if dev != dev else dev
+        if at is None or dev > worst_dev:
+            worst_dev, at = dev, step
+    return Comparison("grad_norm", worst_dev, f"gradient norm {dict(mine)[at]:.6g} vs {ref[at]:.6g}", atol, at + 1)

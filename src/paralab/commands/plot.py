@@ -18,6 +18,8 @@ kinds:
                (runs made with --check --check-every K; put fp32 beside fp64)
   moe-load     a mixture of experts' routing: tokens per expert by rank, and the
                imbalance (max / mean) and dropped choices per step
+  grad-norm    the whole model's gradient norm per step, before clipping, with
+               the --clip-grad line (runs made with --clip-grad NORM)
 
 examples:
   paralab plot throughput runs/ddp-w1-* runs/ddp-w2-* -o throughput.png
@@ -25,6 +27,7 @@ examples:
   paralab plot timeline runs/pipeline-w2-* -o timeline.png
   paralab plot scaling runs/*           (prints the table)
   paralab plot deviation runs/ddp-fp32 runs/ddp-fp64 -o deviation.png
+  paralab plot grad-norm runs/ddp-clipped  (prints the table)
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-HELP = "plot throughput | split-time | timeline | scaling | memory | deviation | moe-load from run directories"
+HELP = ("plot throughput | split-time | timeline | scaling | memory | deviation | moe-load | grad-norm from run "
+        "directories")
 
 from ..report.plots import KINDS  # noqa: E402
 

@@ -191,7 +191,7 @@ def fmt(x, spec, none="-"):
 
 #: a check's kinds of comparison, as summary.json names each one's largest deviation (check/verdict.py)
 CHECK_KINDS = {"weights": "max_weight_dev", "optimizer": "max_optimizer_dev", "loss": "max_loss_dev",
-               "outputs": "max_output_dev"}
+               "grad_norm": "max_grad_norm_dev", "outputs": "max_output_dev"}
 
 
 def check_text(summary: dict | None) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 from ..analysis.runs import Run, sort_runs
 from ..kinds import HELD
 
-KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation", "moe-load")
+KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation", "moe-load", "grad-norm")
 
 SPLIT_COLORS = {"data": "#9e9e9e", "compute": "#4c72b0", "comm": "#dd8452", "optimizer": "#55a868",
                 "idle": "#f2b5b5", "other": "#d9d9d9"}
@@ -715,7 +715,47 @@ def plot_moe_load(runs: list[Run], path) -> Path:
     return _save(fig, path)
 
 
+# ---------------------------------------------------------------- the gradient norm (--clip-grad)
+def grad_norms(run: Run) -> list[tuple[int, float]]:
+    """(step, the whole model's gradient norm before clipping) as rank 0 recorded it (every rank records the
+    same norm: one all-reduce gives it to all); empty for a run without --clip-grad."""
+    return sorted((r["step"], r["grad_norm"]) for r in run.steps if r.get("rank") == 0 and r.get("grad_norm") is not None)
+
+
+def _clip(run: Run) -> float | None:
+    return run.config.get("clip_grad")
+
+
+def grad_norm_table(runs: list[Run]):
+    rows = [[r.label, step, f"{norm:.6g}", _fmt(_clip(r), "g"), "yes" if _clip(r) and norm > _clip(r) else "no"]
+            for r in runs for step, norm in grad_norms(r)]
+    return ["run", "step", "gradient norm (before clipping)", "--clip-grad", "clipped"], rows
+
+
+def plot_grad_norm(runs: list[Run], path) -> Path:
+    curves = [(r, grad_norms(r)) for r in runs]
+    curves = [(r, h) for r, h in curves if h]
+    if not curves:
+        raise ValueError("no run holds gradient norms: train with --clip-grad NORM")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for k, (r, history) in enumerate(curves):
+        color = WORKER_COLORS[k % len(WORKER_COLORS)]
+        ax.plot([s for s, _ in history], [n for _, n in history], marker="o", markersize=3, color=color,
+                label=r.label)
+        if _clip(r):
+            ax.axhline(_clip(r), color=color, linestyle=":", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("whole-model gradient norm, before clipping")
+    ax.set_title("gradient norm per step (dotted: each run's --clip-grad)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 TABLES = {"throughput": throughput_table, "split-time": split_table, "timeline": timeline_table,
-          "scaling": scaling_table, "memory": memory_table, "deviation": deviation_table, "moe-load": moe_table}
+          "scaling": scaling_table, "memory": memory_table, "deviation": deviation_table, "moe-load": moe_table,
+          "grad-norm": grad_norm_table}
 PLOTS = {"throughput": plot_throughput, "split-time": plot_split_time, "timeline": plot_timeline,
-         "scaling": plot_scaling, "memory": plot_memory, "deviation": plot_deviation, "moe-load": plot_moe_load}
+         "scaling": plot_scaling, "memory": plot_memory, "deviation": plot_deviation, "moe-load": plot_moe_load,
+         "grad-norm": plot_grad_norm}

@@ -69,6 +69,17 @@ class OptimizerOptions:
                                           "from the rate down to --min-lr over the run's steps "
                                           "(training/lr_schedule.py)", choices=LR_SCHEDULES)
     min_lr: float = option(0.0, "--lr-schedule cosine's floor", minimum=0)
+    clip_grad: float | None = option(None, "clip the whole model's gradient norm to NORM before every optimizer step "
+                                           "(torch's clip_grad_norm_ rule, under every layout: "
+                                           "training/grad_norm.py); the norm is recorded per step (steps.jsonl "
+                                           "grad_norm, `paralab plot grad-norm`)", type=float, positive=True,
+                                     metavar="NORM")
+    on_nonfinite: str | None = option(None, "before every optimizer step, one all-reduce asks every rank whether "
+                                            "its loss and gradient are finite: stop (every rank stops at that "
+                                            "step, naming the ranks; exit 3) or skip (every rank skips that "
+                                            "step's update, steps.jsonl marks it; summary.json skipped_steps). "
+                                            "Not given: a non-finite loss stops the run at the next log point",
+                                      type=str, choices=("stop", "skip"))
     allow_slow_bf16: bool = option(False, "run --precision bf16 even on a CPU without bf16 instructions (refused "
                                           "otherwise: much slower than fp32 there, on slow fallback kernels)")
 
@@ -285,6 +296,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError(f"--batch-size {self.batch_size} must divide evenly over "
                              f"{shape.dp} data-parallel replicas; change it or use --per-worker-batch")
         named_cls.validate(self, world)
+        if self.clip_grad is not None or self.on_nonfinite:
+            refuse_unclipped(self, named_cls, strategy_cls)
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None, model=self.model,
@@ -348,6 +361,18 @@ def train_command(cfg: RunConfig, run_dir=None, first=("workers",)) -> str:
     import shlex
     words = ["paralab", "train", *cfg.to_argv(first=first, out=None)]
     return shlex.join(words + (["--out", str(run_dir)] if run_dir is not None else []))
+
+
+def refuse_unclipped(cfg, named_cls, strategy_cls) -> None:
+    """--clip-grad or --on-nonfinite with a layout whose strategy cannot compute the whole model's gradient norm
+    (nor skip a step on every rank): exit 2."""
+    flag = "--clip-grad" if cfg.clip_grad is not None else "--on-nonfinite"
+    for cls in {named_cls, strategy_cls}:
+        if not cls.clips:
+            raise UsageError(f"{flag} is not supported by strategy {cls.name!r} yet (PyTorch's own "
+                             f"parallel wrappers are not clipped by paralab): drop {flag}, or use one of "
+                             "paralab's own strategies (single, gather-scatter, allreduce, ddp, torch-ddp, fsdp at "
+                             "any --zero-stage, pipeline, torch-pipeline, tp, cp, and their compositions)")
 
 
 def check_schedule(cfg: RunConfig, replicas: int) -> None:

@@ -54,6 +54,8 @@ def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, at
     split = {**split, "other": max(0.0, seconds - accounted)}
     row = {"rank": rank, "step": step, "attempt": attempt, "t0": t0, "t1": t1, "seconds": seconds,
            "loss": result.loss, "samples": result.samples, "lr": lr, "split": split}
+    if getattr(result, "grad_norm", None) is not None:
+        row["grad_norm"] = result.grad_norm  # --clip-grad: the whole model's gradient norm before clipping
     if getattr(result, "moe", None):
         row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
     return row
@@ -228,10 +230,13 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "test_perplexity": evaluation.get("perplexity") if evaluation else None,  # a text model's
         "check": None if check is None else {k: check[k] for k in
                                              ("result", "failed", "steps", "max_weight_dev",
-                                              "max_optimizer_dev", "max_loss_dev", "max_output_dev",
+                                              "max_optimizer_dev", "max_loss_dev", "max_grad_norm_dev",
+                                              "max_output_dev",
                                               "precision", "tolerances", "history", "unexercised")},
         "error": error,
     }
+    if getattr(cfg, "on_nonfinite", None):  # the steps whose update every rank skipped (--on-nonfinite skip)
+        summary["skipped_steps"] = sorted({r["step"] for r in steps if r.get("skipped")})
     summary.update(extra or {})
     return summary
 

@@ -38,6 +38,7 @@ from ..training.lr_schedule import lr_at, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
+from ..training.grad_norm import NonFinite
 
 
 #: the steps this rank has done, or during one, the step it is in (0 to N - 1: as many done before it): what
@@ -91,7 +92,8 @@ def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step"
     out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
     Python error, as a shell or container runtime reports a process the out-of-memory killer took);
     ``save``: SIGKILL while saving the checkpoint of step STEP, its own file written and the generation
-    not yet committed (``moment="save"``: what ``generations.write`` calls). ATTEMPT: only in that start
+    not yet committed (``moment="save"``: what ``generations.write`` calls); ``nan``: that step's loss made
+    NaN on that rank (the non-finite guard's fault point, :func:`poisoned_steps`). ATTEMPT: only in that start
     of the group (``--max-restarts``: 1 is the first); every start if left out. Several faults:
     comma-separated.
     """
@@ -99,11 +101,11 @@ def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step"
     for fault in spec.split(",") if spec else ():
         fault_rank, fault_step, *rest = fault.split(":")
         kind = rest[0] if rest else "raise"
-        if kind not in ("raise", "kill", "oom", "save"):
-            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom or save")
+        if kind not in ("raise", "kill", "oom", "save", "nan"):
+            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom, save or nan")
         if len(rest) > 1 and int(rest[1]) != attempt:
             continue
-        if (kind == "save") != (moment == "save"):
+        if (kind == "save") != (moment == "save") or kind == "nan":  # nan: the loss, at the step (poisoned_steps)
             continue
         if rank == int(fault_rank) and step == int(fault_step):
             if kind in ("kill", "save"):
@@ -112,6 +114,18 @@ def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step"
             elif kind == "oom":
                 os._exit(137)
             raise RuntimeError(f"injected fault on rank {rank} at step {step} (PARALAB_FAULT)")
+
+
+def poisoned_steps(rank: int) -> frozenset:
+    """Testing only: the steps whose loss this rank makes NaN (``PARALAB_FAULT=RANK:STEP:nan``, in every start
+    of the group: the non-finite guard's fault point, ``--on-nonfinite``)."""
+    spec = os.environ.get("PARALAB_FAULT")
+    steps = set()
+    for fault in spec.split(",") if spec else ():
+        fault_rank, fault_step, *rest = fault.split(":")
+        if rest and rest[0] == "nan" and int(fault_rank) == rank:
+            steps.add(int(fault_step))
+    return frozenset(steps)
 
 
 def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
@@ -199,6 +213,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
     start_step, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
+    norms: list = []  # --clip-grad: [step, gradient norm] of this start's steps (--check compares them)
     # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
     attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     carried: tuple[list, list] = ([], [])  # a run started again from its own checkpoint: its earlier records
@@ -234,18 +249,28 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
         # where this shard's samples sit in the step's global batch (the gpt's dropout masks: models/dropout.py)
         dropout.at_step(cfg.seed, step, rows=len(y) * replicas, first=len(y) * replica)
-        if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
-            probe = held.Probe([strategy], s.optimizers)
-            with probe.watch():
-                result = strategy.train_step(x, y)
-            held_record = probe.record(step)
-        else:
-            result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
+        try:
+            if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
+                probe = held.Probe([strategy], s.optimizers)
+                with probe.watch():
+                    result = strategy.train_step(x, y)
+                held_record = probe.record(step)
+            else:
+                result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
+        except NonFinite as exc:  # --on-nonfinite stop: every rank raised it in the same step, before its update
+            error = str(exc)
+            progress.close()
+            print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
+            break
         t1 = recorder.now()
         recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
         step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr))
         losses.append([step, result.loss])
-        if first_bad is None and result.loss is not None and not math.isfinite(result.loss):
+        norms.append([step, result.grad_norm])
+        if result.skipped:  # --on-nonfinite skip: every rank skipped this step's update, and counts it
+            step_rows[-1]["skipped"] = True
+            say(f"{progress.clear()}{result.skipped} (--on-nonfinite skip: every rank skipped its update)")
+        elif first_bad is None and result.loss is not None and not math.isfinite(result.loss):
             first_bad = step
         last = step + 1 == s.total_steps
         # every rank must take the same decision to stop, so the check is collective (a single
@@ -279,7 +304,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if main and result_eval is not None:
             say(headline(result_eval))
         if check is not None:
-            verdict = check.finish(losses, replica)
+            verdict = check.finish(losses, replica, norms)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
@@ -316,7 +341,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
-                  batch_size=cfg.global_batch())
+                  batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite,
+                  poison=poisoned_steps(rank))
     # the strategy's units recompute as --recompute says; the reference (model_fn) does not
     strategy = strategy_cls(ctx, recompute.factory(model_fn, cfg.recompute), optim_fn, **composition)
     replicas, replica = strategy.replicas()

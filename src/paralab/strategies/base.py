@@ -32,7 +32,7 @@ cannot be composed. The options it reads are dataclasses it lists in
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -45,6 +45,7 @@ from ..mesh import Mesh, MeshShape
 from ..models import dropout
 from ..models.moe import take_aux_loss, take_history
 from ..recorder import Recorder
+from ..training import grad_norm
 
 
 @dataclass
@@ -60,10 +61,20 @@ class Context:
     batch_size: int = 0          # the global batch (a pipeline sizes its partition measurement with it)
     tp: object = None            # tensor parallelism (strategies/tensor): None, or what shards the units held
     cp: object = None            # context parallelism (strategies/context): None, or what splits the sequence
+    clip_grad: float | None = None  # --clip-grad: the whole model's gradient norm clipped to it (grad_norm.py)
+    on_nonfinite: str | None = None  # --on-nonfinite stop | skip: a guard before every optimizer step
+    poison: frozenset = frozenset()  # testing: the steps whose loss this rank makes NaN (PARALAB_FAULT=R:S:nan)
+    skipping: str = ""               # why this step's optimizer steps are skipped (--on-nonfinite skip), or ""
+    losses_finite: list = field(default_factory=list)  # the guard's: this step's losses, finite or not
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss: tensor parallelism's where it splits the logits, else the plain one."""
-        return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
+        loss = self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
+        if self.poison and self.recorder.step in self.poison:
+            loss = loss * float("nan")
+        if self.on_nonfinite:
+            self.losses_finite.append(torch.isfinite(loss.detach()).all())
+        return loss
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """The units (keyed by their index in the whole model) as this rank holds them: under
@@ -93,6 +104,8 @@ class StepResult:
     loss: float | None  # mean loss over the samples this rank saw (None: no loss here)
     samples: int        # samples this rank trained on
     moe: list | None = None  # a mixture of experts: per MoE layer, this step's routing (moe_record)
+    grad_norm: float | None = None  # --clip-grad: the whole model's gradient norm before clipping
+    skipped: str = ""                # --on-nonfinite skip: why every rank skipped this step's update ("": it did not)
 
 
 def moe_record(model: nn.Module) -> list | None:
@@ -181,6 +194,10 @@ class Strategy:
     #: it trains a mixture of experts (models/moe.py): the load-balancing loss is part of its loss
     #: (``training_loss``, or carried by a pipeline stage's outputs); else --experts is refused
     moe: bool = False
+    #: it can clip the whole model's gradient norm (``--clip-grad``) and guard its step (``--on-nonfinite``):
+    #: it implements :meth:`held_gradients` and calls :meth:`clip_gradients` between synchronising the
+    #: gradients and the optimizer step, and its optimizer steps honour ``ctx.skipping``
+    clips: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx
@@ -283,6 +300,58 @@ class Strategy:
         """The paths of this strategy that this layout leaves trivial, so a ``--check`` says nothing about
         them (each a line naming the option that would exercise it): ``check/verdict.py`` prints them."""
         return []
+
+    # ------------------------------------------------------------ the gradient norm (--clip-grad)
+    def held_gradients(self) -> list[tuple[torch.Tensor, object]]:
+        """After the step's gradients are synchronised: each gradient this rank holds, with how many ranks
+        hold the same one (a number, or per element a tensor of its shape): training/grad_norm.py."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot compute the whole model's gradient norm")
+
+    def clip_gradients(self) -> float | None:
+        """Between the gradients' synchronisation and the optimizer step, one all-reduce over every rank for:
+
+        - ``--clip-grad``: the whole model's gradient norm, every gradient this rank holds scaled to it;
+        - ``--on-nonfinite``: whether any rank's loss or gradient is not finite this step. ``stop`` raises
+          :class:`~paralab.training.grad_norm.NonFinite` naming the ranks, on every rank; ``skip`` sets
+          ``ctx.skipping`` to why (the optimizers do not step: the gradients are dropped).
+
+        Returns the norm before clipping; None (and nothing done) with neither option."""
+        ctx = self.ctx
+        ctx.skipping = ""
+        if not ctx.clip_grad and not ctx.on_nonfinite:
+            return None
+        held = self.held_gradients()
+        with self.rec.span("optimizer", "grad_norm"):
+            local = grad_norm.square_sum(held)
+            bad_loss = None
+            if ctx.on_nonfinite:
+                bad_loss = not all(bool(f) for f in ctx.losses_finite)
+                ctx.losses_finite.clear()
+        norm, losses, grads = grad_norm.reduce(ctx.comm, local, ctx.device, bad_loss)
+        if losses or grads:
+            where = "; ".join(f"{what} is not finite on rank{'s' if len(ranks) > 1 else ''} "
+                              f"{', '.join(map(str, ranks))}" for what, ranks in (("the loss", losses),
+                                                                                   ("the gradient", grads)) if ranks)
+            why = f"step {self.rec.step + 1} (steps.jsonl step {self.rec.step}): {where}"
+            if ctx.on_nonfinite == "stop":
+                raise grad_norm.NonFinite(f"{why} (--on-nonfinite stop: no rank took this step's update)")
+            ctx.skipping = why
+            return norm
+        if ctx.clip_grad:
+            with self.rec.span("optimizer", "clip_grad"):
+                grad_norm.clip_([g for g, _ in held], norm, ctx.clip_grad)
+        return norm
+
+    def copies(self, key: str) -> int:
+        """How many ranks of the dimensions outside data parallelism hold parameter ``key``'s gradient (plain
+        name): tensor parallelism's size for a parameter it does not split, else 1."""
+        tp = self.ctx.tp
+        return 1 if tp is None or key in tp.layout else tp.group.size
+
+    @staticmethod
+    def plain_keys(units: dict[int, nn.Module]) -> dict[int, str]:
+        """``id(parameter) -> its plain name`` for units keyed by their index in the whole model."""
+        return {id(p): f"{i}.{name}" for i, unit in units.items() for name, p in unit.named_parameters()}
 
     # ------------------------------------------------------------ shared pieces
     @torch.no_grad()

@@ -50,6 +50,7 @@ class DataParallel(Strategy):
     replicas_cls: type[Replicas] = Replicas
     options = (AccumulateOptions,)
     moe = True
+    clips = True
 
     def __init__(self, ctx, model_fn, optim_fn, replicas_cls: type[Replicas] | None = None):
         """``replicas_cls``: the flavour, when a composed layout (``--tp``) names it; else the class's."""
@@ -79,9 +80,13 @@ class DataParallel(Strategy):
         loss = self.forward_backward(self.forward_module, x, y,
                                      before_last=self.dp.accumulating, last=self.dp.last_backward)
         self.dp.finish()
+        norm = self.clip_gradients()
         self.dp.step()
         self.dp.sync_buffers()
-        return StepResult(loss, len(y), moe=moe_record(self.model))
+        return StepResult(loss, len(y), moe=moe_record(self.model), grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        return self.dp.held_gradients(self.plain_keys(dict(enumerate(self.model))), self.copies)
 
     def predict(self, x):
         self.dp.sync_buffers(after_step=False)

@@ -90,9 +90,16 @@ class Replicas:
     def finish(self) -> None:
         """After the last backward: make ``.grad`` the mean over the dp replicas."""
 
+    def held_gradients(self, keys: dict[int, str], copies) -> list[tuple[torch.Tensor, object]]:
+        """After :meth:`finish`: each gradient this replica holds, with how many ranks hold the same: the
+        group's size times ``copies(plain name)`` (the ranks of other dimensions holding it: tp's for a
+        parameter it does not split). ``keys``: ``id(parameter) -> plain name`` (``--clip-grad``)."""
+        return [(p.grad, self.comm.world * copies(keys[id(p)])) for p in self.params if p.grad is not None]
+
     def step(self) -> None:
         with self.rec.span("optimizer", "step"):
-            self.optimizer.step()
+            if not self.ctx.skipping:  # --on-nonfinite skip: the step's gradients dropped, nothing updated
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def sync_buffers(self, after_step: bool = True) -> None:

@@ -120,6 +120,7 @@ class _GradientMesh:
 class ContextParallel(Strategy):
     name = "cp"
     options = (ContextOptions,)
+    clips = True  # the inner strategy clips
     #: the pure form (``paralab train cp``): dp 1, every rank reads the whole batch (its tokens of it)
     data_parallel = False
 

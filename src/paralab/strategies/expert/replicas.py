@@ -143,6 +143,10 @@ class ExpertReplicas(Replicas):
                     if p.grad is not None:
                         p.grad.div_(self.ep)
 
+    def held_gradients(self, keys, copies):
+        """Both parts': the dense parameters' held by every dp replica, each expert's by its edp group."""
+        return [held for f in self.parts for held in f.held_gradients(keys, copies)]
+
     def step(self) -> None:
         for f in self.parts:
             f.step()

@@ -17,6 +17,7 @@ class ExpertParallel(Strategy):
     """Data parallelism whose MoE experts are split over the ep group (composed: ``--ep`` with a flavour)."""
     name = "ep"
     options = (ExpertOptions,)
+    clips = True
 
     def __init__(self, ctx, model_fn, optim_fn, replicas_cls):
         super().__init__(ctx, model_fn, optim_fn)
@@ -71,9 +72,13 @@ class ExpertParallel(Strategy):
         f.start()
         loss = self.forward_backward(self.model, x, y, before_last=f.accumulating, last=f.last_backward)
         f.finish()
+        norm = self.clip_gradients()
         f.step()
         f.sync_buffers()
-        return StepResult(loss, len(y), moe=moe_record(self.model))
+        return StepResult(loss, len(y), moe=moe_record(self.model), grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        return self.flavour.held_gradients(self.plain_keys(dict(enumerate(self.model))), self.copies)
 
     def predict(self, x):
         self.flavour.sync_buffers(after_step=False)

@@ -97,6 +97,19 @@ class FlatUnit:
     def shard_bytes(self) -> int:
         return self.shard_numel * self.element_size
 
+    def shard_copies(self, copies) -> float | torch.Tensor:
+        """How many ranks hold each element of this rank's gradient shard (``--clip-grad``): the replicate
+        group's size (HSDP) times ``copies(plain name)`` of the parameter the element belongs to; a number
+        where every parameter of the unit has the same count."""
+        per = [copies(f"{self.index}.{name}") for _, _, name, _, _, _ in self.slots]
+        times = self.replicate.world if self.replicate is not None else 1
+        if len(set(per)) == 1:
+            return float(per[0] * times)
+        flat = torch.ones(self.padded, dtype=torch.float64, device=self.device)  # padding: zero gradients
+        for (_, _, _, _, offset, numel), c in zip(self.slots, per):
+            flat[offset:offset + numel] = c
+        return self._my_slice(flat) * times
+
     def _my_slice(self, flat: torch.Tensor) -> torch.Tensor:
         s = self.shard_numel
         return flat[self.comm.rank * s:(self.comm.rank + 1) * s]
@@ -239,7 +252,8 @@ class FlatUnit:
         self.ledger.sub("grads", self.shard_bytes)
 
 
-def step_shards(rec, optimizer: torch.optim.Optimizer, ledger: Ledger, units: list[FlatUnit], **where) -> None:
+def step_shards(rec, optimizer: torch.optim.Optimizer, ledger: Ledger, units: list[FlatUnit], skip: bool = False,
+                **where) -> None:
     """The step primitive: the optimizer on the shards of ``units`` (the only ones with a gradient),
     their gradients dropped; units holding their full parameters then re-gather them.
 
@@ -247,10 +261,12 @@ def step_shards(rec, optimizer: torch.optim.Optimizer, ledger: Ledger, units: li
     state per parameter (Adam's step count too), so stepping unit by unit
     updates every shard exactly as one step over all of them would. The
     re-gathers are asynchronous, each waited for only when the next forward
-    (or a read of the weights) reaches its unit.
+    (or a read of the weights) reaches its unit. ``skip`` (``--on-nonfinite skip``): the gradients dropped,
+    nothing updated.
     """
     with rec.span("optimizer", "step", **where):
-        optimizer.step()
+        if not skip:
+            optimizer.step()
         ledger.set("optimizer", optimizer_state_bytes(optimizer), "optimizer step")
         for fu in units:
             fu.drop_grad_shard()

@@ -77,6 +77,7 @@ class FSDP(Strategy):
     options = (FSDPOptions,)
     #: it can split its data-parallel dimension into replica groups of shard groups (--replicate)
     hsdp = True
+    clips = True
 
     @classmethod
     def validate(cls, cfg, world):
@@ -112,7 +113,10 @@ class FSDP(Strategy):
         self.replicated = not self.shard_params  # stages 1-2 keep a full replica on every rank
         # stages 2-3 reduce each unit's gradient as soon as its backward is done, so its shard can be
         # stepped there and then (stage 1 has no reduced gradient before backward ends)
-        self.step_in_backward = self.shard_grads and ctx.options.step_in_backward
+        # --clip-grad and --on-nonfinite need every gradient before any step (the norm is the whole model's, and a
+        # step found bad is skipped on every rank): one step at the end
+        self.step_in_backward = self.shard_grads and ctx.options.step_in_backward and not ctx.clip_grad \
+            and not ctx.on_nonfinite
         self.prefetch = ctx.options.prefetch
         self.ledger = Ledger()
         self.reduce_scatter_kind: str | None = None
@@ -161,10 +165,15 @@ class FSDP(Strategy):
             for fu in self.flat_units:
                 self.reduce_scatter_kind = fu.reduce_scatter(fu.grad)
                 fu.grad = None
+        norm = self.clip_gradients()
         if not self.step_in_backward:
             self._step(self.flat_units, unit="all")
         broadcast_buffers(self.dp_comm, self.model)
-        return StepResult(loss.item(), len(y))
+        return StepResult(loss.item(), len(y), grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        """The gradient shards, each element counted as its parameter (HSDP: its replicas too)."""
+        return [(fu.shard.grad, fu.shard_copies(self.copies)) for fu in self.flat_units if fu.shard.grad is not None]
 
     def _forward(self, x: torch.Tensor):
         """Unit by unit, each its own autograd graph (its input detached): the unit's parameters
@@ -226,7 +235,7 @@ class FSDP(Strategy):
         return grad_in
 
     def _step(self, units: list[FlatUnit], unit) -> None:
-        step_shards(self.rec, self.optimizer, self.ledger, units, unit=unit)
+        step_shards(self.rec, self.optimizer, self.ledger, units, skip=self.ctx.skipping, unit=unit)
 
     # ------------------------------------------------------------ which unit's parameters, when
     def _forward_ready(self, i: int) -> FlatUnit | None:

@@ -113,9 +113,13 @@ class ZeroOneReplicas(Replicas):
             self.reduce_scatter_kind = fu.reduce_scatter(flat_grad)
             del flat_grad
 
+    def held_gradients(self, keys, copies):
+        """The gradient shards (``finish`` reduce-scattered them), each element counted as its parameter."""
+        return [(fu.shard.grad, fu.shard_copies(copies)) for fu in self.units if fu.shard.grad is not None]
+
     def step(self) -> None:
         self.settle()  # never step a shard whose flat tensor a gather is still writing
-        step_shards(self.rec, self.optimizer, self.ledger, self.units)
+        step_shards(self.rec, self.optimizer, self.ledger, self.units, skip=self.ctx.skipping)
 
     def sync_buffers(self, after_step: bool = True) -> None:
         if not after_step:  # the weights are about to be read or evaluated

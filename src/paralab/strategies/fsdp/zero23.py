@@ -142,7 +142,7 @@ class ZeroThreeReplicas(ZeroTwoReplicas):
 
     def step(self) -> None:
         self.settle()
-        step_shards(self.rec, self.optimizer, self.ledger, self.units)
+        step_shards(self.rec, self.optimizer, self.ledger, self.units, skip=self.ctx.skipping)
         for fu in self.units:  # the step is over: only the shards stay
             fu.free()
 

@@ -76,6 +76,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     options = (PipelineOptions,)
     moe = True  # stage.py carries the load-balancing loss on each unit's output
+    clips = True
     #: the pure form hands every rank the whole global batch; composed, each dp replica its shard
     data_parallel = False
 
@@ -234,9 +235,18 @@ class Pipeline(Strategy):
         loss = self.executor.run(self.stages, actions, chunks,
                                  last_backward=lambda s: self.flavours[s].last_backward() if s in self.flavours
                                  else nullcontext())
-        self.flavours_do("finish", "step", "sync_buffers")
+        self.flavours_do("finish")
+        norm = self.clip_gradients()  # over every stage: one all-reduce over the whole world
+        self.flavours_do("step", "sync_buffers")
         # the loss recorded is the cross-entropy; a mixture of experts' aux loss is in the gradients (stage.py)
-        return StepResult(loss, len(y), moe=moe_record(nn.ModuleList(st.units for st in self.stages.values())))
+        return StepResult(loss, len(y), moe=moe_record(nn.ModuleList(st.units for st in self.stages.values())),
+                          grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        """Every stage of this rank's: each stage's parameters are held by its dp replicas only."""
+        return [held for s in sorted(self.flavours)
+                for held in self.flavours[s].held_gradients(
+                    self.plain_keys(dict(zip(self.stages[s].indices, self.stages[s].units))), self.copies)]
 
     def flavours_do(self, *phases: str) -> None:
         """Each phase of the flavour contract (``replicas.py``) on every stage's flavour, in stage order,

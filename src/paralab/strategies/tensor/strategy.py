@@ -122,6 +122,7 @@ class TensorParallel(Strategy):
     name = "tp"
     options = (TensorOptions,)
     moe = True
+    clips = True  # the inner strategy (a flavour or a pipeline) clips, over the sharded units
     data_parallel = False  # the pure form: every rank sees the whole batch
 
     def __init__(self, ctx, model_fn, optim_fn, inner_cls=None, inner_kwargs=None):
