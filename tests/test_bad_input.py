@@ -50,9 +50,6 @@ def refused(capsys, tmp_path, *argv):
     # a clipping norm that is no norm; a strategy that cannot compute the whole model's norm
     (["single", "--clip-grad", "0"], "--clip-grad must be positive"),
     (["single", "--clip-grad=-1"], "--clip-grad must be positive"),
-    (["torch-fsdp", "--workers", "2", "--clip-grad", "1"], "--clip-grad is not supported by strategy 'torch-fsdp'"),
-    (["torch-tp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--clip-grad", "1"],
-     "--clip-grad is not supported by strategy 'torch-tp'"),
     # the reference (the whole model, in one process, on every rank) cannot fit: refused before any rank starts
     (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "64", "--embed", "8192",
       "--heads", "64", "--check"], "the reference alone holds at least"),

@@ -25,6 +25,21 @@ GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--synthetic-size", "256
 CLIP = 0.05
 
 
+def test_a_strategy_without_a_norm_is_refused():
+    """torch-dp and torch-cp (CUDA only) compute no whole-model norm yet: --clip-grad and --on-nonfinite are refused
+    naming the strategy (what `paralab train` runs before any rank starts)."""
+    from paralab.errors import UsageError
+    from paralab.run.config import RunConfig, refuse_unclipped
+    from paralab.strategies import get_strategy
+    for name in ("torch-dp", "torch-cp"):
+        cls = get_strategy(name)
+        assert not cls.clips
+        with pytest.raises(UsageError, match=f"--clip-grad is not supported by strategy '{name}'"):
+            refuse_unclipped(RunConfig(strategy=name, clip_grad=1.0), cls, cls)
+        with pytest.raises(UsageError, match="--on-nonfinite is not supported"):
+            refuse_unclipped(RunConfig(strategy=name, on_nonfinite="stop"), cls, cls)
+
+
 def norms_recorded(run) -> dict[int, list[float]]:
     """rank -> the gradient norm of each step, as steps.jsonl records it."""
     rows = [json.loads(line) for line in (run.out / "steps.jsonl").read_text().splitlines()]
@@ -127,6 +142,8 @@ LAYOUTS = [
     ["fsdp", "--workers", "2", "--zero-stage", "1"], ["fsdp", "--workers", "3", "--zero-stage", "3", "--batch-size", "18"],
     ["fsdp", "--workers", "4", "--zero-stage", "2", "--replicate", "2"],
     ["fsdp", "--workers", "4", "--zero-stage", "3", "--tp", "2"],
+    ["torch-fsdp", "--workers", "2"], ["torch-fsdp", "--workers", "4", "--tp", "2"],
+    ["torch-tp", "--workers", "2"], ["torch-tp", "--workers", "2", "--sequence-parallel"],
     ["tp", "--workers", "2"], ["tp", "--workers", "2", "--sequence-parallel"],
     ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1"],
     ["pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",

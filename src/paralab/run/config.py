@@ -369,10 +369,9 @@ def refuse_unclipped(cfg, named_cls, strategy_cls) -> None:
     flag = "--clip-grad" if cfg.clip_grad is not None else "--on-nonfinite"
     for cls in {named_cls, strategy_cls}:
         if not cls.clips:
-            raise UsageError(f"{flag} is not supported by strategy {cls.name!r} yet (PyTorch's own "
-                             f"parallel wrappers are not clipped by paralab): drop {flag}, or use one of "
-                             "paralab's own strategies (single, gather-scatter, allreduce, ddp, torch-ddp, fsdp at "
-                             "any --zero-stage, pipeline, torch-pipeline, tp, cp, and their compositions)")
+            raise UsageError(f"{flag} is not supported by strategy {cls.name!r} yet (it computes no whole-model "
+                             f"gradient norm): drop {flag}, or use another strategy (every other one clips, "
+                             "and their compositions)")
 
 
 def check_schedule(cfg: RunConfig, replicas: int) -> None:

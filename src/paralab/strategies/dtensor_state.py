@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .portable import Portable, optimizer_by_name, optimizer_for
 
@@ -19,6 +19,31 @@ from .portable import Portable, optimizer_by_name, optimizer_for
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (``t`` itself when it is not a DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_gradients(params: list, world: int) -> list[tuple[torch.Tensor, int]]:
+    """Each parameter's gradient as this rank holds it, for the whole model's norm (``--clip-grad``; ``world``:
+    the ranks the layout spans). A DTensor's local tensor is counted once per rank of the mesh dimensions it is
+    replicated over, times the ranks outside its mesh (which hold the same: a LayerNorm FSDP shards over dp is
+    whole on every tp rank); a plain tensor's (a parameter the layout left out), once per rank. A gradient
+    still pending its reduction (``Partial``: a sequence-parallel LayerNorm's) is reduced first, as the
+    optimizer step would (DTensor's own collective, not timed by comm.py)."""
+    held = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            held.append((g, world))
+            continue
+        if any(pl.is_partial() for pl in g.placements):
+            g = p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+        copies = world // g.device_mesh.size()
+        for dim, pl in enumerate(g.placements):
+            if pl.is_replicate():
+                copies *= g.device_mesh.size(dim)
+        held.append((g.to_local(), copies))
+    return held
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -61,7 +61,8 @@ from ..kinds import MEMORY, MemoryModel
 from ..mesh import MeshShape
 from .base import StepResult, Strategy, broadcast_buffers
 from .data_parallel import AccumulateOptions
-from .dtensor_state import load_local_state, local, local_from_portable, local_state, portable_from_local
+from .dtensor_state import (held_gradients, load_local_state, local, local_from_portable, local_state,
+                            portable_from_local)
 from .memory_ledger import Ledger, optimizer_kind
 from .portable import Portable, tp_chunk
 from .tensor.strategy import TensorOptions
@@ -104,6 +105,7 @@ class TorchFSDP(Strategy):
     replicated = False
     bn_rule = "first-replica"
     options = (AccumulateOptions, TensorOptions)
+    clips = True
 
     @classmethod
     def why_not_pipelined(cls, cfg) -> str:
@@ -201,13 +203,20 @@ class TorchFSDP(Strategy):
         loss = self.forward_backward(self.model, x, y, self._no_sync if self.microbatches > 1 else None,
                                      last=self._loss_parallel if self.tp_comm is not None else None)
         self._observe("after backward")
+        norm = self.clip_gradients()
         with self.rec.span("optimizer", "step"):
-            self.optimizer.step()
+            if not self.ctx.skipping:
+                self.optimizer.step()
             self.ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.set("grads", 0)
         broadcast_buffers(self.dp_comm, self.model)
-        return StepResult(loss, len(y))
+        return StepResult(loss, len(y), grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        """Every parameter is a DTensor sharded over dp (and over tp where the plan splits it): its local
+        shard, counted once per rank it is replicated over."""
+        return held_gradients(list(self.model.parameters()), self.ctx.world)
 
     @staticmethod
     def _loss_parallel():

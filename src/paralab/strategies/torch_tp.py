@@ -46,7 +46,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..errors import UsageError
 from ..mesh import MeshShape
 from .base import StepResult, Strategy
-from .dtensor_state import load_local_state, local, local_from_portable, local_state, portable_from_local
+from .dtensor_state import (held_gradients, load_local_state, local, local_from_portable, local_state,
+                            portable_from_local)
 from .tensor.gpt import sequence_shard
 from .tensor.strategy import TensorOptions
 
@@ -85,6 +86,7 @@ class TorchTP(Strategy):
     name = "torch-tp"
     data_parallel = False  # every tp rank sees the whole batch
     options = (TensorOptions,)
+    clips = True
 
     @classmethod
     def mesh_shape(cls, cfg, world: int) -> MeshShape:
@@ -145,10 +147,17 @@ class TorchTP(Strategy):
     def train_step(self, x, y) -> StepResult:
         self.model.train()
         loss = self.forward_backward(self.model, x, y, last=loss_parallel)  # forward and backward inside it
+        norm = self.clip_gradients()
         with self.rec.span("optimizer", "step"):
-            self.optimizer.step()
+            if not self.ctx.skipping:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, len(y))
+        return StepResult(loss, len(y), grad_norm=norm, skipped=self.ctx.skipping)
+
+    def held_gradients(self):
+        """The DTensors' local slices (a replicated one counted once per tp rank) and the plain parameters'
+        gradients the plan leaves whole on every tp rank."""
+        return held_gradients(self.params, self.tp.world)  # tp is the whole world (mesh_shape)
 
     @torch.no_grad()
     def predict(self, x):
