@@ -133,8 +133,8 @@ COURSE_GPT = ("--layers", "4", "--embed", "128", "--heads", "4", "--context", "6
 def _held(paralab, *args, model=GPT) -> dict:
     res = paralab("train", *args, *model)
     assert res.returncode == 0, res.stderr
-    import json
-    details = json.loads((res.out / "summary.json").read_text())["strategy_details"]
+    from paralab.analysis.runs import load_run
+    details = load_run(res.out).details  # with the planner's prediction beside what was measured
     return {int(r): d["held"] for r, d in details.items()}
 
 

@@ -242,7 +242,8 @@ def test_zero3_tp2_ledger_peak_equals_the_memory_models_prediction(paralab):
     rank's slice of the parameters over the dp group, to the byte (fp32, which the model counts)."""
     r = paralab("train", "fsdp", "--workers", "4", "--tp", "2", *GPT, "--num-batches", "3", fast=False)
     assert r.returncode == 0, r.stderr
-    for details in r.summary["strategy_details"].values():
+    from paralab.analysis.runs import load_run
+    for details in load_run(r.out).details.values():
         memory = details["memory"]
         assert memory["model"]["workers"] == 2 and memory["predicted"]["strategy"] == "zero-3"
         assert memory["measured"]["resident_peak_bytes"] == memory["predicted"]["bytes"]["peak"], memory

@@ -235,7 +235,8 @@ def test_held_model_states_of_an_ep_run_are_predicted(tmp_path, strategy, extra)
                       str(h), "--heads", "4", "--context", str(s), "--experts", "4", "--top-k", "2", "--batch-size",
                       "8", "--num-batches", "1", "--dataset", "synthetic-text", *extra, out=tmp_path / "r")
     assert res.returncode == 0, res.stderr
-    details = json.loads((tmp_path / "r" / "summary.json").read_text())["strategy_details"]
+    from paralab.analysis.runs import load_run
+    details = load_run(tmp_path / "r").details  # the prediction beside what each rank measured
     steps = [json.loads(line) for line in (tmp_path / "r" / "steps.jsonl").read_text().splitlines()]
     for rank in map(str, range(int(workers))):
         held = details[rank]["held"]

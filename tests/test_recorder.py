@@ -193,7 +193,10 @@ def test_allocator_peak_per_step_reset_at_each_boundary():
     assert peaks["by_step"] == {"0": 150, "1": 120} and peaks["peak_bytes"] == 150
 
 
-def test_records_put_the_allocator_peak_beside_the_prediction():
+def test_a_reader_puts_the_allocator_peak_beside_the_prediction():
+    """The run records the ledger's model and the allocator's peak; the prediction beside them is added where
+    the run is read (analysis/beside.py), not by the run (derive_details adds none)."""
+    from paralab.analysis.beside import add_predictions
     from paralab.run.config import RunConfig
     from paralab.kinds import ALLOCATOR, MEMORY, MemoryModel
     from paralab.run.records import derive_details
@@ -202,6 +205,8 @@ def test_records_put_the_allocator_peak_beside_the_prediction():
     details = [{MEMORY: {"model": model}, ALLOCATOR: {"peak_bytes": 4000, "by_step": {"0": 4000}}},
                {MEMORY: {"model": model}}]  # a rank without a device allocator: nothing added
     derive_details(RunConfig(), [], details)
+    assert "predicted" not in details[0][MEMORY]
+    add_predictions({}, {"strategy_details": {str(r): d for r, d in enumerate(details)}})
     beside = details[0][MEMORY]["allocator"]
     predicted = details[0][MEMORY]["predicted"]["bytes"]["peak"]  # (4 + 4) x 1000 / 2 + (4 + 4) x 100
     assert predicted == 4800 and beside["predicted_peak_bytes"] == 4800 and beside["peak_bytes"] == 4000

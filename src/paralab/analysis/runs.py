@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..kinds import UNCOUNTED_COMM
 from ..strategies.compression import run_label as compression_of  # a config dict's compression: fp16, powersgd r2
+from .beside import add_predictions
 from .timeline import measured_steps
 
 CATEGORIES = ("data", "compute", "comm", "optimizer", "idle", "other")
@@ -224,6 +225,7 @@ def load_run(path) -> Run:
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path}: unreadable run record ({exc})") from None
+    add_predictions(config, summary)  # the predictions beside what the run measured (beside.py)
     return Run(path, config, summary)
 
 

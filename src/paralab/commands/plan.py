@@ -38,6 +38,7 @@ from ..analysis.memory import OPTIMIZERS
 from ..errors import UsageError
 from ..models import MODELS, GPTOptions, ModelOptions, MoEOptions
 from ..options import add_flags, check, name_of, option
+from ..progress import Progress
 from ..strategies.pipeline.schedules import SCHEDULES
 
 HELP = "choose a layout: every dp/ZeRO/tp/pp/schedule/recompute layout that fits, predicted and ranked"
@@ -115,12 +116,20 @@ def run(args) -> int:
     fixed = {k: getattr(args, k) for k in PINS if getattr(args, k) is not None}
     if args.layout is not None:
         return evaluate_one(args, work, cluster, where, setting, fixed)
+    bar = Progress(1, "plan", enabled=sys.stderr.isatty())  # a 1,024-device search takes tens of seconds
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done)
+
     try:
-        plan = make_plan(work, cluster, setting, args.workers, fixed=fixed, top=args.top)
+        plan = make_plan(work, cluster, setting, args.workers, fixed=fixed, top=args.top, progress=progress)
     except NoLayout as exc:
         raise UsageError(str(exc)) from None
     except ValueError as exc:  # a cluster without the precision's peak, and the like
         raise UsageError(str(exc)) from None
+    finally:
+        bar.clear()
     command = layout_command(args, plan.ranked[0].layout, plan.workers)
     if args.json:
         print(json.dumps(to_json(plan, where, command), indent=1))

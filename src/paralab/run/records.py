@@ -37,8 +37,7 @@ from ..analysis import moe as moe_analysis
 from ..analysis import timeline
 from ..analysis.cost import SCHEDULE_SOURCES, in_flight, schedule_bubble
 from ..training.evaluate import format_report
-from ..analysis.memory import beside_prediction, memory_per_worker
-from ..kinds import ALLOCATOR, HELD, MEMORY, STAGE, MemoryModel
+from ..kinds import ALLOCATOR, HELD, STAGE
 from ..recorder import CATEGORIES, union_length
 from ..analysis.trace import chrome_trace
 
@@ -248,8 +247,9 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
     - a pipeline stage (a ``stage`` detail record): its measured ``bubble`` against its schedule's
       formula (``(P-1)/(M+P-1)`` for GPipe and 1F1B; ``analysis/cost.schedule_bubble``), and the most
       microbatches alive at once against the schedule's bound;
-    - a memory ledger (a ``memory`` record with the ``model`` of what it holds): the cost model's
-      prediction beside it (``analysis/memory.py``).
+
+    The memory a rank measured is written as measured: the predictions beside it are added where a run is
+    read (``analysis/beside.py``), not by the run.
     """
     by_rank: dict[int, list[dict]] = {}
     for s in spans:  # each rank's spans once, not the whole run's per rank and per figure
@@ -269,44 +269,6 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
                 theory = schedule_bubble(schedule, stages, m, v)
                 details["bubble_theory"], details["bubble_formula"] = theory.parts["fraction"], theory.substituted
                 details["in_flight_bound"] = in_flight(schedule, stages, m, v)[k]
-        memory = details.get(MEMORY)
-        if isinstance(memory, dict) and "model" in memory:
-            memory["predicted"] = predicted_memory(memory["model"])
-            if ALLOCATOR in details:  # CUDA: the allocator's measured peak beside the prediction
-                memory["allocator"] = beside_prediction(details[ALLOCATOR], memory["predicted"])
-
-
-def predict_held(cfg, per_rank: list[dict], global_batch: int) -> None:
-    """Beside each rank's ``held`` record (what it measured it holds), the planner's prediction for the
-    run's layout and that rank's pipeline stage (``analysis/plan/from_run.py``), or why there is none."""
-    if not any(HELD in d for d in per_rank):
-        return
-    from ..analysis.plan.from_run import predict_run
-    ranges = next((d["ranges"] for d in per_rank if STAGE in d and "ranges" in d), None)
-    try:
-        got = predict_run(cfg, global_batch, cut=ranges)
-    except (ValueError, KeyError, ZeroDivisionError) as exc:  # a layout the planner cannot express
-        got = f"not predicted: {type(exc).__name__}: {exc}"
-    for details in per_rank:
-        held = details.get(HELD)
-        if held is None:
-            continue
-        if isinstance(got, str):
-            held["predicted"] = {"why_not": got}
-            continue
-        pp_rank = details.get(STAGE, 0) % max(cfg.pp, 1) if STAGE in details else 0
-        states, activations = got.memory_by_rank[pp_rank]
-        held["predicted"] = {"model_states_bytes": states, "activations_bytes": activations,
-                             "total_bytes": states + activations, "layout": got.layout.label(),
-                             "by": "analysis/plan (paralab plan's memory model: a sum of peaks, as measured)"}
-
-
-def predicted_memory(model: dict) -> dict:
-    """The cost model's figures for a memory ``model`` record (``kinds.MemoryModel``: what a ledger's
-    strategy holds)."""
-    m = MemoryModel(**model)
-    return memory_per_worker(m.parameters, m.workers, m.zero_stage, m.optimizer, m.precision,
-                             unit_parameters=m.unit_parameters, step_in_backward=m.step_in_backward).to_dict()
 
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
@@ -335,7 +297,6 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     extras = {}
     per_rank = [dict(e) for _, _, e, _ in gathered]
     derive_details(cfg, spans, per_rank)
-    predict_held(cfg, per_rank, global_batch)
     if any(per_rank):
         extras["strategy_details"] = {str(r): e for r, e in enumerate(per_rank)}
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,10 @@ shards at a ZeRO stage), with any ``--tp``, ``--pp``, ``--cp``,
 all-to-all dispatcher), in fp32, is a layout the planner models;
 :func:`predict_run` rebuilds it (the model as paralab's own, the run's
 microbatches and, for a pipeline, the cut it chose) and predicts each
-pipeline rank's model states and activations. ``run/records.py`` puts the
-prediction beside what each rank measured it holds (``run/held.py``). Any
-other run gets the reason it is not predicted.
+pipeline rank's model states and activations. ``analysis/beside.py`` puts
+the prediction beside what each rank measured it holds (``run/held.py``)
+where a run directory is read, never in the run. Any other run gets the
+reason it is not predicted.
 """
 from __future__ import annotations
 

@@ -6,9 +6,17 @@ slowest rank's times); the fastest ``shortlist`` of those that fit are then
 predicted again with the schedule simulator on their per-stage times, and
 ranked by that. Every row a plan shows is simulated. :func:`why_first`
 says, in one sentence, which terms make the first beat the second.
+
+The simulations (two thirds of a 1,024-device search) are pure Python over
+independent layouts: they run on every core this process may use (a forked
+pool, :func:`predict_many`). The closed forms stay in this process: sending
+tens of thousands of predictions back cost more than computing them.
 """
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
@@ -34,13 +42,51 @@ class Plan:
     notes: list = field(default_factory=list)
 
 
+def _predict(work: Workload, cluster: Cluster, setting: Setting, simulate: bool, layout: Layout) -> Prediction:
+    return predict(work, layout, cluster, setting, simulate_pipeline=simulate)
+
+
+def predict_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting, simulate: bool,
+                 tick=None) -> list[Prediction]:
+    """:func:`predict` of each layout, in order; simulated ones on the cores this process may use (a forked pool
+    of processes where there are several and enough layouts to pay for it); ``tick(n)`` after every ``n`` done."""
+    job = functools.partial(_predict, work, cluster, setting, simulate)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if not simulate or cores < 2 or len(layouts) < 8 or "fork" not in multiprocessing.get_all_start_methods():
+        out = []
+        for lay in layouts:
+            out.append(job(lay))
+            if tick:
+                tick(1)
+        return out
+    out = []
+    with multiprocessing.get_context("fork").Pool(cores) as pool:
+        for p in pool.imap(job, layouts):
+            out.append(p)
+            if tick:
+                tick(1)
+    return out
+
+
 def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, *, fixed: dict | None = None,
-              top: int = 10, shortlist: int | None = None) -> Plan:
+              top: int = 10, shortlist: int | None = None, progress=None) -> Plan:
+    """``progress``: a callable ``(done, total)`` told at every hundredth of the two passes (the command's bar)."""
     fixed = fixed or {}
     layouts = enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node, fixed=fixed)
     if not layouts:
         raise NoLayout(why_none(work, workers, setting.global_batch, cluster.devices_per_node, fixed))
-    rough = [predict(work, lay, cluster, setting, simulate_pipeline=False) for lay in layouts]
+    keep = shortlist if shortlist is not None else max(4 * top, 40)
+    total, done = len(layouts) + keep, [0]
+
+    def tick(n: int) -> None:
+        before, done[0] = done[0], done[0] + n
+        if progress and (100 * done[0] // total != 100 * before // total or done[0] == total):
+            progress(done[0], total)
+
+    rough = predict_many(work, layouts, cluster, setting, simulate=False, tick=tick)
     smallest = min(rough, key=lambda x: x.memory)
     fitting = [x for x in rough if x.fits]
     if not fitting:
@@ -51,8 +97,7 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
             f"{parts['model_states'] / 1e9:.4g} GB, activations {parts['activations'] / 1e9:.4g} GB); give more "
             "--workers, a smaller --global-batch or model, or a cluster with more memory")
     fitting.sort(key=lambda x: x.step)
-    keep = shortlist if shortlist is not None else max(4 * top, 40)
-    final = [predict(work, x.layout, cluster, setting) for x in fitting[:keep]]
+    final = predict_many(work, [x.layout for x in fitting[:keep]], cluster, setting, simulate=True, tick=tick)
     final = [x for x in final if x.fits]
     final.sort(key=lambda x: (x.step, x.memory))
     return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest)

@@ -116,6 +116,25 @@ class Timed:
     t1: float
 
 
+COMPUTE, SEND, RECEIVE = "compute", "send", "receive"  # what an action is (simulate's loop reads only this)
+COMPUTES = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
+
+def _steps(given, sched: Schedule) -> list[list[tuple]]:
+    """Each rank's actions as ``(COMPUTE, kind index in COMPUTES, stage)`` or ``(SEND | RECEIVE, peer,
+    message)``, read once per schedule: the loop comes back to a blocked receive many times, and the planner
+    simulates one schedule of tens of thousands of actions at many stage times (a schedule is not changed once
+    simulated)."""
+    steps = getattr(given, "__dict__", {}).get("_steps")  # kept on the Schedule given (the planner's are cached)
+    if steps is None:
+        steps = [[(COMPUTE, COMPUTES.index(a.kind), a.stage) if a.kind.is_compute else
+                  (SEND if a.kind.is_send else RECEIVE, a.peer, message_of(a)) for a in acts]
+                 for acts in sched]
+        if isinstance(given, Schedule):
+            object.__setattr__(given, "_steps", steps)
+    return steps
+
+
 def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list[float] = 1.0,
              backward_time: float | list[float] = 2.0, comm_time: float = 0.0,
              input_time: float | list[float] | None = None,
@@ -146,9 +165,9 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
         return list(t) if isinstance(t, (list, tuple)) else [float(t)] * stages
 
     bwd = per_stage(backward_time, None)
-    cost = {Kind.FORWARD: per_stage(forward_time, None), Kind.BACKWARD: bwd,
-            Kind.BACKWARD_INPUT: per_stage(input_time, [b / 2 for b in bwd]),
-            Kind.BACKWARD_WEIGHT: per_stage(weight_time, [b / 2 for b in bwd])}
+    cost = [per_stage(forward_time, None), bwd, per_stage(input_time, [b / 2 for b in bwd]),  # as COMPUTES
+            per_stage(weight_time, [b / 2 for b in bwd])]
+    steps = _steps(schedule, sched)
     clock = [0.0] * world
     pos = [0] * world
     channels: dict[tuple[int, int], deque] = {}
@@ -157,26 +176,28 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
     while True:
         progressed = False
         for rank in range(world):
-            while pos[rank] < len(sched[rank]):
-                a = sched[rank][pos[rank]]
+            mine, n = steps[rank], len(steps[rank])
+            while pos[rank] < n:
+                what, arg, sent = mine[pos[rank]]
                 t = clock[rank]
-                if a.kind.is_compute:
-                    clock[rank] = t + cost[a.kind][a.stage]
-                elif a.kind.is_send:
+                if what is COMPUTE:  # arg: the kind, sent: the stage
+                    clock[rank] = t + cost[arg][sent]
+                elif what is SEND:
                     leaves = max(t, link_free[rank])
                     link_free[rank] = leaves + wire_time
-                    channels.setdefault((rank, a.peer), deque()).append((message_of(a), leaves + comm_time))
+                    channels.setdefault((rank, arg), deque()).append((sent, leaves + comm_time))
                 else:
-                    queue = channels.get((a.peer, rank))
+                    queue = channels.get((arg, rank))
                     if not queue:
                         break  # blocked: the message has not been sent yet
                     message, ready = queue.popleft()
-                    if message != message_of(a):
+                    if message != sent:
+                        a = sched[rank][pos[rank]]
                         raise ScheduleError(f"rank {rank}: {a.label()} would receive {message[0]} of microbatch "
                                             f"{message[2]} for stage {message[1]} (sends and receives on "
                                             f"{a.peer}->{rank} are out of order)")
                     clock[rank] = max(t, ready)
-                timeline[rank].append(Timed(rank, a, t, clock[rank]))
+                timeline[rank].append(Timed(rank, sched[rank][pos[rank]], t, clock[rank]))
                 pos[rank] += 1
                 progressed = True
         if all(pos[r] == len(sched[r]) for r in range(world)):
