@@ -65,6 +65,7 @@ def test_a_printed_check_passes_as_printed(where, command, fails, tmp_path, monk
     if reason:
         pytest.skip(f"{where}: {reason}")
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
     r = run_paralab(*shlex.split(command)[1:], fast=False, timeout=900)
     output = r.stdout[-3000:] + r.stderr[-3000:]
     if fails:

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train with one strategy",
                        description="Train with one strategy and write a run directory.")
-    p.add_argument("strategy", help="one of: " + ", ".join(strategy_names()))
+    p.add_argument("strategy", help="one of: " + ", ".join(strategy_names()) + "; or a file of your own, "
+                   "PATH.py[:CLASS] (docs/own-strategy.md)")
     RunConfig.add_flags(p)  # every option's flag, from its declaration
     p.set_defaults(func=cmd_train)
 

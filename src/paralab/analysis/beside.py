@@ -29,7 +29,7 @@ def add_predictions(config: dict, summary: dict) -> None:
     per_rank = [d for d in (summary.get("strategy_details") or {}).values() if isinstance(d, dict)]
     for details in per_rank:
         memory = details.get(MEMORY)
-        if isinstance(memory, dict) and "model" in memory and "predicted" not in memory:
+        if isinstance(memory, dict) and memory.get("model") is not None and "predicted" not in memory:
             memory["predicted"] = predicted_memory(memory["model"])
             if ALLOCATOR in details:  # CUDA: the allocator's measured peak beside the prediction
                 memory["allocator"] = beside_prediction(details[ALLOCATOR], memory["predicted"])

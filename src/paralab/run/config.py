@@ -176,7 +176,8 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
 
     def default_out(self) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        return str(Path("runs") / f"{self.strategy}-w{self.world}-{stamp}")
+        from ..strategies.user import label
+        return str(Path("runs") / f"{label(self.strategy)}-w{self.world}-{stamp}")
 
     # ---------------------------------------------------------------- as a command line
     @staticmethod

@@ -1,4 +1,5 @@
-"""Strategy registry: command-line name -> class. Adding a strategy is one file and one line.
+"""Strategy registry: command-line name -> class. Adding a strategy is one file and one line; a strategy
+of the user's own is a file named on the command line (``user.py``).
 
 :func:`plan` composes: the named strategy alone, or, under ``--pp P`` and/or
 ``--tp T``, the pipeline and/or tensor parallelism with the named strategy's
@@ -13,6 +14,7 @@ import importlib
 from functools import lru_cache
 
 from ..errors import UsageError
+from . import user
 
 REGISTRY = {
     "single": "paralab.strategies.single:Single",
@@ -38,8 +40,12 @@ def strategy_names() -> list[str]:
 
 
 def get_strategy(name: str):
+    """The class of strategy ``name``: a registered one, or the user's ``PATH.py[:CLASS]`` (``user.py``)."""
+    if user.is_file(name):
+        return user.load(name)
     if name not in REGISTRY:
-        raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(REGISTRY)}")
+        raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(REGISTRY)}, or a file of your "
+                         "own, PATH.py[:CLASS] (docs/own-strategy.md)")
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
 

@@ -1,0 +1,118 @@
+"""A strategy from the user's own file: ``paralab train my_allreduce.py --workers 2 --check``.
+
+Where a strategy name ends in ``.py`` (or ``.py:CLASS``), paralab imports that
+file and runs its first class (or the one named) exactly as it runs its own:
+``--check`` against one process, the records, the time split, timelines, the
+report, and composed with ``--tp`` and ``--pp``. The contract is the one
+paralab's own data-parallel strategies follow (``replicas.py``; the walk-through
+is docs/own-strategy.md):
+
+- subclass :class:`~paralab.strategies.replicas.Replicas` and define
+  ``finish()``: after the step's last backward, make every ``p.grad`` of
+  ``self.params`` the mean over the replicas, with the collectives of
+  ``self.comm`` (paralab's, timed: ``all_reduce``, ``gather``, ``scatter``,
+  ``broadcast``, ``all_gather_into``, ``reduce_scatter``; ``self.comm.rank``,
+  ``self.comm.world``). ``last_backward()`` (a context around the step's last
+  backward) is where gradient hooks may start the exchange early;
+- or subclass :class:`~paralab.strategies.base.Strategy` and own the whole step.
+
+Every rank imports the file itself (by its path: start ``paralab`` where the
+path is right). A file that does not import, lacks the class or breaks the
+contract is refused before any rank starts (exit 2), naming the line.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from ..errors import UsageError
+
+#: what a strategy name that is a file looks like: PATH.py or PATH.py:CLASS
+FILE = re.compile(r"^(?P<path>.+\.py)(?::(?P<cls>[A-Za-z_]\w*))?$")
+
+_loaded: dict[tuple, type] = {}
+
+
+def is_file(name: str) -> bool:
+    """Whether strategy ``name`` is a user's file (``PATH.py`` or ``PATH.py:CLASS``)."""
+    return bool(FILE.match(name))
+
+
+def label(name: str) -> str:
+    """A short name for a file strategy (its file's stem, and the class if named): run folders, tables."""
+    m = FILE.match(name)
+    return Path(m["path"]).stem + (f"-{m['cls']}" if m["cls"] else "") if m else name
+
+
+def load(name: str) -> type:
+    """The strategy class that ``name`` (``PATH.py[:CLASS]``) stands for: the file's class run as it is (a
+    Strategy) or wrapped in paralab's data parallelism (a Replicas flavour). Raises UsageError saying what
+    to change."""
+    m = FILE.match(name)
+    path = Path(m["path"])
+    if not path.is_file():
+        raise UsageError(f"strategy file {path} does not exist (paths are read from where paralab starts)")
+    key = (str(path.resolve()), m["cls"], path.stat().st_mtime_ns)
+    if key not in _loaded:
+        _loaded[key] = _wrap(name, _find(_import(path), path, m["cls"]), path)
+    return _loaded[key]
+
+
+def _import(path: Path):
+    stem = re.sub(r"\W", "_", path.stem)
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]  # the same name in every rank
+    module_name = f"paralab_user_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look a class's module up by name
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[module_name]
+        raise UsageError(f"{path}:{exc.lineno}: the file does not parse: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - any error while the user's file runs is theirs to fix
+        del sys.modules[module_name]
+        here = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path.resolve()
+                or Path(f.filename) == path]
+        line = f":{here[-1].lineno}" if here else ""
+        raise UsageError(f"{path}{line}: importing the file failed: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def _find(module, path: Path, wanted: str | None) -> type:
+    classes = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__]
+    if wanted is not None:
+        found = [c for c in classes if c.__name__ == wanted]
+        if not found:
+            raise UsageError(f"{path} has no class {wanted}; it defines: "
+                             f"{', '.join(c.__name__ for c in classes) or 'no class'}")
+        return found[0]
+    if not classes:
+        raise UsageError(f"{path} defines no class: define one that subclasses paralab.strategies.replicas."
+                         "Replicas (a data-parallel strategy: docs/own-strategy.md) as the first class in the file")
+    return classes[0]  # the first the file defines (a module's names keep their order)
+
+
+def _wrap(name: str, cls: type, path: Path) -> type:
+    from .base import Strategy
+    from .data_parallel import DataParallel
+    from .replicas import Replicas
+    line = inspect.getsourcelines(cls)[1]
+    if issubclass(cls, Strategy):
+        if cls.train_step is Strategy.train_step:
+            raise UsageError(f"{path}:{line}: {cls.__name__} subclasses Strategy but does not define train_step()")
+        return cls
+    if not issubclass(cls, Replicas):
+        raise UsageError(f"{path}:{line}: {cls.__name__} is not a paralab strategy: subclass paralab.strategies."
+                         "replicas.Replicas and define finish() (docs/own-strategy.md)")
+    if cls.finish is Replicas.finish:
+        raise UsageError(f"{path}:{line}: {cls.__name__} does not define finish(), which after backward makes "
+                         "every p.grad of self.params the mean over the replicas (docs/own-strategy.md)")
+    return type(cls.__name__ + "Strategy", (DataParallel,),
+                {"name": name, "replicas_cls": cls, "__module__": cls.__module__,
+                 "__doc__": f"{cls.__name__} from {path}, run by paralab's data parallelism"})

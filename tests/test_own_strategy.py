@@ -1,0 +1,82 @@
+"""A strategy from the user's own file (issue 37): examples/strategies/ written as a student would, each run as
+paralab runs its own (``--check``, records, composition), the buggy one FAILing; files that break the
+contract refused before any rank starts, naming the line."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_paralab
+from paralab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "strategies"
+CNN = ["--workers", "2", "--dataset", "synthetic", "--width", "0.125", "--num-batches", "3", "--batch-size", "32",
+       "--eval-batches", "1", "--check"]
+
+
+@pytest.mark.parametrize("name", ["gather_scatter", "allreduce", "bucketed_ddp"])
+def test_each_example_passes_the_check(tmp_path, name):
+    r = run_paralab("train", str(EXAMPLES / f"{name}.py"), *CNN, out=tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.summary["check"]["max_weight_dev"] == 0.0  # the same arithmetic as the reference's mean
+    assert r.summary["strategy"] == str(EXAMPLES / f"{name}.py")
+
+
+def test_the_example_that_forgets_to_average_fails(tmp_path):
+    r = run_paralab("train", str(EXAMPLES / "forgot_to_average.py"), *CNN, out=tmp_path / "run")
+    assert r.returncode == 1 and "check: FAIL" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert {"weights", "loss"} <= set(r.summary["check"]["failed"])
+
+
+def test_the_bucketed_example_overlaps_its_all_reduces_with_backward(tmp_path):
+    r = run_paralab("train", str(EXAMPLES / "bucketed_ddp.py"), *CNN, out=tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    spans = r.rows("spans.jsonl")
+    assert any(s["category"] == "comm" and s["args"].get("async") for s in spans)  # timed by paralab's comm
+
+
+def test_every_example_is_short_and_defines_its_strategy_first():
+    import ast
+    for path in EXAMPLES.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        assert classes and classes[0].bases[0].id == "Replicas", path
+        assert len(path.read_text().splitlines()) <= 60, path
+
+
+@pytest.mark.slow
+def test_an_own_strategy_composes_with_tensor_parallelism(tmp_path):
+    r = run_paralab("train", str(EXAMPLES / "bucketed_ddp.py"), "--workers", "4", "--tp", "2", "--model", "gpt",
+                    "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "4", "--context", "16",
+                    "--batch-size", "16", "--num-batches", "3", "--eval-batches", "1", "--check", out=tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+BAD = {
+    "syntax.py": ("class A(Replicas)\n    pass\n", "syntax.py:1: the file does not parse"),
+    "raises.py": ("import torch\n\nx = 1\nraise RuntimeError('boom')\n", "raises.py:4: importing the file failed: "
+                                                                        "RuntimeError: boom"),
+    "empty.py": ("X = 1\n", "empty.py defines no class"),
+    "plain.py": ("class Mine:\n    pass\n", "plain.py:1: Mine is not a paralab strategy"),
+    "nofinish.py": ("from paralab.strategies.replicas import Replicas\n\n\nclass Lazy(Replicas):\n    pass\n",
+                    "nofinish.py:4: Lazy does not define finish()"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_file_that_breaks_the_contract_is_refused_naming_the_line(tmp_path, capsys, name):
+    text, message = BAD[name]
+    (tmp_path / name).write_text(text)
+    out = tmp_path / "never"
+    assert main(["train", str(tmp_path / name), "--workers", "2", "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_missing_file_or_class_is_refused(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nowhere.py"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", f"{EXAMPLES / 'allreduce.py'}:Nope", "--out", str(tmp_path / "x")]) == 2
+    assert "has no class Nope; it defines: AllReduce" in capsys.readouterr().err
