@@ -103,6 +103,9 @@ def test_a_norm_below_the_clip_is_left_as_it_is(tmp_path):
     assert losses_recorded(clipped) == losses_recorded(plain)
     assert all(n is not None and n < 1e6 for n in norms_recorded(clipped)[0])
     assert all(n is None for n in norms_recorded(plain)[0])  # no --clip-grad: no norm computed, none recorded
+    checked = run_paralab("train", "single", *GPT, "--clip-grad", "1e6", "--check", out=tmp_path / "checked")
+    assert checked.returncode == 0 and "check: PASS" in checked.stdout, checked.stderr[-2000:]
+    assert "check: not exercised: --clip-grad 1e+06 never clipped" in checked.stdout
     refused = run_paralab("plot", "grad-norm", str(tmp_path / "plain"), "-o", str(tmp_path / "none.png"))
     assert refused.returncode == 2 and "train with --clip-grad NORM" in refused.stderr, refused.stderr
     assert not (tmp_path / "none.png").exists()

@@ -262,7 +262,7 @@ class Check:
                 "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
                 "worst_weight": by_kind["weights"].worst,
                 "max": {k: c.max_abs for k, c in by_kind.items()}, "history": sorted(history.items()),
-                "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total)}
+                "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped()}
         verdicts = self.comm.all_gather_objects(mine)
         for v in verdicts:
             self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
@@ -285,6 +285,15 @@ class Check:
                 "max_output_dev": largest["outputs"],
                 "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
                 "unexercised": notes, "ranks": verdicts}
+
+    def unclipped(self) -> list[str]:
+        """``--clip-grad`` that never clipped (every norm of the checked steps at or below it): the norm was
+        compared, but what the clip does to the gradients was not exercised."""
+        clip, norms = self.cfg.clip_grad, self.ref.norms
+        if not clip or not norms or max(norms.values()) > clip:
+            return []
+        return [f"--clip-grad {clip:g} never clipped (the largest norm was {max(norms.values()):.4g}), so the "
+                f"scaling of the gradients is not exercised: --clip-grad {max(norms.values()) / 10:.2g}"]
 
     def explain(self, verdicts: list[dict]) -> None:
         """Adam + BatchNorm: explain a failure only when the weights alone failed, on every rank that
