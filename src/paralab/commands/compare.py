@@ -72,6 +72,7 @@ from ..errors import UsageError
 # --compress LIST (its variants, the train options they set per run, which --train-args may not, and the
 # steps before PowerSGD starts) is spelled where compression is: strategies/compression/methods.py
 from ..strategies.compression import POWERSGD_START
+from ..strategies.user import label as strategy_label
 from ..strategies.compression import VARIANT_FIELDS as COMPRESS_OWNED
 from ..strategies.compression import VARIANT_SPELLINGS as COMPRESS_SPELLINGS
 from ..strategies.compression import parse_variants as parse_compress
@@ -283,7 +284,8 @@ def plan(a) -> tuple[list[dict], list[str]]:
                     cfg.validate()
                 except UsageError as exc:
                     raise UsageError(f"{at}: {exc}") from None
-                name = f"{s}-w{w}" if variant == "none" else f"{s}-{variant}-w{w}"
+                short = strategy_label(s)  # a strategy of the user's own file: its stem, not its path
+                name = f"{short}-w{w}" if variant == "none" else f"{short}-{variant}-w{w}"
                 runs.append({"strategy": s, "workers": w, "name": name, "compress": variant, "config": cfg})
     left_out += composed_sharding_note(wanted, workers, overrides)
     names = [r["name"] for r in runs]
