@@ -90,3 +90,45 @@ def test_compare_measures_an_own_strategy_beside_paralabs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == ["allreduce-w2", "bucketed_ddp-w2"]
     row = next(line for line in r.stdout.splitlines() if "bucketed_ddp.py" in line)
     assert "PASS" in row
+
+
+RAISES = '''import torch
+from paralab.strategies.replicas import Replicas
+
+
+class Typo(Replicas):
+    @torch.no_grad()
+    def finish(self):
+        for p in self.params:
+            self.comm.all_reduce(p.grad)
+            p.grad /= self.comm.wrold
+'''
+
+HANGS = '''import torch
+from paralab.strategies.replicas import Replicas
+
+
+class OnlyRankZero(Replicas):
+    @torch.no_grad()
+    def finish(self):
+        if self.comm.rank == 0:
+            for p in self.params:
+                self.comm.all_reduce(p.grad)
+'''
+
+SMALL = ["--workers", "2", "--dataset", "synthetic", "--width", "0.125", "--num-batches", "2", "--batch-size", "32"]
+
+
+def test_an_error_in_the_users_file_is_named_before_the_traceback(tmp_path):
+    (tmp_path / "typo.py").write_text(RAISES)
+    r = run_paralab("train", str(tmp_path / "typo.py"), *SMALL, out=tmp_path / "run")
+    assert r.returncode != 0
+    assert f"paralab: the error is in your code: {tmp_path / 'typo.py'}:10, in finish" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operation(tmp_path):
+    (tmp_path / "hangs.py").write_text(HANGS)
+    r = run_paralab("train", str(tmp_path / "hangs.py"), *SMALL, "--timeout", "10", out=tmp_path / "run")
+    assert r.returncode != 0
+    assert "they disagree: rank 0 called all_reduce" in r.stderr, r.stderr[-3000:]

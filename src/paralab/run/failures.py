@@ -12,6 +12,7 @@ spells the exact ``paralab train ... --resume`` command.
 """
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 from dataclasses import dataclass
@@ -145,6 +146,20 @@ class Ending:
         return ""
 
 
+def user_frame(traceback_text: str) -> str | None:
+    """The innermost frame of a traceback in a file that is neither paralab's nor Python's or an installed
+    package's (a user's strategy file): ``PATH:LINE, in FUNCTION``; None if there is none."""
+    import sys
+    import sysconfig
+    ours = str(Path(__file__).resolve().parent.parent)
+    libraries = {ours, sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    for path, line, func in reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text)):
+        if path.startswith("<") or any(path.startswith(lib) for lib in libraries if lib):
+            continue
+        return f"{path}:{line}, in {func}"
+    return None
+
+
 def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
     """The rank that failed first and the lines that say so, or None if no rank failed.
 
@@ -167,6 +182,9 @@ def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
         lines.append("paralab: every rank's error is a lost connection; the first is shown. The cause is "
                      "outside the ranks' Python code (the network, or a process ended from elsewhere)")
     if cause.kind == "exception":
+        yours = user_frame(cause.report["traceback"])
+        if yours:  # a strategy from the user's own file (strategies/user.py): where in it, before the traceback
+            lines.append(f"paralab: the error is in your code: {yours}")
         lines.append(cause.report["traceback"].rstrip())
     others = sorted((e for e in endings if e is not cause), key=lambda e: (e.time, e.rank))
     consequences = [e for e in others if e.peer_loss or e.kind == "stopped"]
