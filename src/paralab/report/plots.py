@@ -431,6 +431,10 @@ def _numeric_dict(d) -> dict[str, float]:
             and not k.startswith("total")}
 
 
+#: the memory part every strategy's row shows beside its model states (run/held.py measures it on every rank)
+SAVED = "saved activations (peak)"
+
+
 def memory_by_rank(run: Run) -> dict[int, dict]:
     """Per rank: ``{"parts": {component: (bytes, estimated?)}, "predicted": bytes | None}``.
 
@@ -439,7 +443,8 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
     either ``{component: bytes}`` or ``{"measured": {"resident_peak_split":
     {...}}, "predicted": {"bytes": {...}}}`` (measured parts, predicted total);
     else what the rank measured it held (``held``: model states and the peak
-    of saved activations, ``run/held.py``); otherwise (records from before
+    of saved activations, ``run/held.py``; with a ledger, its saved activations
+    are added to the ledger's parts, so every row counts the same); otherwise (records from before
     that) the model state is estimated with the cost model
     (``analysis.memory``, DDP formula) for the parameters the rank holds
     (``stage_parameters`` / ``shard_parameters`` when reported, else the whole
@@ -472,11 +477,13 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
                     if isinstance(pb.get("peak"), (int, float)) and pb["peak"] != predicted:
                         predicted_peak = pb["peak"]  # model states + the largest unit's working set
         held = det.get(HELD)
+        if parts and isinstance(held, dict):  # a ledger counts model states: the saved activations beside them,
+            parts.setdefault(SAVED, (float(held.get("saved_activations_peak_bytes", 0)), False))  # as for the rest
         if not parts and isinstance(held, dict):  # measured on any device (run/held.py)
             states = _numeric_dict(held.get("model_states_bytes"))
             parts = {("optimizer state" if k == "optimizer" else f"{k} held" if k == "other" else k): (v, False)
                      for k, v in states.items() if v}
-            parts["saved activations (peak)"] = (float(held.get("saved_activations_peak_bytes", 0)), False)
+            parts[SAVED] = (float(held.get("saved_activations_peak_bytes", 0)), False)
             guess = held.get("predicted") or {}  # the planner's, for the run's layout (analysis/plan/from_run.py)
             out[rank] = {"parts": parts, "predicted": guess.get("model_states_bytes"),
                          "predicted_peak": guess.get("total_bytes")}
