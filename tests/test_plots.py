@@ -157,3 +157,12 @@ def test_report_figures_drawn_together_name_the_one_that_fails(runs_dir, tmp_pat
     assert failed == {"scaling.png": "ValueError: no run with a measured time per iteration"}
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["split_time.png", "throughput.png"]
     assert png_size(tmp_path / "plots" / "throughput.png")[0] > 300
+
+
+def test_a_test_loss_that_differs_by_design_says_why(runs_dir):
+    """The pipeline (VGG-11 with BatchNorm, 2 microbatches) updates BatchNorm's statistics once per microbatch,
+    so its test loss is not single's: the report's note says so; the data-parallel run carries no note."""
+    from paralab.report.page import by_design
+    assert "BatchNorm's running statistics are updated once per microbatch (2 per step)" in \
+        by_design(load_run(runs_dir / "pipeline-w2"))
+    assert by_design(load_run(runs_dir / "ddp-w2")) == ""

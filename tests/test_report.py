@@ -73,7 +73,10 @@ def test_report_markdown_and_html_hold_the_table_commands_and_environment(report
     for text in (md, html):
         assert "paralab compare" in text and "paralab train ddp --workers 2" in text
         assert "torch" in text and "cores_available" in text
-        assert "pipeline" in text and "Left out" in text
+        assert "pipeline" in text and "left out" in text and "to include it" in text
+    # what was left out: one compact row each (layout, why in a line, the option that includes it)
+    row = next(line for line in md.splitlines() if line.startswith("| pipeline at 1 worker |"))
+    assert row.endswith("| --workers 1,2 |"), row
     table1 = md.split("## Throughput")[0]
     assert table1.count("| ddp |") == 2 and table1.count("| pipeline |") == 1
     assert "](plots/throughput.png)" in md

@@ -201,6 +201,17 @@ def takes_option(cls, name: str) -> bool:
     return any(name in {f.name for f in dataclasses.fields(c)} for c in getattr(cls, "options", ()))
 
 
+class LeftOut(str):
+    """One combination the comparison leaves out: it reads as its line (``LAYOUT: REASON (INCLUDE)``) and
+    keeps its parts for the report's table (``layout``, ``reason`` in a line, the option that would
+    ``include`` it, or "")."""
+
+    def __new__(cls, layout: str, reason: str, include: str = ""):
+        self = super().__new__(cls, f"{layout}: {reason}" + (f" ({include})" if include else ""))
+        self.layout, self.reason, self.include = layout, reason, include
+        return self
+
+
 def composed_sharding_note(wanted: list[str], workers: list[int], overrides: dict) -> list[str]:
     """Sharded data parallelism composed with tp, pp or replica groups (a strategy whose class says
     ``hsdp``) needs a data-parallel dimension of 2 beside a second one of 2: 4 workers. Say so where the
@@ -210,9 +221,9 @@ def composed_sharding_note(wanted: list[str], workers: list[int], overrides: dic
     dims = {f.name for f in dataclasses.fields(MeshShape)}  # the mesh's dimensions, as options
     if max(workers) >= 4 or any(v > 1 for k, v in overrides.items() if k in dims):
         return []
-    return [f"{s} composed with --tp 2, --pp 2 or --replicate 2 (docs/hsdp.md): each needs 2 data-parallel "
-            f"shards beside the other dimension, 4 workers ({max(workers)} hold dp 1 there, nothing to shard); "
-            f"run e.g. --strategies {s} --workers 4 --train-args='--tp 2'"
+    return [LeftOut(f"{s} composed with --tp 2, --pp 2 or --replicate 2",
+                    f"each needs 2 data-parallel shards beside the other dimension, 4 workers ({max(workers)} hold "
+                    "dp 1 there, nothing to shard; docs/hsdp.md)", f"--strategies {s} --workers 4 --train-args='--tp 2'")
             for s in wanted if getattr(get_strategy(s), "hsdp", False)]
 
 
@@ -257,7 +268,7 @@ def plan(a) -> tuple[list[dict], list[str]]:
                         and (splits or not a.strategies):  # the whole default matrix: kept under 2 minutes
                     why = "splits the model, nothing to split" if splits else \
                         "one replica is the baseline plus this flavour's overhead"
-                    note = f"{s} at 1 worker: {why} (pass --workers 1,2 to include)"
+                    note = LeftOut(f"{s} at 1 worker", why, "--workers 1,2")
                     if note not in left_out:  # once for all the strategy's variants
                         left_out.append(note)
                     continue
@@ -269,16 +280,16 @@ def plan(a) -> tuple[list[dict], list[str]]:
                 if hasattr(cls, "for_devices"):  # one process driving w GPUs (torch-dp): w is --gpus
                     cfg = cls.for_devices(cfg, w)
                 if getattr(cfg, "experts", 0) and not cls.moe:  # Strategy.moe: its loss has no load balancing
-                    left_out.append(f"{at}: does not train a mixture of experts (--experts) yet")
+                    left_out.append(LeftOut(at, "does not train a mixture of experts (--experts) yet"))
                     continue
                 try:
                     cls.validate(cfg, cfg.workers)
                 except UsageError as exc:
-                    left_out.append(f"{at}: {exc}")
+                    left_out.append(LeftOut(at, str(exc)))
                     continue
                 limit = check_limit(cfg, cfg.world) if a.check else None
                 if limit:  # a checked comparison would show a FAIL that is not a bug
-                    left_out.append(f"{at}: not checkable here in fp32: {limit}")
+                    left_out.append(LeftOut(at, f"not checkable here in fp32: {limit}", "--precision fp64"))
                     continue
                 try:
                     cfg.validate()

@@ -185,6 +185,17 @@ nav ul{columns:2;font-size:.9em}
 
 
 # ======================================================================== comparison tables
+def by_design(run) -> str:
+    """A one-line note where a run's test loss differs from one process's by design, not by a bug: a pipeline
+    cuts each batch into microbatches and BatchNorm updates its running statistics once per microbatch (the
+    check replays that: docs/correctness.md#batchnorm); "" otherwise."""
+    pipe = run.pipeline
+    if pipe and pipe["microbatches"] > 1 and run.get("norm") == "batch":
+        return (f"test loss differs from single's by design: BatchNorm's running statistics are updated once per "
+                f"microbatch ({pipe['microbatches']} per step)")
+    return ""
+
+
 def fmt(x, spec, none="-"):
     return none if x is None else format(x, spec)
 
@@ -246,6 +257,8 @@ def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | Non
             note = "skipped: " + (e.get("error") or "")
         elif r is not None and r.get("error"):
             note = "error: " + r.get("error")
+        elif r is not None:
+            note = by_design(r)
         acc = r.get("test_accuracy") if r else None
         rows.append([series[i], e["workers"], fmt(t, ".4f"), fmt(r.samples_per_s if r else None, ".1f"),
                      fmt(speed, ".2f"), fmt(r.get("test_loss") if r else None, ".4f"),
@@ -392,8 +405,10 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
                f"yet took {lo:.4f} to {hi:.4f} s per iteration ({100 * (hi - lo) / lo:.0f}% apart). Differences "
                "smaller than that are not significant on this machine; for firmer numbers run more steps "
                "(--num-batches) on an otherwise idle machine.")
-    for note in left_out:
-        s.para("Left out: " + note)
+    if left_out:  # one row per combination left out (commands/compare.LeftOut: its parts; a plain line: whole)
+        s.table(["left out", "why", "to include it"],
+                [[getattr(n, "layout", n), getattr(n, "reason", ""), getattr(n, "include", "") or "-"]
+                 for n in left_out], caption="Combinations this comparison did not run, and why.")
     for e in failed:
         what = series_of(e["strategy"], e.get("config") or {})
         s.para(f"{what} at {e['workers']} worker(s) failed: {e.get('error')} (full output: {e.get('log')})")
