@@ -84,7 +84,8 @@ def test_a_missing_file_or_class_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_measures_an_own_strategy_beside_paralabs(tmp_path):
-    r = run_paralab("compare", "--strategies", f"allreduce,{EXAMPLES / 'bucketed_ddp.py'}", "--workers", "2",
+    r = run_paralab("compare", "--strategies", "allreduce", "--strategy-file", str(EXAMPLES / "bucketed_ddp.py"),
+                    "--workers", "2",
                     "--num-batches", "3", "--width", "0.125", "--dataset", "synthetic", "--out", str(tmp_path / "cmp"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == ["allreduce-w2", "bucketed_ddp-w2"]

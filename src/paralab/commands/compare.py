@@ -95,7 +95,10 @@ OWNED = ("out", "workers", "resume", "world_size", "rank", "check_cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategies", help="comma-separated strategies (default: every registered one)")
+    p.add_argument("--strategies", help="comma-separated strategies (default: every registered one); a strategy "
+                   "of your own is a file, PATH.py[:CLASS] (docs/own-strategy.md)")
+    p.add_argument("--strategy-file", action="append", default=[], metavar="PATH.py[:CLASS]",
+                   help="a strategy from your own file, compared beside --strategies (repeatable)")
     p.add_argument("--workers", default=None, help=f"comma-separated worker counts (default {WORKERS}: the strategies "
                    "that split the model at 2 only, and without --strategies the others too, the baseline at 1; "
                    "given, every strategy runs at each count it accepts)")
@@ -233,8 +236,10 @@ def plan(a) -> tuple[list[dict], list[str]]:
     from ..strategies import check_limit, get_strategy, strategy_names
 
     names = strategy_names()
-    if a.strategies:
-        wanted = [s.strip() for s in a.strategies.split(",") if s.strip()]
+    files = list(getattr(a, "strategy_file", None) or [])
+    if a.strategies or files:
+        wanted = [s.strip() for s in (a.strategies or "").split(",") if s.strip()] + files
+        a.strategies, a.strategy_file = ",".join(wanted), []  # one list from here on (the report's command too)
         for s in wanted:
             get_strategy(s)  # unknown name: UsageError listing the registered ones
     else:
