@@ -132,10 +132,17 @@ def train(label: str, strategy: list[str], args: argparse.Namespace, out: Path, 
     p = paralab_train(argv, out, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{label} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out)
     rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     return summary, rows
 
+
+
+def read_summary(out: Path) -> dict:
+    """A run's summary.json as paralab's readers see it: with the predictions beside what it measured (a run
+    writes none itself: paralab.analysis.beside)."""
+    from paralab.analysis.runs import load_run
+    return load_run(out).summary
 
 def gpt_options(p: argparse.ArgumentParser, *, layers: int, embed: int, heads: int, context: int) -> None:
     """The gpt's shape options (--layers --embed --heads --context) with a benchmark's defaults."""
@@ -163,7 +170,7 @@ def train_gpt(label: str, argv: list[str], args: argparse.Namespace, out: Path) 
     p = paralab_train(argv, out)
     if p.returncode != 0:
         raise RuntimeError(f"{label} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out)
     rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     return summary, rows, argv
 
