@@ -60,7 +60,7 @@ def test_the_norm_and_the_clip_are_torchs():
         p.grad = t
     torch_norm = torch.nn.utils.clip_grad_norm_(params, 0.5).item()
     comm = Comm(Recorder(0, torch.device("cpu")), 0, 1)
-    norm = grad_norm.all_reduce_norm(comm, grad_norm.square_sum([(t, 1) for t in grads]), torch.device("cpu"))
+    norm = grad_norm.reduce(comm, grad_norm.square_sum([(t, 1) for t in grads]), torch.device("cpu"))[0]
     assert norm == pytest.approx(torch_norm, rel=1e-15)
     grad_norm.clip_(grads, norm, 0.5)
     for ours, theirs in zip(grads, params):

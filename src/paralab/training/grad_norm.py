@@ -43,15 +43,10 @@ def square_sum(held: list[tuple[torch.Tensor, float | torch.Tensor]]) -> torch.T
     return total
 
 
-def all_reduce_norm(comm: Comm, local: torch.Tensor, device: torch.device) -> float:
-    """The whole model's gradient norm: this rank's share (:func:`square_sum`) summed over ``comm`` (every rank
-    of the run, each calling this at the same point of the same step)."""
-    return reduce(comm, local, device)[0]
-
-
 def reduce(comm: Comm, local: torch.Tensor, device: torch.device, bad_loss: bool | None = None
            ) -> tuple[float, list[int], list[int]]:
-    """One all-reduce over ``comm`` of this rank's share of the squares and, for the non-finite guard
+    """One all-reduce over ``comm`` (every rank of the run, each calling this at the same point of the same
+    step) of this rank's share of the squares (:func:`square_sum`) and, for the non-finite guard
     (``bad_loss`` given: whether this rank's loss was not finite this step), one flag per rank for its loss
     and one for its gradient. Returns (the norm, the ranks whose loss was not finite, the ranks whose
     gradient was not finite)."""
