@@ -13,7 +13,9 @@ having run nothing. Steps, each recorded even when it fails:
 2. every registered strategy's ``--check`` on the GPU(s): at 1 worker where
    the strategy runs there (torch-dp: ``--gpus 1``), else at 2 workers where
    2 GPUs are visible, else left out with why; then the gpt's dimensions
-   (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker;
+   (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker; the recipe
+   (AdamW, cosine schedule, --clip-grad firing every step) under eight layouts; the example strategies
+   from the user's own files (examples/strategies/); the non-finite guard (a NaN injected: stop, skip);
 3. the warm start: a ``--check`` forked from a ``paralab serve`` server (which
    must not have initialised CUDA), timed beside the same run started cold;
 4. benchmarks at 1 GPU: samples/s of ``single``, ``ddp``, ``torch-ddp``,
@@ -93,12 +95,13 @@ def env() -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
-def paralab(*args: str, timeout: float = 600, served: bool = False) -> tuple[int, str, float]:
+def paralab(*args: str, timeout: float = 600, served: bool = False, extra_env: dict | None = None
+            ) -> tuple[int, str, float]:
     """Run one paralab command; a running `paralab serve` server takes it only where ``served``."""
     t = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, "-m", "paralab", *args], capture_output=True, text=True,
-                           timeout=timeout, env={**env(), "PARALAB_SERVE": "on" if served else "off"}, cwd=ROOT)
+        p = subprocess.run([sys.executable, "-m", "paralab", *args], capture_output=True, text=True, timeout=timeout,
+                           env={**env(), "PARALAB_SERVE": "on" if served else "off", **(extra_env or {})}, cwd=ROOT)
         return p.returncode, (p.stdout + p.stderr)[-4000:], time.monotonic() - t
     except subprocess.TimeoutExpired as exc:
         return 124, f"timed out after {timeout}s: {(exc.stdout or '')[-2000:]}", time.monotonic() - t
@@ -164,6 +167,15 @@ GPT_CHECK = ["--device", "cuda", "--model", "gpt", "--layers", "2", "--embed", "
 DIMENSIONS = [("single", []), ("single", ["--experts", "4", "--top-k", "2"]), ("single", ["--recompute", "full"]),
               ("single", ["--recompute", "selective"]), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
               ("pipeline", ["--microbatches", "2"]), ("torch-tp", []), ("ddp", ["--experts", "4"])]
+#: the recipe real runs use (docs/correctness.md): AdamW, a cosine schedule and a clip that fires every step
+#: (the norms are about 1), checked against torch's clip_grad_norm_ and AdamW on the reference
+RECIPE = ["--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "cosine", "--min-lr", "0.001", "--clip-grad", "0.05"]
+RECIPE_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
+                  ("pipeline", ["--microbatches", "2"]), ("torch-tp", []), ("torch-fsdp", []),
+                  ("ddp", ["--experts", "4", "--top-k", "2"])]
+#: strategies from the user's own files (docs/own-strategy.md), on the CNN as the course writes them
+OWN = ["examples/strategies/gather_scatter.py", "examples/strategies/allreduce.py",
+       "examples/strategies/bucketed_ddp.py"]
 
 
 def check_row(name: str, workers: int, extra: list[str], out: Path, rc: int, text: str, seconds: float) -> dict:
@@ -196,7 +208,33 @@ def strategy_checks(gpus: int, tmp: Path) -> list[dict]:
         out = tmp / f"gpt-{i}-{name}"
         rc, text, seconds = paralab("train", name, "--workers", "1", *GPT_CHECK, *extra, "--out", str(out))
         rows.append(check_row(name, 1, ["--model", "gpt", *extra], out, rc, text, seconds))
+    for i, (name, extra) in enumerate(RECIPE_LAYOUTS):
+        out = tmp / f"recipe-{i}-{name}"
+        rc, text, seconds = paralab("train", name, "--workers", "1", *GPT_CHECK, *RECIPE, *extra, "--out", str(out))
+        rows.append(check_row(name, 1, ["--model", "gpt", *RECIPE, *extra], out, rc, text, seconds))
+    for path in OWN:
+        out = tmp / f"own-{Path(path).stem}"
+        rc, text, seconds = paralab("train", path, "--workers", "1", *CHECK_ARGS, "--out", str(out))
+        rows.append(check_row(path, 1, [], out, rc, text, seconds))
     return rows
+
+
+def guard(tmp: Path) -> dict:
+    """A NaN injected into the loss at step 2 (PARALAB_FAULT): --on-nonfinite stop exits 3 naming it,
+    skip finishes with that step skipped (summary.json skipped_steps)."""
+    rows = {}
+    for mode, want in (("stop", 3), ("skip", 0)):
+        out = tmp / f"guard-{mode}"
+        rc, text, seconds = paralab("train", "ddp", "--workers", "1", *GPT_CHECK[:-1], "--num-batches", "4",
+                                    "--on-nonfinite", mode, "--out", str(out), extra_env={"PARALAB_FAULT": "0:2:nan"})
+        s = read_summary(out)
+        rows[mode] = {"returncode": rc, "expected_returncode": want, "skipped_steps": s.get("skipped_steps"),
+                      "error": s.get("error"), "seconds": round(seconds, 1),
+                      "status": "passed" if rc == want and (mode == "stop" or s.get("skipped_steps")) else "FAILED"}
+        if rows[mode]["status"] == "FAILED":
+            rows[mode]["output_tail"] = text
+        print(f"gpu-check: --on-nonfinite {mode} with a NaN at step 2: {rows[mode]['status']} (exit {rc})", flush=True)
+    return {"status": "FAILED" if any(r["status"] == "FAILED" for r in rows.values()) else "passed", **rows}
 
 
 def warm_start(tmp: Path) -> dict:
@@ -340,6 +378,9 @@ def main(argv=None) -> int:
         if not a.skip_checks:
             result["checks"] = strategy_checks(gpus, tmp)
             failed |= any(r["status"] == "FAILED" for r in result["checks"])
+            write("gpu-check.json", result)
+            result["guard"] = guard(tmp)
+            failed |= result["guard"]["status"] == "FAILED"
             write("gpu-check.json", result)
             result["warm_start"] = warm_start(tmp)
             failed |= result["warm_start"]["status"] == "FAILED"
