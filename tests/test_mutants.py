@@ -209,6 +209,43 @@ MUTANTS = [
 ]
 
 
+#: where each mutant's run first diverges from the reference (check/diverge.py: the failed check replays the run),
+#: as the line names it: the step, the rank, the direction and the module. Each is where the bug acts: a mean
+#: over the wrong count shows in the first gradient backward meets (the classifier's), a lost momentum in the
+#: second step's update, a loss misreported in the loss alone, a ring turned backwards in the attention's
+#: output, detached gates in the router's gradient, a BatchNorm updated twice in its running statistics
+FIRST = {
+    "ddp-averaged-twice": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "allreduce-never-averages": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "gather-scatter-divides-by-one-less": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "momentum-freed-every-step": "step 2, rank 0, optimizer step of 0.0 (Conv2d) weight",
+    "checkpoint-without-momentum": "none in 3 replayed steps",  # training is right: only the saved state is not
+    "fsdp-padding-in-front": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "hsdp-mean-over-the-shard-group": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "tp-f-backward-not-reduced": "step 1, rank 0, backward of 3.ln (LayerNorm) weight gradient",
+    "sp-layernorm-not-reduced": "step 1, rank 0, backward of 3.ln (LayerNorm) weight gradient",
+    "vocab-parallel-loss-forward": "step 1, rank 0, forward of the loss",
+    "cp-loss-summed": "step 1, rank 0, forward of the loss",
+    "cp-ring-backwards": "step 1, rank 1, forward of 1.attn.proj (Linear) output",
+    "cp-ring-key-gradient-unscaled": "step 1, rank 0, backward of 2.attn.k (Linear) weight gradient",
+    "ulysses-combine-not-reversed": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
+    "ep-experts-mean-over-edp": "step 1, rank 0, backward of 2.mlp.experts.3.proj (Linear) weight gradient",
+    "ep-combine-gates-detached": "step 1, rank 0, backward of 2.mlp.router (Linear) weight gradient",
+    "pipeline-microbatch-loss-unweighted": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "pipeline-reports-last-microbatch": "step 1, rank 1, forward of the loss",
+    "zero-bubble-w-first-unit-only": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
+    "powersgd-no-error-feedback": "not looked for (--compress",
+    "recompute-forgets-the-generator": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
+    "recompute-forgets-where-samples-sit": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
+    "recompute-batchnorm-twice": "step 1, rank 0, forward of 0.1 (BatchNorm2d) running_mean buffer",
+    "dropout-microbatch-rows": "step 1, rank 0, forward of 1.drop (Dropout) output",
+    "clip-tp-replicas-counted-per-rank": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
+    "clip-dp-replicas-counted-per-rank": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
+    "clip-a-stage-left-out": "step 1, rank 0, backward of 5.out (Linear) weight gradient",
+    "clip-experts-averaged": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
+}
+
+
 #: mutants a smaller check cannot see, that check, and the line it prints about the path it leaves out: the
 #: check must PASS the mutant there and say so (so "not exercised" is true, and the command above is needed)
 HIDDEN = [
@@ -239,7 +276,7 @@ def train(root: Path, command: tuple, out: Path) -> subprocess.CompletedProcess:
 
 
 def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
-    assert len(MUTANTS) >= 20
+    assert len(MUTANTS) >= 20 and set(FIRST) == {m.name for m in MUTANTS}
     assert len({m.name for m in MUTANTS}) == len(MUTANTS)
     assert len({(m.file, m.old) for m in MUTANTS}) == len(MUTANTS)
 
@@ -265,6 +302,7 @@ def test_the_check_catches_the_mutant(pristine, tmp_path, mutant):
     r = train(mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
     output = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{mutant.name} ({mutant.why}) not caught:\n{output}"
+    assert f"check: first divergence: {FIRST[mutant.name]}" in r.stdout, output
 
 
 @pytest.mark.parametrize("name,command,note", HIDDEN, ids=[h[0] for h in HIDDEN])

@@ -28,6 +28,10 @@ def test_the_example_that_forgets_to_average_fails(tmp_path):
     r = run_paralab("train", str(EXAMPLES / "forgot_to_average.py"), *CNN, out=tmp_path / "run")
     assert r.returncode == 1 and "check: FAIL" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert {"weights", "loss"} <= set(r.summary["check"]["failed"])
+    # replayed: the first gradient backward meets (the classifier's) is twice the reference's, at the first step
+    line = r.summary["check"]["first_divergence"]
+    assert line.startswith("first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient"), line
+    assert f"check: {line}" in r.stdout
 
 
 def test_the_bucketed_example_overlaps_its_all_reduces_with_backward(tmp_path):

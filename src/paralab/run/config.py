@@ -102,6 +102,9 @@ class RecordOptions:
                                    minimum=0)
     resume: str | None = option(None, "run directory whose checkpoint to continue from", type=str)
     check: bool = option(False, "compare with the single-process reference; exit 1 on FAIL")
+    first_divergence: bool = option(True, "with --check: when it FAILs, replay the run beside the reference and name "
+                                          "the first step, rank, module and direction (forward, backward, optimizer "
+                                          "step) where they differ (check/diverge.py)")
     save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
     check_every: int | None = option(None, "with --check: compare with the reference every N steps too (by "
                                            "default after the first and second steps and the last; summary.json "

@@ -231,7 +231,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
                                              ("result", "failed", "steps", "max_weight_dev",
                                               "max_optimizer_dev", "max_loss_dev", "max_grad_norm_dev",
                                               "max_output_dev",
-                                              "precision", "tolerances", "history", "unexercised")},
+                                              "precision", "tolerances", "history", "unexercised")}
+        | ({"first_divergence": check["first_divergence"]} if "first_divergence" in check else {}),
         "error": error,
     }
     if getattr(cfg, "on_nonfinite", None):  # the steps whose update every rank skipped (--on-nonfinite skip)

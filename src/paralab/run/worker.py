@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -70,11 +70,16 @@ def build_optimizer_factory(cfg: RunConfig, created: list | None = None):
     return make
 
 
-def build_model_factory(cfg: RunConfig, num_classes: int):
+def build_model_factory(cfg: RunConfig, num_classes: int, built: list | None = None):
+    """The seeded model factory; ``built`` collects the models it makes (the first divergence names their
+    modules)."""
     def make():
         torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
         model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, num_classes=num_classes, **model_shape(cfg))
-        return model.double() if cfg.precision == "fp64" else model
+        model = model.double() if cfg.precision == "fp64" else model
+        if built is not None:
+            built.append(model)
+        return model
     return make
 
 
@@ -197,6 +202,7 @@ class Setup:
     source: BatchSource     # this rank's data-parallel shard of every global batch
     strategy: object        # the strategy, on this rank
     model_fn: object        # the seeded model factory (the reference builds its model from it)
+    roots: list             # the models the strategy built from it (their modules, named)
     optimizers: list        # every optimizer the strategy made, for the learning-rate schedule
     lr_for: object          # step -> learning rate
     dtype: torch.dtype       # the run's float type (inputs are cast to it)
@@ -305,6 +311,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             say(headline(result_eval))
         if check is not None:
             verdict = check.finish(losses, replica, norms)
+            # PARALAB_REPLAY=1: replay a passing run too (the tests: a correct layout shows no divergence)
+            if cfg.first_divergence and (not verdict["passed"] or os.environ.get("PARALAB_REPLAY") == "1"):
+                verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, run_dir, say,
+                                                               resumed=start_step > 0)
 
     records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier, parameters=s.parameters,
                       world=world, backend=backend, device=device, dataset=s.data,
@@ -318,7 +328,46 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         raise SystemExit(1)
 
 
-def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path) -> Setup:
+def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
+                     say, resumed: bool = False) -> str:
+    """After a failed ``--check``: the run built again and replayed from its first step beside a fresh
+    reference until a module's output, a gradient or a weight first differs (``check/diverge.py``); that
+    place as one line, said and returned. Collective."""
+    from ..check import diverge
+    from ..check.verdict import Reference
+    why = ("the run resumed from a checkpoint: replay it from the start" if resumed else
+           "--compress keeps state (the error feedback, the steps until PowerSGD starts) that a replayed step "
+           "would advance twice" if getattr(cfg, "compress", "none") != "none" else None)
+    if why:
+        line = f"first divergence: not looked for ({why})"
+        say(f"check: {line}")
+        return line
+    s = set_up(cfg, rank, world, device, backend, run_dir, quiet=True)
+    replicas, replica = s.strategy.replicas()
+    ref = Reference(s.strategy, s.source, build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg),
+                    s.lr_for, cfg.seed)
+    progress = Progress(s.total_steps, "first divergence", enabled=rank == 0 and cfg.progress)
+    found = None
+    for step in range(s.total_steps):
+        set_lr(s.optimizers, s.lr_for(step))
+        x, y = s.source.batch(step)
+        x, y = to_device(x, device, s.dtype), y.to(device)
+        mine = diverge.locate(step, x, y, s.strategy, s.roots, s.optimizers, ref, s.mesh, replica, cfg.precision)
+        every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
+        progress.update(step + 1)
+        if every:
+            found = min(every)
+            break
+    progress.close()
+    line = found.line() if found else (f"first divergence: none in {s.total_steps} replayed steps (every module's "
+                                       "output, the loss, every gradient and weight agreed: what failed lies "
+                                       "outside the steps, e.g. the state a checkpoint saves)")
+    say(f"check: {line}")
+    return line
+
+
+def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
+           quiet: bool = False) -> Setup:
     """The recorder and world communicator, a common time origin, the data, the mesh and its groups,
     the strategy (which builds and places the model), this rank's batches, the step count."""
     recorder = Recorder(rank, device)
@@ -337,7 +386,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     # every group of the mesh waits --timeout at most, as the world does (new_group's own default is 30 min)
     new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=cfg.timeout)) if world > 1 else None
     mesh = Mesh(shape, rank, comm, new_group=new_group)
-    model_fn = build_model_factory(cfg, len(data.classes))
+    roots: list = []
+    model_fn = build_model_factory(cfg, len(data.classes), built=roots)
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
@@ -350,15 +400,15 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
                          rank=replica, seed=cfg.seed, augment=cfg.augment, drop_last=cfg.drop_last)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
-    parameters = count_parameters(model_fn())
-    if rank == 0:
+    parameters = count_parameters(build_model_factory(cfg, len(data.classes))())
+    if rank == 0 and not quiet:
         print(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
               f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
               f"global batch {global_batch}, {total_steps} steps", flush=True)
         print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape, composition)}" if composition else ""),
               flush=True)
     lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch, total_steps)
-    return Setup(recorder, comm, mesh, data, source, strategy, model_fn, optimizers, lr_for, ctx.dtype,
+    return Setup(recorder, comm, mesh, data, source, strategy, model_fn, roots, optimizers, lr_for, ctx.dtype,
                  global_batch, total_steps, parameters, run_dir)
 
 

@@ -1,0 +1,306 @@
+"""The first divergence: where a run that failed ``--check`` first went wrong.
+
+A FAIL says which tensor ended furthest from the single-process reference; a
+student needs where it *started*. After a failed check every rank builds the
+run again and replays its steps from the first, one step at a time, beside a
+fresh reference, and at each step compares three things in the order they
+happen:
+
+1. **forward**: every module's output, on every rank, in the order the
+   reference calls its modules. Hooks record each module call of the rank
+   (outside backward, so a recomputation's second forward is not counted) and
+   of the reference fed the rank's own shard, microbatch by microbatch. A
+   rank's output that is a slice of the whole (tensor parallelism splits the
+   features, sequence and context parallelism the sequence) is compared with
+   the slice at the rank's own coordinate: the contiguous chunk, or the pair
+   of chunks a balanced context split holds. An output that maps to no slice
+   (an expert's routed tokens) is not compared.
+2. **backward**: every parameter's gradient as the optimizer receives it
+   (after the strategy's synchronisation and any clipping), in reverse order
+   of the modules' calls. No strategy needs to say where its shards sit: the
+   step is taken once with every optimizer replaced by ``w -= g``, and the
+   strategy's own ``full_state_dict`` (what ``--check`` compares) gives the
+   whole tensors, so ``before - after`` is the whole gradient. The state is
+   then restored (the strategy's ``state_dict``) and the real step taken.
+3. **optimizer step**: the weights after the step.
+
+The first difference beyond the check's tolerance, over every rank, is one
+line: ``first divergence: step 1, rank 0, backward of features.3 (Conv2d)
+weight gradient, max |d| 0.5``. A forward difference comes before any
+gradient's at its step, and a gradient's before the step's weights'; the
+backward's first is the one nearest the loss. docs/correctness.md.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..data.loader import to_device
+from ..models import dropout
+from ..strategies.base import split_microbatches
+from .reference import TOLERANCES
+
+#: path segments wrappers add to a module's name (activation checkpointing, DDP, torch.compile)
+WRAPPERS = ("_checkpoint_wrapped_module.", "module.", "_orig_mod.")
+#: the directions, in the order they happen within a step
+DIRECTIONS = ("forward", "backward", "optimizer step")
+
+
+def plain_name(name: str) -> str:
+    for segment in WRAPPERS:
+        name = name.replace(segment, "")
+    return name
+
+
+def first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor)), None)
+    return None
+
+
+def host(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``t`` on the host in float64; a DTensor's local part, None where that is a partial sum (global
+    hooks run before DTensor's own, which would reduce it)."""
+    if hasattr(t, "to_local"):
+        if any(p.is_partial() for p in t.placements):
+            return None
+        t = t.to_local()
+    return t.detach().to("cpu", torch.float64).clone()
+
+
+@dataclass(order=True)
+class Finding:
+    """One difference beyond tolerance; findings sort by when they happen."""
+    step: int           # counted from 1
+    direction: int      # index in DIRECTIONS
+    order: int          # forward: the module's place in the reference's calls; else the parameter's in its order
+    rank: int
+    module: str
+    kind: str           # the module's class
+    tensor: str         # "output", "weight gradient", "bias"
+    deviation: float
+
+    def line(self) -> str:
+        return (f"first divergence: step {self.step}, rank {self.rank}, {DIRECTIONS[self.direction]} of "
+                f"{self.module} ({self.kind}) {self.tensor}, max |d| {self.deviation:.3g}")
+
+
+class Calls:
+    """Every named module's outputs in the order of its calls, while entered. ``names``: id(module) -> name."""
+
+    def __init__(self, names: dict[int, str]):
+        self.names = names
+        self.calls: dict[str, list[torch.Tensor]] = {}
+        self.order: list[str] = []    # names in the order their first call returned
+        self.started: list[str] = []  # names in the order their first call began (a parent before its children)
+
+    def pre_hook(self, module, args):
+        name = self.names.get(id(module))
+        if name is not None and name not in self.started and torch._C._current_graph_task_id() == -1:
+            self.started.append(name)
+
+    def hook(self, module, args, output):
+        name = self.names.get(id(module))
+        t = first_tensor(output)
+        if name is None or t is None or torch._C._current_graph_task_id() != -1:  # inside backward: recomputed
+            return
+        t = host(t)
+        if t is None:
+            return
+        if name not in self.calls:
+            self.order.append(name)
+        self.calls.setdefault(name, []).append(t)
+
+    def __enter__(self):
+        self.handles = [nn.modules.module.register_module_forward_hook(self.hook),
+                        nn.modules.module.register_module_forward_pre_hook(self.pre_hook)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def names_of(roots: list[nn.Module]) -> dict[int, str]:
+    """id -> name of every module the rank's models hold now, named as the reference names it (the
+    wrappers' segments removed; a module a strategy put in a layer's place takes the layer's name)."""
+    return {id(m): plain_name(name) for root in roots for name, m in root.named_modules() if name}
+
+
+def slices(whole: torch.Tensor, shape: torch.Size, coords: dict[str, int], sizes: dict[str, int]):
+    """The slices of ``whole`` a rank at ``coords`` may hold with ``shape``: the chunk at its tp or cp
+    coordinate along the one dimension that differs, or a balanced cp split's pair of chunks."""
+    if whole.shape == shape:
+        return [whole]
+    if whole.dim() != len(shape):
+        return []
+    differ = [d for d in range(whole.dim()) if whole.shape[d] != shape[d]]
+    if len(differ) != 1 or whole.shape[differ[0]] % shape[differ[0]]:
+        return []
+    d = differ[0]
+    k = whole.shape[d] // shape[d]
+    out = []
+    for dim in ("tp", "cp"):
+        if sizes.get(dim, 1) != k:
+            continue
+        i = coords.get(dim, 0)
+        out.append(whole.chunk(k, d)[i])
+        halves = whole.chunk(2 * k, d)
+        if len(halves) == 2 * k:
+            out.append(torch.cat([halves[i], halves[2 * k - 1 - i]], d))
+    return out
+
+
+def deviation(mine: torch.Tensor, whole: torch.Tensor, coords, sizes) -> float | None:
+    candidates = [c for c in slices(whole, mine.shape, coords, sizes) if c.shape == mine.shape]
+    if not candidates:
+        return None
+    devs = [float((mine - c).abs().max()) if mine.numel() else 0.0 for c in candidates]
+    return min(float("inf") if d != d else d for d in devs)
+
+
+def reference_calls(model: nn.Module, source, step: int, replicas: int, replica: int, microbatches: int,
+                    seed: int) -> Calls:
+    """The reference's module outputs on this rank's shard of ``step``, microbatch by microbatch (a copy of the
+    model: its BatchNorm statistics are left as they are)."""
+    twin = copy.deepcopy(model)
+    twin.train()
+    calls = Calls(names_of([twin]))
+    dtype = next(twin.parameters()).dtype
+    x, y = source.batch(step, rank=replica)
+    x = to_device(x, x.device, dtype)
+    dropout.at_step(seed, step, rows=len(y) * replicas, first=len(y) * replica)
+    chunks = split_microbatches(x, y, microbatches)
+    dropout.split([len(c[1]) for c in chunks])
+    with calls, torch.no_grad():
+        for i, (xs, _, _) in enumerate(chunks):
+            with dropout.microbatch(i):
+                twin(xs)
+    return calls
+
+
+class Probe:
+    """Every optimizer's step replaced by ``w -= g`` while entered, so a step leaves ``w - g`` behind."""
+
+    def __init__(self, optimizers: list):
+        self.optimizers = optimizers
+
+    @staticmethod
+    def descend(optimizer, closure=None):
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.sub_(p.grad)
+
+    def __enter__(self):
+        for opt in self.optimizers:
+            opt.step = self.descend.__get__(opt)
+        return self
+
+    def __exit__(self, *exc):
+        for opt in self.optimizers:
+            del opt.step
+
+
+def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
+           precision: str) -> Finding | None:
+    """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
+    ``step``, advanced by one here): this rank's first difference, or None. Collective, as a step is."""
+    tol = TOLERANCES[precision]
+    rank = strategy.ctx.rank
+    kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
+    expected = reference_calls(ref.model, ref.source, step, ref.replicas, replica, ref.microbatches, ref.seed)
+    params = [n for n, _ in ref.model.named_parameters()]
+
+    def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
+        dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
+
+    # what the probe's step changes: the tensors the optimizers step and the models' weights and buffers
+    # (the strategy's other state, e.g. a router's history, advances once more; --compress is refused)
+    held = list({id(t): t for t in [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+                 + [t for root in roots for t in [*root.parameters(), *root.buffers()]]}.values())
+    kept = [t.detach().clone() for t in held]
+    before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items() if k in params}
+    at_step()
+    with Calls(names_of(roots)) as mine, Probe(optimizers):
+        strategy.train_step(x, y)
+    probed = strategy.full_state_dict()
+    gradients = {k: before[k] - probed[k].detach() for k in before}
+    with torch.no_grad():
+        for t, k in zip(held, kept):
+            t.copy_(k)
+    at_step()
+    loss = strategy.train_step(x, y).loss
+    after = strategy.full_state_dict()
+
+    grads: dict[str, torch.Tensor] = {}
+    named = dict(ref.model.named_parameters())
+
+    def keep(optimizer, args, kwargs):
+        grads.update({n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                      for n, p in named.items()})
+    handle = ref.optimizer.register_step_pre_hook(keep)
+    try:
+        ref.advance_to(step + 1)
+    finally:
+        handle.remove()
+    ref_after = ref.model.state_dict()
+    ref_loss = ref.losses[step][replica]
+
+    found: list[Finding] = []
+    coords = dict(mesh.coords)
+    sizes = {d: mesh.size(d) for d in ("tp", "cp") if d in coords}
+    skip_experts = mesh.size("ep") > 1 if "ep" in coords else False
+    for order, name in enumerate(expected.order):
+        if skip_experts and ".experts." in f".{name}.":
+            continue
+        for a, b in zip(mine.calls.get(name, []), expected.calls[name]):
+            dev = deviation(a, b, coords, sizes)
+            if dev is not None and dev > tol["outputs"]:
+                found.append(Finding(step + 1, 0, order, rank, name, kinds.get(name, "?"), "output", dev))
+                break
+        if found:
+            break
+    if not found and loss is not None and not abs(loss - ref_loss) <= tol["loss"]:  # the loss comes last
+        found.append(Finding(step + 1, 0, len(expected.order), rank, "the loss", "as the rank reports it", "value",
+                             abs(loss - ref_loss)))
+    buffers = [k for k, v in ref_after.items() if k not in named and v.is_floating_point()]
+    for name in buffers if not found else ():  # what forward updates besides (BatchNorm's running statistics)
+        dev = float((after[name].detach().double().cpu() - ref_after[name].double()).abs().max())
+        if not dev <= tol["weights"]:
+            module, _, leaf = name.rpartition(".")
+            found.append(Finding(step + 1, 0, len(expected.order) + 1, rank, module, kinds.get(module, "?"),
+                                 f"{leaf} buffer", dev))
+            break
+    if not found:
+        # backward meets a parameter's gradient in the reverse order of its use: a module's own parameters
+        # after its children's (it began before them), the model's first module last
+        # (a module whose weights its parent uses directly, never called itself, takes its parent's place)
+        place = {n: i for i, n in enumerate(expected.started)}
+
+        def used(name: str) -> int:
+            while name and name not in place:
+                name = name.rpartition(".")[0]
+            return place.get(name, -1)
+        backward = sorted(params, key=lambda n: -used(n.rpartition(".")[0]))
+        for order, name in enumerate(backward):
+            dev = float((gradients[name].double() - grads[name].double().cpu()).abs().max())
+            if not dev <= tol["weights"]:
+                module, _, leaf = name.rpartition(".")
+                found.append(Finding(step + 1, 1, order, rank, module, kinds.get(module, "?"),
+                                     f"{leaf} gradient", dev))
+                break
+    if not found:
+        for order, name in enumerate(params):
+            dev = float((after[name].detach().double().cpu() - ref_after[name].double()).abs().max())
+            if not dev <= tol["weights"]:
+                module, _, leaf = name.rpartition(".")
+                found.append(Finding(step + 1, 2, order, rank, module, kinds.get(module, "?"), leaf, dev))
+                break
+    return found[0] if found else None

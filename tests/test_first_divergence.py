@@ -1,0 +1,67 @@
+"""The first divergence (check/diverge.py): a failed --check replays the run and names the first step, rank,
+module and direction that differ from the reference. Seeded bugs are named where they act in
+tests/test_mutants.py (FIRST) and tests/test_own_strategy.py; here: the slice a rank holds is found, a correct
+layout replayed shows no divergence (PARALAB_REPLAY=1 replays a passing run), and the option turns it off."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_paralab
+from paralab.check.diverge import DIRECTIONS, Finding, deviation, plain_name
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "4",
+       "--context", "16", "--batch-size", "8", "--num-batches", "2", "--eval-batches", "1", "--check"]
+CNN = ["--workers", "2", "--dataset", "synthetic", "--width", "0.125", "--num-batches", "3", "--batch-size", "32",
+       "--eval-batches", "1", "--check"]
+
+
+def test_a_rank_output_is_compared_with_the_slice_at_its_own_coordinate():
+    whole = torch.arange(2 * 8 * 6, dtype=torch.float64).reshape(2, 8, 6)
+    sizes = {"tp": 2, "cp": 1}
+    # tensor parallelism: the features' second half on tp rank 1; its first half there is a difference
+    assert deviation(whole[..., 3:], whole, {"tp": 1, "cp": 0}, sizes) == 0.0
+    assert deviation(whole[..., :3], whole, {"tp": 1, "cp": 0}, sizes) == 3.0
+    # a balanced context split: cp rank 0 of 2 holds the sequence's quarters 0 and 3
+    held = torch.cat([whole[:, 0:2], whole[:, 6:8]], 1)
+    assert deviation(held, whole, {"tp": 0, "cp": 0}, {"tp": 1, "cp": 2}) == 0.0
+    # what maps to no slice is not compared (an expert's routed tokens)
+    assert deviation(torch.zeros(5, 6), whole, {"tp": 0}, sizes) is None
+
+
+def test_findings_sort_by_when_they_happen_and_wrappers_are_unnamed():
+    later = Finding(1, 1, 0, 0, "3.out", "Linear", "weight gradient", 1.0)
+    earlier = Finding(1, 0, 7, 1, "1.attn.proj", "Linear", "output", 1e-3)
+    assert min(later, earlier) is earlier and DIRECTIONS[earlier.direction] == "forward"
+    assert earlier.line() == "first divergence: step 1, rank 1, forward of 1.attn.proj (Linear) output, max |d| 0.001"
+    assert plain_name("module.blocks.0._checkpoint_wrapped_module.attn") == "blocks.0.attn"
+
+
+LAYOUTS = {
+    "tp+sp": ("tp", "--workers", "2", "--sequence-parallel"),
+    "pp 1f1b": ("ddp", "--workers", "2", "--pp", "2", "--microbatches", "2"),
+    "cp ring": ("ddp", "--workers", "2", "--cp", "2"),
+    "ep": ("ddp", "--workers", "2", "--experts", "4", "--ep", "2", "--top-k", "2"),
+    "torch-tp+sp": ("torch-tp", "--workers", "2", "--sequence-parallel"),
+    "zero-3": ("fsdp", "--workers", "2", "--zero-stage", "3"),
+    "recompute": ("ddp", "--workers", "2", "--recompute", "full", "--dropout", "0.1"),
+}
+FAST = ("tp+sp", "pp 1f1b")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
+def test_a_correct_layout_replayed_shows_no_divergence(tmp_path, name):
+    layout = LAYOUTS[name]
+    r = run_paralab("train", layout[0], *GPT, *layout[1:], out=tmp_path / "run", env={"PARALAB_REPLAY": "1"})
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "check: first divergence: none in 2 replayed steps" in r.stdout, r.stdout[-3000:]
+
+
+def test_no_first_divergence_leaves_the_replay_out(tmp_path):
+    r = run_paralab("train", str(ROOT / "examples" / "strategies" / "forgot_to_average.py"), *CNN,
+                    "--no-first-divergence", out=tmp_path / "run")
+    assert r.returncode == 1 and "check: FAIL" in r.stdout
+    assert "first divergence" not in r.stdout and "first_divergence" not in r.summary["check"]
