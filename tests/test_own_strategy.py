@@ -89,12 +89,18 @@ def test_a_missing_file_or_class_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_compare_measures_an_own_strategy_beside_paralabs(tmp_path):
     r = run_paralab("compare", "--strategies", "allreduce", "--strategy-file", str(EXAMPLES / "bucketed_ddp.py"),
-                    "--workers", "2",
+                    "--strategy-file", str(EXAMPLES / "forgot_to_average.py"), "--workers", "2",
                     "--num-batches", "3", "--width", "0.125", "--dataset", "synthetic", "--out", str(tmp_path / "cmp"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == ["allreduce-w2", "bucketed_ddp-w2"]
+    assert r.returncode == 1, r.stderr[-3000:]  # a check FAILed (the report is written all the same)
+    assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == \
+        ["allreduce-w2", "bucketed_ddp-w2", "forgot_to_average-w2"]
     row = next(line for line in r.stdout.splitlines() if "bucketed_ddp.py" in line)
     assert "PASS" in row
+    row = next(line for line in r.stdout.splitlines() if "forgot_to_average.py" in line)
+    assert "FAIL" in row
+    # the report says where the failing one first went wrong
+    assert ("forgot_to_average.py w2: first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient"
+            in (tmp_path / "cmp" / "report.html").read_text())
 
 
 RAISES = '''import torch

@@ -398,6 +398,10 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
                f"{' and '.join(checked)}; the column shows the largest deviation (FAIL: of the kinds that failed)."
                + (" fp32 is the course setting's check; `--precision fp64` makes it exact "
                   "(docs/correctness.md)." if "fp32" in checked else ""))
+    diverged = [(r.label, r.get("check").get("first_divergence")) for r in finished
+                if r.get("check") and r.get("check").get("first_divergence")]
+    for label, line in diverged:  # a failed check's replay: where the run first went wrong
+        s.para(f"{label}: {line}.")
     ones = [r for r in finished if r.workers == 1 and r.seconds_per_iter]
     if len(ones) >= 2:
         lo, hi = min(r.seconds_per_iter for r in ones), max(r.seconds_per_iter for r in ones)
