@@ -3,12 +3,14 @@ paralab runs its own (``--check``, records, composition), the buggy one FAILing;
 contract refused before any rank starts, naming the line."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from conftest import run_paralab
 from paralab.cli import main
+from paralab.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "strategies"
@@ -88,19 +90,23 @@ def test_a_missing_file_or_class_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_measures_an_own_strategy_beside_paralabs(tmp_path):
+    (tmp_path / "direct.py").write_text(DIRECT)
     r = run_paralab("compare", "--strategies", "allreduce", "--strategy-file", str(EXAMPLES / "bucketed_ddp.py"),
-                    "--strategy-file", str(EXAMPLES / "forgot_to_average.py"), "--workers", "2",
+                    "--strategy-file", str(EXAMPLES / "forgot_to_average.py"),
+                    "--strategy-file", str(tmp_path / "direct.py"), "--workers", "2",
                     "--num-batches", "3", "--width", "0.125", "--dataset", "synthetic", "--out", str(tmp_path / "cmp"))
     assert r.returncode == 1, r.stderr[-3000:]  # a check FAILed (the report is written all the same)
     assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == \
-        ["allreduce-w2", "bucketed_ddp-w2", "forgot_to_average-w2"]
+        ["allreduce-w2", "bucketed_ddp-w2", "direct-w2", "forgot_to_average-w2"]
     row = next(line for line in r.stdout.splitlines() if "bucketed_ddp.py" in line)
     assert "PASS" in row
     row = next(line for line in r.stdout.splitlines() if "forgot_to_average.py" in line)
     assert "FAIL" in row
-    # the report says where the failing one first went wrong
-    assert ("forgot_to_average.py w2: first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient"
-            in (tmp_path / "cmp" / "report.html").read_text())
+    # the report says where the failing one first went wrong, and which collectives one could not time
+    report = (tmp_path / "cmp" / "report.html").read_text()
+    assert "forgot_to_average.py w2: first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient" \
+        in report
+    assert "direct.py w2: its file calls torch.distributed itself (all_reduce x" in report
 
 
 RAISES = '''import torch
@@ -135,6 +141,34 @@ def test_an_error_in_the_users_file_is_named_before_the_traceback(tmp_path):
     r = run_paralab("train", str(tmp_path / "typo.py"), *SMALL, out=tmp_path / "run")
     assert r.returncode != 0
     assert f"paralab: the error is in your code: {tmp_path / 'typo.py'}:10, in finish" in r.stderr, r.stderr[-3000:]
+
+
+DIRECT = '''import torch
+import torch.distributed as dist
+from paralab.strategies.replicas import Replicas
+
+
+class Direct(Replicas):
+    @torch.no_grad()
+    def finish(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= self.comm.world
+'''
+
+
+def test_collectives_called_from_torch_distributed_directly_work_and_are_counted_as_untimed(tmp_path):
+    (tmp_path / "direct.py").write_text(DIRECT)
+    r = run_paralab("train", str(tmp_path / "direct.py"), *CNN, out=tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    norm = json.loads((tmp_path / "run" / "config.json").read_text())["norm"]
+    tensors = len(list(build_model("vgg11", width=0.125, norm=norm, num_classes=10).parameters()))
+    for rank in ("0", "1"):  # one all-reduce per gradient per step, on each rank; none of paralab's own counted
+        assert r.summary["strategy_details"][rank]["untimed_collectives"] == {"all_reduce": 3 * tensors}
+    assert f"called torch.distributed itself (all_reduce x{3 * tensors} on rank 0)" in r.stdout
+    # paralab's timed collectives are not counted: the example through self.comm has none
+    r = run_paralab("train", str(EXAMPLES / "allreduce.py"), *CNN, out=tmp_path / "timed")
+    assert all("untimed_collectives" not in d for d in r.summary["strategy_details"].values())
 
 
 @pytest.mark.slow

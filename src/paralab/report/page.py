@@ -402,6 +402,13 @@ def build_compare_report(out_dir: Path, entries: list[dict], left_out: list[str]
                 if r.get("check") and r.get("check").get("first_divergence")]
     for label, line in diverged:  # a failed check's replay: where the run first went wrong
         s.para(f"{label}: {line}.")
+    for r in finished:  # a user's file that called torch.distributed itself (strategies/user.py)
+        untimed = r.rank_details(0).get("untimed_collectives")
+        if untimed:
+            s.para(f"{r.label}: its file calls torch.distributed itself ("
+                   + ", ".join(f"{op} x{n}" for op, n in untimed.items())
+                   + " on rank 0 over the run), which paralab cannot time: that communication counts as computation "
+                     "in this run's time split and timeline. Its collectives through self.comm are timed.")
     ones = [r for r in finished if r.workers == 1 and r.seconds_per_iter]
     if len(ones) >= 2:
         lo, hi = min(r.seconds_per_iter for r in ones), max(r.seconds_per_iter for r in ones)

@@ -321,11 +321,21 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                       evaluation=result_eval, check=verdict, error=error, global_batch=s.global_batch, is_main=main,
                       held=held_record, carried=carried)
     if main:
+        untimed = strategy.extra_summary().get("untimed_collectives")
+        if untimed:  # a user's file called torch.distributed itself (strategies/user.py counts those calls)
+            say(untimed_line(untimed))
         say(f"records written to {run_dir}")
     if error is not None:  # 4: a checkpoint could not be written; 3: the loss diverged
         raise SystemExit(4 if error.startswith(CHECKPOINT_FAILED) else 3)
     if verdict is not None and not verdict["passed"]:
         raise SystemExit(1)
+
+
+def untimed_line(untimed: dict) -> str:
+    calls = ", ".join(f"{op} x{n}" for op, n in untimed.items())
+    return (f"paralab: the strategy's file called torch.distributed itself ({calls} on rank 0): paralab times "
+            "only self.comm's collectives, so these count as computation in the time split and the timelines "
+            "(docs/own-strategy.md)")
 
 
 def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,

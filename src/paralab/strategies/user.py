@@ -17,17 +17,22 @@ is docs/own-strategy.md):
 - or subclass :class:`~paralab.strategies.base.Strategy` and own the whole step.
 
 Every rank imports the file itself (by its path: start ``paralab`` where the
-path is right). A file that does not import, lacks the class or breaks the
+path is right). A file may call ``torch.distributed`` itself: the run works,
+but paralab cannot time those calls, so each rank counts them
+(``untimed_collectives`` in summary.json's ``strategy_details``) and the run
+and the report say so. A file that does not import, lacks the class or breaks the
 contract is refused before any rank starts (exit 2), naming the line.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import inspect
 import re
 import sys
 import traceback
+from collections import Counter
 from pathlib import Path
 
 from ..errors import UsageError
@@ -36,6 +41,45 @@ from ..errors import UsageError
 FILE = re.compile(r"^(?P<path>.+\.py)(?::(?P<cls>[A-Za-z_]\w*))?$")
 
 _loaded: dict[tuple, type] = {}
+
+#: the modules user files are imported as start so (``_import``)
+PREFIX = "paralab_user_"
+#: torch.distributed's operations a user's file may call itself, bypassing paralab's timed ``comm``
+DIRECT = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+          "reduce_scatter_tensor", "gather", "scatter", "reduce", "all_to_all", "all_to_all_single", "send", "recv",
+          "isend", "irecv", "batch_isend_irecv", "barrier")
+#: this process's calls of DIRECT made from a user's file: operation -> calls
+untimed: Counter = Counter()
+
+
+def _tallied(fn, op: str):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith(PREFIX):  # called from a user's file
+            untimed[op] += 1
+        return fn(*args, **kwargs)
+    call.tallied = True
+    return call
+
+
+def watch_direct_calls() -> None:
+    """Count the calls a user's file makes to torch.distributed itself (before it is imported, so a ``from
+    torch.distributed import all_reduce`` takes the counting one too). paralab's own calls are not counted."""
+    import torch.distributed as dist
+    for op in DIRECT:
+        fn = getattr(dist, op, None)
+        if fn is not None and not getattr(fn, "tallied", False):
+            setattr(dist, op, _tallied(fn, op))
+
+
+def _untimed_summary(cls: type) -> type:
+    """``cls`` whose summary also counts the collectives its file called itself (which paralab could not time)."""
+    def extra_summary(self) -> dict:
+        out = super(counted, self).extra_summary()
+        return out | {"untimed_collectives": dict(sorted(untimed.items()))} if untimed else out
+    counted = type(cls.__name__, (cls,), {"extra_summary": extra_summary, "__module__": cls.__module__,
+                                          "__doc__": cls.__doc__})
+    return counted
 
 
 def is_file(name: str) -> bool:
@@ -66,7 +110,8 @@ def load(name: str) -> type:
 def _import(path: Path):
     stem = re.sub(r"\W", "_", path.stem)
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]  # the same name in every rank
-    module_name = f"paralab_user_{stem}_{digest}"
+    module_name = f"{PREFIX}{stem}_{digest}"
+    watch_direct_calls()
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look a class's module up by name
@@ -106,13 +151,13 @@ def _wrap(name: str, cls: type, path: Path) -> type:
     if issubclass(cls, Strategy):
         if cls.train_step is Strategy.train_step:
             raise UsageError(f"{path}:{line}: {cls.__name__} subclasses Strategy but does not define train_step()")
-        return cls
+        return _untimed_summary(cls)
     if not issubclass(cls, Replicas):
         raise UsageError(f"{path}:{line}: {cls.__name__} is not a paralab strategy: subclass paralab.strategies."
                          "replicas.Replicas and define finish() (docs/own-strategy.md)")
     if cls.finish is Replicas.finish:
         raise UsageError(f"{path}:{line}: {cls.__name__} does not define finish(), which after backward makes "
                          "every p.grad of self.params the mean over the replicas (docs/own-strategy.md)")
-    return type(cls.__name__ + "Strategy", (DataParallel,),
-                {"name": name, "replicas_cls": cls, "__module__": cls.__module__,
-                 "__doc__": f"{cls.__name__} from {path}, run by paralab's data parallelism"})
+    return _untimed_summary(type(cls.__name__ + "Strategy", (DataParallel,),
+                                 {"name": name, "replicas_cls": cls, "__module__": cls.__module__,
+                                  "__doc__": f"{cls.__name__} from {path}, run by paralab's data parallelism"}))
