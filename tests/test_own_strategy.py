@@ -177,3 +177,16 @@ def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operat
     r = run_paralab("train", str(tmp_path / "hangs.py"), *SMALL, "--timeout", "10", out=tmp_path / "run")
     assert r.returncode != 0
     assert "they disagree: rank 0 called all_reduce" in r.stderr, r.stderr[-3000:]
+
+
+def test_train_takes_the_file_as_strategy_file_too(tmp_path, capsys):
+    r = run_paralab("train", f"--strategy-file={EXAMPLES / 'allreduce.py'}", *CNN, out=tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.summary["strategy"] == str(EXAMPLES / "allreduce.py")
+    # named twice, not a file, or not at all: refused, saying what to change, nothing written
+    for argv, said in ((["ddp", "--strategy-file", str(EXAMPLES / "allreduce.py")], "name the strategy once"),
+                       (["--strategy-file", "ddp"], "--strategy-file takes a Python file"),
+                       ([], "name a strategy")):
+        assert main(["train", *argv, "--out", str(tmp_path / "refused")]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / "refused").exists()

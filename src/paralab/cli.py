@@ -28,6 +28,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_train(args) -> int:
     from .run.launch import launch
     from .run.rendezvous import under_slurm, under_torchrun
+    if args.strategy and args.strategy_file:
+        raise UsageError(f"name the strategy once: {args.strategy!r} or --strategy-file {args.strategy_file}")
+    if args.strategy_file:
+        from .strategies import user
+        if not user.is_file(args.strategy_file):
+            raise UsageError(f"--strategy-file takes a Python file, PATH.py or PATH.py:CLASS (got "
+                             f"{args.strategy_file!r})")
+        args.strategy = args.strategy_file
+    if not args.strategy:
+        raise UsageError("name a strategy (paralab train ddp ...) or give --strategy-file PATH.py[:CLASS]")
     cfg = config_from_args(args)
     if under_torchrun():
         cfg.launched_by = "torchrun"
@@ -85,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train with one strategy",
                        description="Train with one strategy and write a run directory.")
-    p.add_argument("strategy", help="one of: " + ", ".join(strategy_names()) + "; or a file of your own, "
+    p.add_argument("strategy", nargs="?", help="one of: " + ", ".join(strategy_names()) + "; or a file of your own, "
                    "PATH.py[:CLASS] (docs/own-strategy.md)")
+    p.add_argument("--strategy-file", metavar="PATH.py[:CLASS]",
+                   help="a strategy from your own file, instead of the positional name (docs/own-strategy.md)")
     RunConfig.add_flags(p)  # every option's flag, from its declaration
     p.set_defaults(func=cmd_train)
 
