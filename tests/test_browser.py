@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from report_runs import tiny_compare
+from report_runs import TINY, run_compare, tiny_compare
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and Path(p).exists()), None)
 DRIVER = next((p for p in (shutil.which("chromedriver"), "/usr/bin/chromedriver") if p and Path(p).exists()), None)
@@ -65,5 +65,48 @@ def test_report_renders_in_chromium(tmp_path, tmp_path_factory):
         fetched = driver.execute_script(
             "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('data:'))")
         assert fetched == []
+    finally:
+        driver.quit()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_a_report_with_the_users_own_strategies_renders_with_them_in_every_figure(tmp_path):
+    """The issue's command: single and ddp beside strategies from files, one of them wrong."""
+    examples = ROOT / "examples" / "strategies"
+    out = tmp_path / "cmp"
+    p = run_compare(out, "--strategies", "single,ddp", "--strategy-file", str(examples / "bucketed_ddp.py"),
+                    "--strategy-file", str(examples / "forgot_to_average.py"), *TINY)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # forgot_to_average FAILs its check
+    driver = browser(tmp_path)
+    try:
+        driver.get((out / "report.html").resolve().as_uri())
+        driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            Promise.all([...document.images].map(i => i.decode().catch(() => null))).then(() => done());
+        """)
+        images = driver.execute_script(
+            "return [...document.images].map(i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight])")
+        for alt, complete, w, h in images:
+            assert complete and w > 0 and h > 0, f"image not loaded: {alt}"
+        # the one that overlaps its all-reduces with backward has its timeline, as ddp has
+        assert any("bucketed_ddp.py w2: one measured step" in alt for alt, *_ in images), [a for a, *_ in images]
+        # every table that lists ddp's run lists the own strategies' too
+        tables = driver.execute_script("return [...document.querySelectorAll('table')].map(t => t.innerText)")
+        listing = [t for t in tables if "ddp" in t.replace("bucketed_ddp", "")]
+        assert len(listing) >= 3, tables
+        for t in listing:
+            assert "bucketed_ddp" in t and "forgot_to_average" in t, t
+        rows = driver.execute_script(
+            "return [...document.querySelector('table').tBodies[0].rows].map(r => r.innerText)")
+        assert any("bucketed_ddp.py" in r and "PASS" in r for r in rows), rows
+        assert any("forgot_to_average.py" in r and "FAIL" in r for r in rows), rows
+        text = driver.execute_script("return document.body.innerText")
+        assert "forgot_to_average.py w2: first divergence: step 1, rank 0, backward of 13.1 (Linear)" in text
+        # figures and the results table name an own strategy by its file's name, not its whole path (the
+        # commands the report prints keep the path, so they can be pasted)
+        assert all(str(examples) not in alt for alt, *_ in images) and all(str(examples) not in r for r in rows)
     finally:
         driver.quit()

@@ -8,6 +8,7 @@ instead, anything that is not a finished run.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class Run:
         if pipe and pipe["microbatches"] > 1:
             extra = f" {pipe['schedule']} m{pipe['microbatches']}"
         compression = self.compression
-        return f"{self.strategy} w{self.workers}{extra}" + (f" {compression}" if compression else "")
+        return f"{shown(self.strategy)} w{self.workers}{extra}" + (f" {compression}" if compression else "")
 
     @property
     def compression(self) -> str | None:
@@ -185,10 +186,18 @@ class Run:
         return [r for r in self.steps if r["step"] == step]
 
 
+def shown(strategy: str) -> str:
+    """How tables and figures name a strategy: a registered one by its name, one from the user's file by the
+    file's name (``bucketed_ddp.py``, ``mine.py:Fast``), not its whole path."""
+    path, colon, cls = strategy.rpartition(":") if re.search(r"\.py:\w+$", strategy) else (strategy, "", "")
+    return Path(path).name + colon + cls if path.endswith(".py") else strategy
+
+
 def series_of(strategy: str, config: dict) -> str:
-    """``strategy``, with its gradient compression where the run has one: ``ddp (powersgd r2)``."""
+    """``strategy`` (as :func:`shown` names it), with its gradient compression where the run has one:
+    ``ddp (powersgd r2)``."""
     compression = compression_of(config)
-    return f"{strategy} ({compression})" if compression else strategy
+    return f"{shown(strategy)} ({compression})" if compression else shown(strategy)
 
 
 def _says_uncounted(details) -> bool:

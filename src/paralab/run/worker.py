@@ -202,7 +202,7 @@ class Setup:
     source: BatchSource     # this rank's data-parallel shard of every global batch
     strategy: object        # the strategy, on this rank
     model_fn: object        # the seeded model factory (the reference builds its model from it)
-    roots: list             # the models the strategy built from it (their modules, named)
+    roots: list             # a replay's: the models the strategy built from it (their modules, named)
     optimizers: list        # every optimizer the strategy made, for the learning-rate schedule
     lr_for: object          # step -> learning rate
     dtype: torch.dtype       # the run's float type (inputs are cast to it)
@@ -352,7 +352,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         line = f"first divergence: not looked for ({why})"
         say(f"check: {line}")
         return line
-    s = set_up(cfg, rank, world, device, backend, run_dir, quiet=True)
+    s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)
     replicas, replica = s.strategy.replicas()
     ref = Reference(s.strategy, s.source, build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg),
                     s.lr_for, cfg.seed)
@@ -377,9 +377,11 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
 
 
 def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
-           quiet: bool = False) -> Setup:
+           replay: bool = False) -> Setup:
     """The recorder and world communicator, a common time origin, the data, the mesh and its groups,
-    the strategy (which builds and places the model), this rank's batches, the step count."""
+    the strategy (which builds and places the model), this rank's batches, the step count. ``replay`` (the
+    first divergence's): said nothing, and the models the strategy built are kept whole (``Setup.roots``:
+    their modules' names; a run keeps none, so a pipeline's stage holds only its own part)."""
     recorder = Recorder(rank, device)
     comm = Comm(recorder, rank, world)
     if world > 1:
@@ -397,7 +399,7 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=cfg.timeout)) if world > 1 else None
     mesh = Mesh(shape, rank, comm, new_group=new_group)
     roots: list = []
-    model_fn = build_model_factory(cfg, len(data.classes), built=roots)
+    model_fn = build_model_factory(cfg, len(data.classes), built=roots if replay else None)
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
@@ -411,7 +413,7 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
                          rank=replica, seed=cfg.seed, augment=cfg.augment, drop_last=cfg.drop_last)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
     parameters = count_parameters(build_model_factory(cfg, len(data.classes))())
-    if rank == 0 and not quiet:
+    if rank == 0 and not replay:
         print(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
               f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
               f"global batch {global_batch}, {total_steps} steps", flush=True)
