@@ -190,3 +190,52 @@ def test_train_takes_the_file_as_strategy_file_too(tmp_path, capsys):
         assert main(["train", *argv, "--out", str(tmp_path / "refused")]) == 2
         assert said in capsys.readouterr().err
         assert not (tmp_path / "refused").exists()
+
+
+SCHEDULE = ["--workers", "2", "--microbatches", "4", "--dataset", "synthetic", "--width", "0.125", "--num-batches", "3",
+            "--batch-size", "32", "--eval-batches", "1", "--norm", "none"]
+
+
+def test_a_pipeline_schedule_of_ones_own_is_checked_and_runs_as_the_builtin_one(tmp_path):
+    own = run_paralab("train", "pipeline", "--schedule", str(ROOT / "examples" / "schedules" / "one_f_one_b.py"),
+                      *SCHEDULE, "--check", out=tmp_path / "own")
+    assert own.returncode == 0 and "check: PASS" in own.stdout, own.stdout[-3000:] + own.stderr[-3000:]
+    builtin = run_paralab("train", "pipeline", "--schedule", "1f1b", *SCHEDULE, out=tmp_path / "builtin")
+    assert builtin.returncode == 0, builtin.stderr[-3000:]
+    # the same order of the same work: the same losses, bit for bit, and the same compute spans per rank
+    assert [r["loss"] for r in own.rows("steps.jsonl")] == [r["loss"] for r in builtin.rows("steps.jsonl")]
+    order = lambda r: sorted([(s["rank"], s["name"], s["args"].get("mb")) for s in r.rows("spans.jsonl")  # noqa
+                              if s["step"] == 2 and s["category"] == "compute"], key=lambda t: t[0])  # each rank's
+    assert order(own) == order(builtin)
+    # its ideal timeline is simulated from the file, as a built-in schedule's is
+    from paralab.analysis.pipeline import ideal_timeline
+    from paralab.analysis.runs import load_run
+    ideal, why = ideal_timeline(load_run(tmp_path / "own"))
+    assert ideal is not None and ideal.known, why
+
+
+DEADLOCK = '''from paralab.strategies.pipeline.actions import Action
+
+
+def backwards_first(p, m):
+    return [[Action("backward", mb, stage=r) for mb in range(m)] + [Action("forward", mb, stage=r) for mb in range(m)]
+            for r in range(p)]
+'''
+MISSING = '''from paralab.strategies.pipeline.actions import Action
+
+
+def forwards_only(p, m):
+    return [[Action("forward", mb, stage=r) for mb in range(m)] for r in range(p)]
+'''
+
+
+@pytest.mark.parametrize("text,said", [(DEADLOCK, ":4: the schedule backwards_first(2, 4) cannot run: rank 0: B0s0 "
+                                                  "comes before F of microbatch 0 on stage 0"),
+                                       (MISSING, ":4: the schedule forwards_only(2, 4) cannot run: rank 0: missing"),
+                                       ("x = 1\n", "defines no function")])
+def test_a_schedule_that_cannot_run_is_refused_before_any_rank_starts(tmp_path, capsys, text, said):
+    (tmp_path / "mine.py").write_text(text)
+    assert main(["train", "pipeline", "--schedule", str(tmp_path / "mine.py"), *SCHEDULE,
+                 "--out", str(tmp_path / "run")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

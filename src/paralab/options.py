@@ -43,21 +43,23 @@ from .errors import UsageError
 
 
 def option(default, help: str, *, type=None, choices=(), noun: str | None = None, minimum=None, maximum=None,
-           above: bool = False, positive: bool = False, identity: bool = False, metavar: str | None = None):
+           above: bool = False, positive: bool = False, identity: bool = False, metavar: str | None = None,
+           also=None):
     """A dataclass field for an option: its default, help text, and the checks it gets.
 
     ``type``: what a flag's text becomes (default: the default's type; needed where the default is
     None); ``choices``: the allowed values (``noun``: refuse others as "unknown NOUN 'x'" instead of
     "--flag must be one of"); ``minimum``, ``maximum``: bounds (``above``: strictly above the minimum);
     ``positive``: above zero, said so; ``identity``: a resumed run must use the same value;
-    ``metavar``: how the help shows the value.
+    ``metavar``: how the help shows the value; ``also``: a test a value outside ``choices`` may pass instead
+    (a pipeline schedule from the user's file, ``PATH.py[:NAME]``).
     """
     if type is None and default is None:
         raise TypeError("an option whose default is None needs type=")
     return field(default=default, metadata={
         "help": help, "type": type or builtin_type(default), "choices": tuple(choices), "noun": noun,
         "minimum": minimum, "maximum": maximum, "above": above, "positive": positive, "identity": identity,
-        "metavar": metavar})
+        "metavar": metavar, "also": also})
 
 
 def builtin_type(value):
@@ -126,7 +128,7 @@ def check(obj, cls) -> None:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag(f.name)} must be a finite number (got {value})")
-        if meta["choices"] and value not in meta["choices"]:
+        if meta["choices"] and value not in meta["choices"] and not (meta.get("also") and meta["also"](value)):
             allowed = ", ".join(map(str, meta["choices"]))
             if meta["noun"]:
                 raise UsageError(f"unknown {meta['noun']} {value!r}; choose one of {allowed}")

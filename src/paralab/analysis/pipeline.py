@@ -47,10 +47,10 @@ def ideal_timeline(run) -> tuple[Ideal | None, str | None]:
     pipe = run.pipeline
     if pipe is None:
         return None, "no pipeline stages recorded"
-    from ..strategies.pipeline.schedules import SCHEDULES, build_schedule
+    from ..strategies.pipeline.schedules import SCHEDULES, build_schedule, is_own
     from ..strategies.pipeline.simulate import simulate
     m, schedule = pipe["microbatches"], pipe["schedule"]
-    known = schedule in SCHEDULES
+    known = schedule in SCHEDULES or is_own(schedule)  # a user's schedule: built again from its file
     if not known and m > 1:
         return None, f"no simulator for schedule {schedule} (PyTorch's own)"
     stage_of = run.stages

@@ -107,6 +107,37 @@ def load(name: str) -> type:
     return _loaded[key]
 
 
+def load_function(name: str, what: str):
+    """The function ``name`` (``PATH.py[:FUNCTION]``) stands for: the one named, else the first the file
+    defines; ``what`` says what it is for, in errors. Raises UsageError saying what to change."""
+    m = FILE.match(name)
+    path = Path(m["path"])
+    if not path.is_file():
+        raise UsageError(f"{what} file {path} does not exist (paths are read from where paralab starts)")
+    key = (str(path.resolve()), m["cls"], path.stat().st_mtime_ns)
+    if key not in _loaded:
+        _loaded[key] = _function(_import(path), path, m, what)
+    return _loaded[key]
+
+
+def _function(module, path: Path, m, what: str):
+    functions = [f for f in vars(module).values() if inspect.isfunction(f) and f.__module__ == module.__name__]
+    if m["cls"] is not None:
+        found = [f for f in functions if f.__name__ == m["cls"]]
+        if not found:
+            raise UsageError(f"{path} has no function {m['cls']}; it defines: "
+                             f"{', '.join(f.__name__ for f in functions) or 'no function'}")
+        return found[0]
+    if not functions:
+        raise UsageError(f"{path} defines no function: define the {what} as the first function in the file")
+    return functions[0]
+
+
+def where(fn) -> str:
+    """``PATH:LINE`` of a user's function."""
+    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+
+
 def _import(path: Path):
     stem = re.sub(r"\W", "_", path.stem)
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]  # the same name in every rank

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Action, Schedule, with_transfers
+from .actions import Action, Schedule, ScheduleError, with_transfers
 from .builders import gpipe, interleaved_1f1b, one_f_one_b, virtual_gpipe, zb_h1, zb_h2
 
 #: PyTorch's V-shaped zero-bubble schedules, which only ``torch-pipeline`` runs (see its module)
@@ -206,8 +206,45 @@ VIRTUAL = tuple(name for name, spec in REGISTRY.items() if spec.virtual)
 
 
 # ---------------------------------------------------------------- building
+def is_own(name: str) -> bool:
+    """Whether ``name`` is a schedule from the user's file: ``PATH.py[:FUNCTION]``, where ``FUNCTION(p, m)``
+    (the file's first function if not named) returns each of the ``p`` ranks' compute actions in order
+    (``Action("forward", mb, stage=r)``, ``"backward"``; or ``"backward_input"`` and ``"backward_weight"``);
+    the sends and receives are added (``with_transfers``) and the whole checked before it runs
+    (docs/own-strategy.md)."""
+    from ..user import is_file
+    return is_file(name)
+
+
+def own_schedule(name: str, workers: int, microbatches: int) -> Schedule:
+    """The user's schedule for this layout, checked: every rank's list complete and in order, and the ranks
+    together free of deadlock (``simulate``). Raises UsageError naming the file, the line and the problem."""
+    from ...errors import UsageError
+    from ..user import load_function, where
+    from .simulate import check_local, simulate
+    build = load_function(name, "pipeline schedule")
+    placement = tuple(range(workers))
+    try:
+        compute = [[a if isinstance(a, Action) else Action(*a) for a in row] for row in build(workers, microbatches)]
+        if len(compute) != workers:
+            raise ScheduleError(f"it returned {len(compute)} lists of actions for {workers} ranks")
+        schedule = Schedule(name, microbatches, placement, with_transfers(compute, placement))
+        for rank in range(workers):
+            check_local(schedule[rank], rank, workers, microbatches, placement)
+        simulate(schedule)
+    except ScheduleError as exc:
+        raise UsageError(f"{where(build)}: the schedule {build.__name__}({workers}, {microbatches}) cannot run: "
+                         f"{exc}") from None
+    except Exception as exc:  # noqa: BLE001 - an error in the user's builder is theirs to fix
+        raise UsageError(f"{where(build)}: {build.__name__}({workers}, {microbatches}) failed: "
+                         f"{type(exc).__name__}: {exc}") from None
+    return schedule
+
+
 def _unknown(name: str) -> str | None:
     """Why ``name`` is not a schedule of ours (None if it is), in words for the user."""
+    if is_own(name):
+        return None
     if name in TORCH_ONLY:
         return (f"{name} is run by torch-pipeline only (PyTorch's schedule); ours are {', '.join(SCHEDULES)}: "
                 f"'paralab train torch-pipeline --schedule {name}'")
@@ -221,7 +258,30 @@ def spec_of(name: str) -> ScheduleSpec:
     problem = _unknown(name)
     if problem:
         raise ValueError(problem)
-    return REGISTRY[name]
+    return REGISTRY[name] if name in REGISTRY else own_spec(name)
+
+
+def own_spec(name: str) -> ScheduleSpec:
+    """A user's schedule as the registry's entries are: its bubble and memory simulated (equal stage times,
+    a backward twice a forward), as no paper gives them."""
+    def timeline(p, m, v):
+        from .simulate import simulate
+        return simulate(own_schedule(name, p, m))
+
+    def bubble(p, m, v):
+        from .simulate import simulated_bubble
+        return max(simulated_bubble(timeline(p, m, v)))
+
+    def alive(p, m, v):
+        from .simulate import peak_in_flight
+        return [peak_in_flight(row) for row in own_schedule(name, p, m)]
+    return ScheduleSpec(
+        name, lambda p, m: own_schedule(name, p, m).actions, f"your file ({name})", bubble=bubble, alive=alive,
+        bubble_law=Law("pipeline bubble (your schedule, simulated)", "simulated: T_B = 2 T_F, no transfer time",
+                       lambda p, m, v: f"bubble = {bubble(p, m, v):.3f} (simulated, p={p}, m={m})"),
+        alive_law=Law("your schedule: microbatches alive per stage (peak, simulated)", "counted along each list",
+                      lambda p, m, v: ", ".join(map(str, alive(p, m, v))), unit="microbatches"),
+        split_backward=False)
 
 
 def placement_for(name: str, workers: int, virtual: int = 1) -> tuple[int, ...]:
@@ -235,6 +295,15 @@ def layout_problem(name: str, workers: int, microbatches: int, virtual: int = 1)
     problem = _unknown(name)
     if problem:
         return problem
+    if is_own(name):
+        from ...errors import UsageError
+        if virtual != 1:
+            return f"--virtual-stages {virtual} applies to {', '.join(VIRTUAL)} only, not a schedule from a file"
+        try:
+            own_schedule(name, workers, microbatches)
+        except UsageError as exc:
+            return str(exc)
+        return None
     if REGISTRY[name].virtual:
         if virtual < 2:
             return f"{name} holds several stages per rank: give --virtual-stages 2 or more"
@@ -255,6 +324,8 @@ def build_schedule(name: str, workers: int, microbatches: int, virtual: int = 1)
     """
     if workers < 1 or microbatches < 1:
         raise ValueError("workers and microbatches must be positive")
+    if is_own(name):
+        return own_schedule(name, workers, microbatches)
     problem = layout_problem(name, workers, microbatches, virtual)
     short_batch = name in VIRTUAL and virtual >= 2 and microbatches % workers
     if problem and not short_batch:

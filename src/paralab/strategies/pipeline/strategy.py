@@ -51,7 +51,7 @@ from ..data_parallel import flavour_of
 from ..portable import Portable, trainable
 from ..replicas import Replicas
 from .executor import Executor
-from .schedules import SCHEDULES, TORCH_ONLY, VIRTUAL, build_schedule, layout_problem, placement_for
+from .schedules import SCHEDULES, TORCH_ONLY, VIRTUAL, build_schedule, is_own, layout_problem, placement_for
 from .stage import Stage
 
 
@@ -67,7 +67,9 @@ class PipelineOptions(PartitionOptions):
     """pipelines (pipeline, model, or --pp): stages, microbatches, schedule"""
     microbatches: int = option(1, "pipeline (or --pp): microbatches per step", minimum=1, identity=True)
     schedule: str = option("gpipe", "pipeline (or --pp), torch-pipeline: the order of forwards and backwards "
-                                    "(zbv, dualpipev: torch-pipeline only)", choices=SCHEDULES + TORCH_ONLY)
+                                    "(zbv, dualpipev: torch-pipeline only); or your own, PATH.py[:FUNCTION] "
+                                    "(pipeline; docs/own-strategy.md)", choices=SCHEDULES + TORCH_ONLY,
+                           also=is_own)
     virtual_stages: int = option(1, "pipeline (or --pp), interleaved-1f1b: stages per rank (rank r holds "
                                     "stages r, r+p, ...; the model is cut into pp x this)", minimum=1, identity=True)
 
