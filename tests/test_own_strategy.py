@@ -36,11 +36,15 @@ def test_the_example_that_forgets_to_average_fails(tmp_path):
     assert f"check: {line}" in r.stdout
 
 
-def test_the_bucketed_example_overlaps_its_all_reduces_with_backward(tmp_path):
+def test_the_bucketed_example_overlaps_its_all_reduces_with_backward(tmp_path, capsys):
     r = run_paralab("train", str(EXAMPLES / "bucketed_ddp.py"), *CNN, out=tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     spans = r.rows("spans.jsonl")
     assert any(s["category"] == "comm" and s["args"].get("async") for s in spans)  # timed by paralab's comm
+    # plotted as paralab's own runs are: its async all-reduces in the timeline, its comm in the split
+    for kind, want in (("timeline", "async"), ("split-time", "bucketed_ddp.py w2")):
+        assert main(["plot", kind, str(tmp_path / "run")]) == 0
+        assert want in capsys.readouterr().out
 
 
 def test_every_example_is_short_and_defines_its_strategy_first():
@@ -239,3 +243,15 @@ def test_a_schedule_that_cannot_run_is_refused_before_any_rank_starts(tmp_path, 
                  "--out", str(tmp_path / "run")]) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_sweep_scales_an_own_strategy(tmp_path):
+    r = run_paralab("sweep", "scaling", "--strategy", str(EXAMPLES / "allreduce.py"), "--workers", "1,2",
+                    "--batch-sizes", "32", "--epoch-samples", "128", "--width", "0.125", "--dataset", "synthetic",
+                    "--out", str(tmp_path / "sweep"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sweep = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert sweep["strategy"] == str(EXAMPLES / "allreduce.py") and len(sweep["entries"]) == 4
+    for run in (tmp_path / "sweep" / "runs").iterdir():
+        assert json.loads((run / "summary.json").read_text())["strategy"] == str(EXAMPLES / "allreduce.py")
