@@ -208,6 +208,40 @@ class Probe:
             del opt.step
 
 
+def weights_of(strategy, roots: list[nn.Module], optimizers: list) -> list[torch.Tensor]:
+    """Every floating-point tensor reachable from the strategy's attributes (through modules, lists, dicts and
+    paralab's own objects), the models and the optimizers' parameters: what a step may write."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo = [(strategy, 0), *((r, 0) for r in roots),
+            *((p, 0) for opt in optimizers for g in opt.param_groups for p in g["params"])]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            # a freed buffer (ZeRO-3's gathered parameters between uses: its storage resized to nothing) is
+            # gathered again from the shards, not read
+            if obj.is_floating_point() and local.untyped_storage().nbytes() >= local.numel() * local.element_size():
+                found.setdefault(id(obj), obj)
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            continue  # its parameters are listed above; its state is not the probe's to touch
+        if isinstance(obj, nn.Module):
+            todo += [(t, depth + 1) for t in (*obj.parameters(), *obj.buffers())]
+            todo += [(v, depth + 1) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+            todo += [(m, depth + 1) for m in obj.children()]
+        elif isinstance(obj, dict):
+            todo += [(v, depth + 1) for v in obj.values()]
+        elif isinstance(obj, (list, tuple)):
+            todo += [(v, depth + 1) for v in obj]
+        elif type(obj).__module__.startswith("paralab") and hasattr(obj, "__dict__"):
+            todo += [(v, depth + 1) for v in vars(obj).values()]
+    return list(found.values())
+
+
 def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
            precision: str) -> Finding | None:
     """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
@@ -221,10 +255,9 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
         dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
 
-    # what the probe's step changes: the tensors the optimizers step and the models' weights and buffers
-    # (the strategy's other state, e.g. a router's history, advances once more; --compress is refused)
-    held = list({id(t): t for t in [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-                 + [t for root in roots for t in [*root.parameters(), *root.buffers()]]}.values())
+    # what the probe's step may change: every floating tensor the strategy holds (a sharded strategy's flat
+    # buffers too) and the models' weights and buffers; not the optimizers' state, which w -= g leaves alone
+    held = weights_of(strategy, roots, optimizers)
     kept = [t.detach().clone() for t in held]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items() if k in params}
     at_step()
