@@ -231,7 +231,7 @@ FIRST = {
     "ulysses-combine-not-reversed": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
     "ep-experts-mean-over-edp": "step 1, rank 0, backward of 2.mlp.experts.3.proj (Linear) weight gradient",
     "ep-combine-gates-detached": "step 1, rank 0, backward of 2.mlp.router (Linear) weight gradient",
-    "pipeline-microbatch-loss-unweighted": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
+    "pipeline-microbatch-loss-unweighted": "step 1, rank 1, forward of the loss",  # M times, as the gradients
     "pipeline-reports-last-microbatch": "step 1, rank 1, forward of the loss",
     "zero-bubble-w-first-unit-only": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
     "powersgd-no-error-feedback": "not looked for (--compress",

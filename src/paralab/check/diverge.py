@@ -221,10 +221,7 @@ def weights_of(strategy, roots: list[nn.Module], optimizers: list) -> list[torch
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            # a freed buffer (ZeRO-3's gathered parameters between uses: its storage resized to nothing) is
-            # gathered again from the shards, not read
-            if obj.is_floating_point() and local.untyped_storage().nbytes() >= local.numel() * local.element_size():
+            if obj.is_floating_point() and fits(obj):
                 found.setdefault(id(obj), obj)
             continue
         if isinstance(obj, torch.optim.Optimizer):
@@ -242,24 +239,20 @@ def weights_of(strategy, roots: list[nn.Module], optimizers: list) -> list[torch
     return list(found.values())
 
 
-def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
-           precision: str) -> Finding | None:
-    """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
-    ``step``, advanced by one here): this rank's first difference, or None. Collective, as a step is."""
-    tol = TOLERANCES[precision]
-    rank = strategy.ctx.rank
-    kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
-    expected = reference_calls(ref.model, ref.source, step, ref.replicas, replica, ref.microbatches, ref.seed)
-    params = [n for n, _ in ref.model.named_parameters()]
+def fits(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds it: a freed buffer (ZeRO-3's gathered parameters between uses, its
+    storage resized to nothing) is gathered again from the shards, neither read nor written here."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().nbytes() >= local.numel() * local.element_size()
 
-    def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
-        dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
 
-    # what the probe's step may change: every floating tensor the strategy holds (a sharded strategy's flat
-    # buffers too) and the models' weights and buffers; not the optimizers' state, which w -= g leaves alone
+def step_twice(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, at_step):
+    """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``before -
+    after`` of ``full_state_dict`` under ``w -= g``), then, every tensor put back, for real. Returns (the
+    module outputs, the gradients by name, the loss reported, the weights after)."""
     held = weights_of(strategy, roots, optimizers)
     kept = [t.detach().clone() for t in held]
-    before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items() if k in params}
+    before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
     at_step()
     with Calls(names_of(roots)) as mine, Probe(optimizers):
         strategy.train_step(x, y)
@@ -267,11 +260,16 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     gradients = {k: before[k] - probed[k].detach() for k in before}
     with torch.no_grad():
         for t, k in zip(held, kept):
-            t.copy_(k)
+            if fits(t):
+                t.copy_(k)
     at_step()
     loss = strategy.train_step(x, y).loss
-    after = strategy.full_state_dict()
+    return mine, gradients, loss, strategy.full_state_dict()
 
+
+def reference_step(ref, step: int) -> tuple[dict, dict]:
+    """The reference's step ``step``: (each parameter's gradient as its optimizer receives it, the state
+    after)."""
     grads: dict[str, torch.Tensor] = {}
     named = dict(ref.model.named_parameters())
 
@@ -283,57 +281,66 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
         ref.advance_to(step + 1)
     finally:
         handle.remove()
-    ref_after = ref.model.state_dict()
-    ref_loss = ref.losses[step][replica]
+    return grads, ref.model.state_dict()
 
-    found: list[Finding] = []
+
+def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
+           precision: str) -> Finding | None:
+    """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
+    ``step``, advanced by one here): this rank's first difference, or None. Collective, as a step is."""
+    tol, rank = TOLERANCES[precision], strategy.ctx.rank
+    kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
+    expected = reference_calls(ref.model, ref.source, step, ref.replicas, replica, ref.microbatches, ref.seed)
+
+    def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
+        dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
+
+    mine, gradients, loss, after = step_twice(step, x, y, strategy, roots, optimizers, at_step)
+    grads, ref_after = reference_step(ref, step)
+    ref_loss = ref.losses[step][replica]
+    params = [n for n, _ in ref.model.named_parameters()]
+
+    def finding(direction: int, order: int, name: str, tensor: str, dev: float) -> Finding:
+        return Finding(step + 1, direction, order, rank, name, kinds.get(name, "?"), tensor, dev)
+
+    # 1. forward: the modules' outputs in the order the reference's calls return, then the loss, then buffers
     coords = dict(mesh.coords)
     sizes = {d: mesh.size(d) for d in ("tp", "cp") if d in coords}
-    skip_experts = mesh.size("ep") > 1 if "ep" in coords else False
+    skip_experts = "ep" in coords and mesh.size("ep") > 1  # an expert's rows are the tokens routed to it
     for order, name in enumerate(expected.order):
         if skip_experts and ".experts." in f".{name}.":
             continue
         for a, b in zip(mine.calls.get(name, []), expected.calls[name]):
             dev = deviation(a, b, coords, sizes)
             if dev is not None and dev > tol["outputs"]:
-                found.append(Finding(step + 1, 0, order, rank, name, kinds.get(name, "?"), "output", dev))
-                break
-        if found:
-            break
-    if not found and loss is not None and not abs(loss - ref_loss) <= tol["loss"]:  # the loss comes last
-        found.append(Finding(step + 1, 0, len(expected.order), rank, "the loss", "as the rank reports it", "value",
-                             abs(loss - ref_loss)))
-    buffers = [k for k, v in ref_after.items() if k not in named and v.is_floating_point()]
-    for name in buffers if not found else ():  # what forward updates besides (BatchNorm's running statistics)
+                return finding(0, order, name, "output", dev)
+    if loss is not None and not abs(loss - ref_loss) <= tol["loss"]:
+        return Finding(step + 1, 0, len(expected.order), rank, "the loss", "as the rank reports it", "value",
+                       abs(loss - ref_loss))
+    for name, value in ref_after.items():  # what forward updates besides (BatchNorm's running statistics)
+        if name not in params and value.is_floating_point():
+            dev = float((after[name].detach().double().cpu() - value.double()).abs().max())
+            if not dev <= tol["weights"]:
+                module, _, leaf = name.rpartition(".")
+                return finding(0, len(expected.order) + 1, module, f"{leaf} buffer", dev)
+    # 2. backward: a parameter's gradient, in the reverse order of its use (a module's own parameters after its
+    # children's: it began before them); a module whose weights its parent uses directly takes its parent's place
+    place = {n: i for i, n in enumerate(expected.started)}
+
+    def used(name: str) -> int:
+        while name and name not in place:
+            name = name.rpartition(".")[0]
+        return place.get(name, -1)
+    backward = sorted(params, key=lambda n: -used(n.rpartition(".")[0]))
+    for order, name in enumerate(backward):
+        dev = float((gradients[name].double().cpu() - grads[name].double().cpu()).abs().max())
+        if not dev <= tol["weights"]:
+            module, _, leaf = name.rpartition(".")
+            return finding(1, order, module, f"{leaf} gradient", dev)
+    # 3. the optimizer's step: the weights after it
+    for order, name in enumerate(params):
         dev = float((after[name].detach().double().cpu() - ref_after[name].double()).abs().max())
         if not dev <= tol["weights"]:
             module, _, leaf = name.rpartition(".")
-            found.append(Finding(step + 1, 0, len(expected.order) + 1, rank, module, kinds.get(module, "?"),
-                                 f"{leaf} buffer", dev))
-            break
-    if not found:
-        # backward meets a parameter's gradient in the reverse order of its use: a module's own parameters
-        # after its children's (it began before them), the model's first module last
-        # (a module whose weights its parent uses directly, never called itself, takes its parent's place)
-        place = {n: i for i, n in enumerate(expected.started)}
-
-        def used(name: str) -> int:
-            while name and name not in place:
-                name = name.rpartition(".")[0]
-            return place.get(name, -1)
-        backward = sorted(params, key=lambda n: -used(n.rpartition(".")[0]))
-        for order, name in enumerate(backward):
-            dev = float((gradients[name].double() - grads[name].double().cpu()).abs().max())
-            if not dev <= tol["weights"]:
-                module, _, leaf = name.rpartition(".")
-                found.append(Finding(step + 1, 1, order, rank, module, kinds.get(module, "?"),
-                                     f"{leaf} gradient", dev))
-                break
-    if not found:
-        for order, name in enumerate(params):
-            dev = float((after[name].detach().double().cpu() - ref_after[name].double()).abs().max())
-            if not dev <= tol["weights"]:
-                module, _, leaf = name.rpartition(".")
-                found.append(Finding(step + 1, 2, order, rank, module, kinds.get(module, "?"), leaf, dev))
-                break
-    return found[0] if found else None
+            return finding(2, order, module, leaf, dev)
+    return None
