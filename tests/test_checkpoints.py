@@ -67,6 +67,28 @@ def test_a_rank_killed_while_saving_leaves_a_torn_save_that_is_ignored(tmp_path)
     assert restart["resumed_from_step"] == 2 and restart["steps_lost"] <= 1  # --checkpoint-every 1
 
 
+def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume(tmp_path):
+    """Killed after committing its last step, before its records (bench/chaos.py's launcher kill once landed
+    there, and --resume refused: "already trained 4 steps"): the resume trains nothing, evaluates and writes
+    the records of every step, and its weights are an uninterrupted run's."""
+    whole = train(*RUN, "--num-batches", "4", out=tmp_path / "whole")
+    killed = train(*RUN, "--num-batches", "4", "--checkpoint-every", "1", out=tmp_path / "killed",
+                   env={"PARALAB_FAULT": "0:4:kill"})
+    assert killed.returncode != 0 and generations.newest(killed.out).step == 4
+    assert not (killed.out / "summary.json").exists()
+    resumed = train(*RUN, "--num-batches", "4", "--checkpoint-every", "1", "--resume", str(killed.out),
+                    out=killed.out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    summary = json.loads((killed.out / "summary.json").read_text())
+    assert summary["test_loss"] == json.loads((whole.out / "summary.json").read_text())["test_loss"]
+    assert sorted({r["step"] for r in resumed.rows("steps.jsonl")}) == [0, 1, 2, 3]  # every step's records
+    assert generation_names(killed.out) == ["step-00000003", "step-00000004"]  # nothing saved twice
+    # a finished run is not finished again: its resume asks for more steps
+    again = train(*RUN, "--num-batches", "4", "--resume", str(killed.out), out=tmp_path / "elsewhere")
+    assert again.returncode == 2 and "already trained 4 steps" in again.stderr
+
+
 @pytest.mark.parametrize("damage", ["edited", "truncated"])
 def test_a_checkpoint_changed_since_its_commit_is_refused_naming_the_file(tmp_path, damage):
     r = train(*RUN, "--num-batches", "2", out=tmp_path / "a")

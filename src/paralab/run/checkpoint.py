@@ -241,6 +241,14 @@ def carried_notes(old, new, model) -> list[str]:
     return notes
 
 
+def finishing(run_dir: Path, cfg, step: int, total: int | None) -> bool:
+    """Whether ``--resume run_dir`` finishes a run that was stopped after committing its last step's checkpoint
+    but before writing its records (killed while it evaluated): the same folder, no summary.json, and the
+    checkpoint's step the run's last. Such a resume trains nothing: it evaluates and writes the records."""
+    return (total is not None and step == total and cfg.out is not None
+            and Path(cfg.out).resolve() == Path(run_dir).resolve() and not (Path(run_dir) / "summary.json").exists())
+
+
 def check_resumable(run_dir: Path, cfg) -> None:
     """Refuse --resume from a directory without a matching checkpoint (before any worker starts)."""
     ranks = [cfg.rank] if cfg.rank is not None else range(cfg.world)
@@ -267,7 +275,8 @@ def check_resumable(run_dir: Path, cfg) -> None:
         if "lr_schedule" in differ:
             diffs.append("a cosine schedule's rate at each step depends on its floor, warm-up and length, so a "
                          "cosine run resumes only to finish the steps it was started with")
-        if not diffs and cfg.num_batches is not None and cfg.num_batches <= step:
+        if not diffs and cfg.num_batches is not None and cfg.num_batches <= step \
+                and not finishing(run_dir, cfg, step, cfg.num_batches):
             raise UsageError(f"--resume {run_dir}: the checkpoint has already trained {step} steps; "
                              f"ask for more than that with --num-batches (got {cfg.num_batches})")
         if diffs:

@@ -90,7 +90,8 @@ def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int, total_s
 
 
 def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step") -> None:
-    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND[:ATTEMPT]] makes that rank fail at the start of that step.
+    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND[:ATTEMPT]] makes that rank fail at the start of that step
+    (STEP = the run's steps: after its last checkpoint, before it evaluates and writes its records).
 
     KIND: ``raise`` (the default: a RuntimeError, reported with its traceback), ``kill`` (SIGKILL to
     itself: no traceback, as ``kill -9`` or the kernel's out-of-memory killer) or ``oom`` (an
@@ -298,7 +299,14 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             journaled = (len(step_rows), len(recorder.spans))
     else:
         progress.close()
-        error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
+        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
+            error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
+        if error is None and start_step < s.total_steps and cfg.checkpoint_every:
+            # the last steps' records beside the last checkpoint, so a stop before the records loses none
+            records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
+                                   recorder.dump(journaled[1]))
+        if error is None:  # PARALAB_FAULT=R:N (N the steps): after the last checkpoint, before the records
+            fault_injection(rank, s.total_steps, attempt=attempt)
 
     # ------------------------------------------------------------------ evaluate, check, write
     recorder.step = -1
@@ -463,7 +471,8 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
         saved = checkpoint.load(Path(resume), rank)
         s.strategy.load_state_dict(saved["state"])
         start_step, losses = saved["step"], checkpoint.losses(saved)
-        if start_step >= s.total_steps:  # every rank reads the same step: the same decision everywhere
+        if start_step >= s.total_steps and not checkpoint.finishing(Path(resume), cfg, start_step, s.total_steps):
+            # every rank reads the same step: the same decision everywhere
             raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {resume} at step {start_step}")
