@@ -40,7 +40,7 @@ from ..errors import UsageError
 #: what a strategy name that is a file looks like: PATH.py or PATH.py:CLASS
 FILE = re.compile(r"^(?P<path>.+\.py)(?::(?P<cls>[A-Za-z_]\w*))?$")
 
-_loaded: dict[tuple, type] = {}
+_loaded: dict[tuple, object] = {}  # (use, file, name, version) -> the class or function
 
 #: the modules user files are imported as start so (``_import``)
 PREFIX = "paralab_user_"
@@ -97,26 +97,24 @@ def load(name: str) -> type:
     """The strategy class that ``name`` (``PATH.py[:CLASS]``) stands for: the file's class run as it is (a
     Strategy) or wrapped in paralab's data parallelism (a Replicas flavour). Raises UsageError saying what
     to change."""
-    m = FILE.match(name)
-    path = Path(m["path"])
-    if not path.is_file():
-        raise UsageError(f"strategy file {path} does not exist (paths are read from where paralab starts)")
-    key = (str(path.resolve()), m["cls"], path.stat().st_mtime_ns)
-    if key not in _loaded:
-        _loaded[key] = _wrap(name, _find(_import(path), path, m["cls"]), path)
-    return _loaded[key]
+    return _cached(name, "strategy", lambda path, m: _wrap(name, _find(_import(path), path, m["cls"]), path))
 
 
 def load_function(name: str, what: str):
     """The function ``name`` (``PATH.py[:FUNCTION]``) stands for: the one named, else the first the file
     defines; ``what`` says what it is for, in errors. Raises UsageError saying what to change."""
+    return _cached(name, what, lambda path, m: _function(_import(path), path, m, what))
+
+
+def _cached(name: str, what: str, make):
+    """``make(path, match)`` for file name ``name``, once per file version and use (``what``)."""
     m = FILE.match(name)
     path = Path(m["path"])
     if not path.is_file():
         raise UsageError(f"{what} file {path} does not exist (paths are read from where paralab starts)")
-    key = (str(path.resolve()), m["cls"], path.stat().st_mtime_ns)
+    key = (what, str(path.resolve()), m["cls"], path.stat().st_mtime_ns)
     if key not in _loaded:
-        _loaded[key] = _function(_import(path), path, m, what)
+        _loaded[key] = make(path, m)
     return _loaded[key]
 
 
