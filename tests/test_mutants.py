@@ -51,6 +51,8 @@ IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 CNN = ["--dataset", "synthetic", "--synthetic-size", "256", "--width", "0.125", "--batch-size", "16"]
 GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "4",
        "--context", "16", "--batch-size", "8"]
+DOCS = ["--model", "gpt", "--dataset", "synthetic-docs", "--doc-length", "10", "--layers", "2", "--embed", "32",
+        "--heads", "4", "--context", "16", "--batch-size", "8"]  # short documents of unequal lengths
 COMMON = ["--num-batches", "3", "--check", "--no-progress", "--eval-batches", "1", "--eval-batch-size", "16",
           "--timeout", "60"]
 
@@ -73,6 +75,11 @@ def cnn(strategy, *args):
 def gpt(strategy, *args):
     """A check of the gpt."""
     return (strategy, *GPT, *args)
+
+
+def docs(strategy, *args):
+    """A check of the gpt on documents (padded; ``--packing`` among ``args`` packs them)."""
+    return (strategy, *DOCS, *args)
 
 
 MUTANTS = [
@@ -206,6 +213,18 @@ MUTANTS = [
            "for g, c in f.held_gradients(keys, copies)]",
            gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--clip-grad", "0.05"),
            "the experts' squares averaged over data parallelism instead of summed over the ranks holding them"),
+    # ---- documents (data/documents.py): the token-weighted loss, document-causal attention
+    Mutant("loss-mean-per-microbatch", "strategies/base.py",
+           "loss = self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)",
+           "loss = self.tp.loss(logits, target) if self.tp is not None else torch.nn.functional.cross_entropy("
+           "logits.reshape(-1, logits.shape[-1]), target.reshape(-1))",
+           docs("ddp", "--workers", "2", "--accumulate", "2"),
+           "each microbatch's loss the mean over its own valid targets (unequal documents weigh unequally), not "
+           "the sum over the step's global count"),
+    Mutant("ring-attends-across-documents", "strategies/context/ring.py",
+           "mask = documents.allowed(q.shape[0], q_pos[qs], k_pos[ks], q.device)", "mask = None",
+           docs("cp", "--workers", "2", "--packing"),
+           "ring attention's blocks causal only: a packed row's tokens see the documents before theirs"),
 ]
 
 
@@ -243,6 +262,8 @@ FIRST = {
     "clip-dp-replicas-counted-per-rank": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
     "clip-a-stage-left-out": "step 1, rank 0, backward of 5.out (Linear) weight gradient",
     "clip-experts-averaged": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
+    "loss-mean-per-microbatch": "step 1, rank 0, forward of the loss",
+    "ring-attends-across-documents": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
 }
 
 

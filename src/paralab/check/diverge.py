@@ -41,6 +41,7 @@ import torch.nn as nn
 from ..data.loader import to_device
 from ..models import dropout
 from ..strategies.base import split_microbatches
+from ..training import documents
 from .reference import TOLERANCES
 
 #: path segments wrappers add to a module's name (activation checkpointing, DDP, torch.compile)
@@ -175,6 +176,7 @@ def reference_calls(model: nn.Module, source, step: int, replicas: int, replica:
     x, y = source.batch(step, rank=replica)
     x = to_device(x, x.device, dtype)
     dropout.at_step(seed, step, rows=len(y) * replicas, first=len(y) * replica)
+    documents.at_source_step(source, step, x, y)
     chunks = split_microbatches(x, y, microbatches)
     dropout.split([len(c[1]) for c in chunks])
     with calls, torch.no_grad():
@@ -294,6 +296,7 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
 
     def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
         dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
+        documents.at_source_step(ref.source, step, x, y)
 
     mine, gradients, loss, after = step_twice(step, x, y, strategy, roots, optimizers, at_step)
     grads, ref_after = reference_step(ref, step)

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..data.loader import to_device
+from ..training import documents
 from ..training.losses import cross_entropy
 from ..training.lr_schedule import set_lr
 from ..models import dropout
@@ -55,7 +56,8 @@ TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "grad_n
 
 def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
                     bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
-                    clip: float | None = None, norms: dict | None = None) -> list[list[float]]:
+                    clip: float | None = None, norms: dict | None = None,
+                    packing: bool | None = None) -> list[list[float]]:
     """Train ``model`` on steps ``first_step .. steps - 1``; ``source_batch(step, rank)`` gives shard
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
     learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
@@ -70,6 +72,10 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
 
     ``clip`` (``--clip-grad``): the gradient clipped to that norm by torch's ``clip_grad_norm_`` before each
     step; each step's norm before clipping goes into ``norms`` (step -> norm).
+
+    ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
+    loss is then the step's sum over valid targets over their global count, and packed rows attend within
+    their documents (``training/documents.py``), as every layout does.
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
@@ -80,11 +86,13 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
         shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
+        targets = None if packing is None else [y for _, y in shards]  # documents: the loss's global count
         model.train()
         if not split:  # one forward over the global batch; each shard's loss read from its rows
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
             dropout.at_step(seed, step, rows=len(y), first=0)
+            documents.at_step(targets, x, bool(packing))
             logits = model(x)
             training_loss(cross_entropy, model, logits, y)[0].backward()
             with torch.no_grad():
@@ -99,6 +107,7 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             for r, (x, y) in enumerate(shards):
                 shard_loss = 0.0
                 dropout.at_step(seed, step, rows=total, first=first)
+                documents.at_step(targets, x, bool(packing))
                 first += len(y)
                 chunks = split_microbatches(x, y, microbatches)
                 dropout.split([len(c[1]) for c in chunks])

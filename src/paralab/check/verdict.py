@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
+from ..training import documents
 from . import kept
 from .reference import (ADAMS, TOLERANCES, Comparison, compare_optimizer, compare_tensors, optimizer_state,
                         reference_train, worst)
@@ -95,6 +96,7 @@ class Reference:
         self.replicas, _ = strategy.replicas()
         self.microbatches, self.bn_rule = strategy.microbatches, strategy.bn_rule
         self.source, self.lr_for = source, lr_for
+        self.packing = source.packing if source.documents else None  # documents: packed, padded; None: not
         self.step = 0
         self.losses: dict[int, list[float]] = {}  # step -> each shard's training loss
         self.clip = getattr(strategy.ctx, "clip_grad", None)
@@ -111,7 +113,7 @@ class Reference:
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
                                  self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
                                  combine=self.compression.combine if self.compression else None, seed=self.seed,
-                                 clip=self.clip, norms=self.norms)
+                                 clip=self.clip, norms=self.norms, packing=self.packing)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
@@ -226,10 +228,11 @@ class Check:
         one verdict over the ranks (a collective)."""
         self.compare_at(self.total)
         x, _ = self.ref.source.batch(self.total)
-        out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
+        with documents.given(x, bool(self.ref.packing)):  # packed documents: each row's attention mask
+            out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
         if out is not None:
             self.ref.model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), documents.given(x, bool(self.ref.packing)):
                 expected = self.ref.model(to_device(x, x.device, self.strategy.ctx.dtype))
                 self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected},
                                               self.tol["outputs"], self.total))

@@ -107,7 +107,8 @@ def train_size(cfg: RunConfig) -> int:
     """Training samples of the dataset ``cfg`` trains on (for --epoch-samples 0)."""
     from ..data import train_size as dataset_train_size
     return dataset_train_size(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None, cfg.synthetic_size,
-                              model=cfg.model, context=cfg.context)
+                              model=cfg.model, context=cfg.context, packing=cfg.packing,
+                              doc_length=cfg.doc_length)
 
 
 def steps_per_epoch(samples: int, global_batch: int) -> int:

@@ -17,6 +17,11 @@ class DataOptions:
     data_dir: str | None = option(None, "folder with the dataset files", type=str)
     synthetic_size: int = option(10000, "synthetic training samples (synthetic-text: training windows)",
                                  positive=True)
+    packing: bool = option(False, "a dataset of documents (synthetic-docs, jargon-entries) packed one after another "
+                                  "into full windows, attention kept inside each document; else one document per "
+                                  "window, padded (docs/data.md#documents)", identity=True)
+    doc_length: int = option(64, "synthetic-docs: the median document length in bytes (log-normal, sigma 1)",
+                             positive=True, identity=True)
     augment: bool = option(True, "random crop (pad 4) and horizontal flip of the training images")
     drop_last: bool = option(False, "epochs of n // B full global batches: the n mod B samples left over (other "
                                     "ones each epoch) are skipped instead of padding the last batch with "

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import UsageError
 from . import decoded
+from .documents import DOCUMENT_DATASETS, check_documents, load_documents
 from .text import TEXT_DATASETS, check_text, load_text, resolve_text, text_train_windows
 
 FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -344,7 +345,8 @@ def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0
                    f"generated (seed {seed})")
 
 
-DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic", *TEXT_DATASETS)
+DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic", *TEXT_DATASETS, *DOCUMENT_DATASETS)
+TEXTUAL = (*TEXT_DATASETS, *DOCUMENT_DATASETS)  # what --model gpt reads
 
 
 def modality_of(model: str | None) -> str:
@@ -375,13 +377,15 @@ def check_dataset(name: str, data_dir: Path | None, model: str | None = None, co
     if data_dir is not None and not data_dir.is_dir():
         raise UsageError(f"--data-dir {data_dir} does not exist or is not a directory")
     if name != "auto" and model is not None:
-        wants, holds = modality_of(model), "text" if name in TEXT_DATASETS else "image"
+        wants, holds = modality_of(model), "text" if name in TEXTUAL else "image"
         if wants != holds:
-            choices = [d for d in DATASETS if d == "auto" or (d in TEXT_DATASETS) == (wants == "text")]
+            choices = [d for d in DATASETS if d == "auto" or (d in TEXTUAL) == (wants == "text")]
             raise UsageError(f"--model {model} reads {wants}s but --dataset {name} holds {holds}s; "
                              f"pick one of {', '.join(choices)} (or another --model)")
     if name in TEXT_DATASETS:
         check_text(name, data_dir, _context(context))
+    if name in DOCUMENT_DATASETS:
+        check_documents(name, data_dir, _context(context))
     if name == "cifar10":
         folder = cifar_dir(data_dir)
         if folder is None:
@@ -400,11 +404,14 @@ def check_dataset(name: str, data_dir: Path | None, model: str | None = None, co
 
 
 def train_size(name: str, data_dir: Path | None, synthetic_size: int, *, model: str | None = None,
-               context: int | None = None) -> int:
+               context: int | None = None, packing: bool = False, doc_length: int = 64) -> int:
     """Training samples of a dataset that :func:`check_dataset` accepted, without loading it
     (the real sets are the official files: their sizes and checksums are checked; a text's
-    samples are its training windows of ``context + 1`` bytes)."""
+    samples are its training windows of ``context + 1`` bytes; documents' are counted by cutting them)."""
     name = resolve_dataset(name, data_dir, model)
+    if name in DOCUMENT_DATASETS:
+        return len(load_documents(name, data_dir, context=_context(context), synthetic_size=synthetic_size,
+                                  doc_length=doc_length, packing=packing).train_y)
     if name in TEXT_DATASETS:
         return text_train_windows(name, data_dir, synthetic_size, _context(context))
     return {"cifar10": CIFAR_TRAIN_SIZE, "fashion-mnist": FASHION_TRAIN_SIZE}.get(name, synthetic_size)
@@ -418,10 +425,15 @@ def _context(context: int | None) -> int:
 
 
 def load_dataset(name: str, data_dir: Path | None = None, *, synthetic_size: int = 10000,
-                 seed: int = 0, model: str | None = None, context: int | None = None):
-    """The dataset ``name`` (``auto``: by ``model``'s modality): an image :class:`Dataset`, or a
-    :class:`~paralab.data.text.TextDataset` cut into windows of ``context + 1`` bytes."""
+                 seed: int = 0, model: str | None = None, context: int | None = None, packing: bool = False,
+                 doc_length: int = 64):
+    """The dataset ``name`` (``auto``: by ``model``'s modality): an image :class:`Dataset`, a
+    :class:`~paralab.data.text.TextDataset` cut into windows of ``context + 1`` bytes, or a
+    :class:`~paralab.data.documents.DocumentDataset` of documents, packed or padded into them."""
     name = resolve_dataset(name, data_dir, model)
+    if name in DOCUMENT_DATASETS:
+        return load_documents(name, data_dir, context=_context(context), synthetic_size=synthetic_size,
+                              doc_length=doc_length, packing=packing, seed=seed)
     if name in TEXT_DATASETS:
         return load_text(name, data_dir, context=_context(context), synthetic_size=synthetic_size, seed=seed)
     if name == "cifar10":

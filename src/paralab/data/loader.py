@@ -6,6 +6,7 @@ import math
 import torch
 
 from .datasets import Dataset
+from .documents import mask_targets
 from .sharding import padded_samples, shard_indices, steps_per_epoch
 from .transforms import Augmenter, normalize
 
@@ -34,6 +35,8 @@ class BatchSource:
         self.replicas, self.rank, self.seed = replicas, rank, seed
         self.drop_last = drop_last
         self.text = getattr(data, "modality", "image") == "text"
+        self.documents = getattr(data, "documents", False)  # targets outside a document are ignored (IGNORE)
+        self.packing = getattr(data, "packing", False)      # rows hold several documents: document-causal attention
         self.augmenter = Augmenter(len(data.train_y), seed, augment and not self.text)
         self._orders: dict[int, torch.Tensor] = {}  # rank -> this epoch's shard order
         self._orders_epoch: int | None = None
@@ -95,7 +98,8 @@ class BatchSource:
         or int64 tokens ``[b, context]`` and the next tokens ``[b, context]``."""
         epoch, idx = self.indices(step, rank)
         if self.text:
-            return self.data.train_x[idx].long(), self.data.train_y[idx].long()
+            x, y = self.data.train_x[idx].long(), self.data.train_y[idx].long()
+            return x, (mask_targets(x, y) if self.documents else y)
         images = self.augmenter.apply(self.data.train_x[idx], idx, epoch)
         return normalize(images, self.data.mean, self.data.std), self.data.train_y[idx]
 
@@ -119,7 +123,8 @@ class BatchSource:
         for start in range(0, per_rank, batch_size):
             sel = idx[start:start + batch_size]
             if self.text:
-                yield self.data.test_x[sel].long(), self.data.test_y[sel].long(), real[start:start + batch_size]
+                x, y = self.data.test_x[sel].long(), self.data.test_y[sel].long()
+                yield x, (mask_targets(x, y) if self.documents else y), real[start:start + batch_size]
                 continue
             yield (normalize(self.data.test_x[sel], self.data.mean, self.data.std), self.data.test_y[sel],
                    real[start:start + batch_size])

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..options import option
+from . import documents
 from .dropout import Dropout, enter_unit
 from .moe import MoE
 
@@ -72,8 +73,9 @@ class Embedding(nn.Module):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, T, d]`` queries, keys, values -> causal attention's output, same shape."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """``[B, heads, T, d]`` queries, keys, values -> causal attention's output, same shape (with packed
+    documents, each token attends within its own document only: ``documents.py``)."""
+    return documents.attention(q, k, v)
 
 
 class Attention(nn.Module):

@@ -36,12 +36,14 @@ from ..strategies.all_options import StrategyOptions
 # strategy, everything that decides which samples each step reads, and the strategy
 # options declared with identity=True (the layout: pp, zero_stage, microbatches...).
 IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "batch_size", "per_worker_batch",
-                 "dataset", "synthetic_size", "augment", "drop_last", "precision", *identity_fields(StrategyOptions))
+                 "dataset", "synthetic_size", "augment", "drop_last", "packing", "doc_length", "precision",
+                 *identity_fields(StrategyOptions))
 # keys added after checkpoints were first written, and the value an older checkpoint implies
 IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 IDENTITY_DEFAULTS |= {"replicate": 1}  # HSDP (fsdp --replicate)
 IDENTITY_DEFAULTS |= {"dropout": 0.0}  # the gpt's residual dropout
-IDENTITY_DEFAULTS |= {"lr_schedule": "constant"}  # a cosine's rate at each step depends on its length
+IDENTITY_DEFAULTS |= {"lr_schedule": "constant"}
+IDENTITY_DEFAULTS |= {"packing": False, "doc_length": 64}  # documents (data/documents.py)  # a cosine's rate at each step depends on its length
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",

@@ -304,12 +304,15 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             refuse_unclipped(self, named_cls, strategy_cls)
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
+        if self.packing:
+            check_packing(self, named_cls)
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None, model=self.model,
                       context=self.context)
         if self.drop_last:
             from ..data import train_size
             n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size,
-                           model=self.model, context=self.context)
+                           model=self.model, context=self.context, packing=self.packing,
+                           doc_length=self.doc_length)
             batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
             if n < batch:
                 raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
@@ -378,6 +381,24 @@ def refuse_unclipped(cfg, named_cls, strategy_cls) -> None:
                              "and their compositions)")
 
 
+def check_packing(cfg: RunConfig, named_cls) -> None:
+    """``--packing`` needs documents (``--dataset auto`` becomes the first dataset of documents present) and
+    an attention paralab writes (exit 2 otherwise)."""
+    from ..data.datasets import modality_of
+    from ..data.documents import JARGON_ENTRIES, NOT_DOCUMENTS, DOCUMENT_DATASETS, SYNTHETIC_DOCS
+    from ..data.text import text_path
+    if cfg.dataset == "auto" and modality_of(cfg.model) == "text":
+        cfg.dataset = JARGON_ENTRIES if text_path("jargon", Path(cfg.data_dir) if cfg.data_dir else None) \
+            else SYNTHETIC_DOCS
+    if cfg.dataset not in DOCUMENT_DATASETS:
+        raise UsageError(NOT_DOCUMENTS.format(name=cfg.dataset if cfg.dataset != "auto" else
+                                              f"auto (for --model {cfg.model}: images)"))
+    if named_cls.name == "torch-cp":
+        raise UsageError("--packing with torch-cp: PyTorch's context_parallel runs causal attention only, with no "
+                         "mask to keep each packed document to itself; use paralab's --cp (e.g. 'paralab train "
+                         "cp --workers 2 --model gpt --packing'), or drop --packing (padded documents)")
+
+
 def check_schedule(cfg: RunConfig, replicas: int) -> None:
     """A cosine schedule must have steps left after its warm-up, and a floor below its rate (exit 2 otherwise)."""
     if cfg.lr_schedule != "cosine":
@@ -386,7 +407,7 @@ def check_schedule(cfg: RunConfig, replicas: int) -> None:
     from ..data import steps_per_epoch, train_size
     from ..training.lr_schedule import target_lr
     n = train_size(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None, cfg.synthetic_size,
-                   model=cfg.model, context=cfg.context)
+                   model=cfg.model, context=cfg.context, packing=cfg.packing, doc_length=cfg.doc_length)
     per_rank = cfg.per_worker_batch or cfg.batch_size // replicas
     per_epoch = steps_per_epoch(n, replicas, per_rank, cfg.drop_last)
     total, warmup = cfg.num_batches or cfg.epochs * per_epoch, cfg.warmup_epochs * per_epoch

@@ -33,7 +33,7 @@ from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, dropout, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
-from ..training import recompute
+from ..training import documents, recompute
 from ..training.lr_schedule import lr_at, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
@@ -256,6 +256,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
         # where this shard's samples sit in the step's global batch (the gpt's dropout masks: models/dropout.py)
         dropout.at_step(cfg.seed, step, rows=len(y) * replicas, first=len(y) * replica)
+        documents.at_source_step(source, step, x, y)  # documents: the loss's global count, packed rows' ids
         try:
             if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
                 probe = held.Probe([strategy], s.optimizers)
@@ -401,7 +402,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
         recorder.origin = time.perf_counter()
 
     data = load_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None,
-                        synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context)
+                        synthetic_size=cfg.synthetic_size, seed=cfg.seed, model=cfg.model, context=cfg.context,
+                        packing=cfg.packing, doc_length=cfg.doc_length)
     shape, strategy_cls, composition = plan(cfg, world)
     # every group of the mesh waits --timeout at most, as the world does (new_group's own default is 30 min)
     new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=cfg.timeout)) if world > 1 else None

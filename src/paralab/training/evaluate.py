@@ -15,7 +15,8 @@ import math
 import torch
 
 from ..data.loader import to_device
-from .losses import cross_entropy
+from . import documents
+from .losses import IGNORE, cross_entropy
 from ..progress import Progress
 
 
@@ -25,7 +26,8 @@ def predictions(strategy, source, batch_size: int, max_batches: int | None, devi
     batches = list(source.test_batches(batch_size, max_batches))
     bar = Progress(len(batches), "eval", enabled=progress)
     for i, (x, y, real) in enumerate(batches):
-        logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
+        with documents.given(x, source.packing):  # packed documents: each row's attention mask
+            logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
         if logits is not None:
             yield logits.float().cpu()[real], y[real]
         bar.update(i + 1)
@@ -54,12 +56,13 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
 def evaluate_text(strategy, source, comm, batch_size: int, max_batches: int | None, device,
                   progress: bool = False) -> dict | None:
     """A language model on the validation windows: summed token losses and correct next-token
-    predictions, added over ranks; ``loss`` is their mean per token."""
+    predictions, added over ranks; ``loss`` is their mean per token (documents: per valid target, the
+    ignored ones, padding and the byte after a document's end, left out)."""
     loss_sum, correct, tokens, windows = 0.0, 0, 0, 0
     for logits, y in predictions(strategy, source, batch_size, max_batches, device, progress):
         loss_sum += cross_entropy(logits, y, reduction="sum").item()
         correct += int((logits.argmax(-1) == y).sum())
-        tokens += y.numel()
+        tokens += int((y != IGNORE).sum())
         windows += len(y)
     parts = comm.all_gather_objects((loss_sum, correct, tokens, windows))
     loss_sum, correct, tokens, windows = (sum(p[j] for p in parts) for j in range(4))

@@ -9,6 +9,11 @@ the same work. Contiguous (``--no-cp-balance``): ``C`` chunks, rank ``r``
 holds chunk ``r``; the last rank then does about ``2C-1`` times the first's
 attention work, which ``paralab calc``'s records and ``docs/context.md`` show.
 
+Packed documents (``--packing``) make the work of a chunk depend on where
+the documents end: then the chunks are dealt to the ranks afresh every step
+(``balance.py``), an explicit :attr:`Layout.assignment` of the same ``2C``
+chunks, two per rank.
+
 A rank's tokens are its chunks concatenated in that order; every
 position-dependent piece (the position embedding, the causal mask, the
 targets) uses :attr:`Layout.positions`, the global position of each.
@@ -25,6 +30,7 @@ class Layout:
     context: int     # T: tokens per sample
     size: int        # C: ranks in the cp group
     balanced: bool = True
+    assignment: tuple[tuple[int, ...], ...] | None = None  # each rank's chunks (balance.py); None: the fixed rule
 
     @property
     def chunks(self) -> int:
@@ -42,6 +48,8 @@ class Layout:
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunk indices rank ``rank`` holds, in its order."""
+        if self.assignment is not None:
+            return self.assignment[rank]
         return (rank, 2 * self.size - 1 - rank) if self.balanced else (rank,)
 
     def positions(self, rank: int) -> torch.Tensor:

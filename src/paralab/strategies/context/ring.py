@@ -25,6 +25,14 @@ dK and dV): per attention layer, forward ``C-1`` sends of ``2 B H t d``
 numbers per rank, backward ``C-1`` of K/V and ``C`` of dK/dV, the same
 size (``t = T / C``; ``paralab calc`` predicts them). The next message is
 in flight while the current block is computed.
+
+Packed documents (``--packing``): a block's mask is also "same document"
+(``models/documents.py``, from the global positions of its query and key
+chunks), and a block is computed only for the rows (samples) in which some
+query may see some key: a document boundary between two chunks saves that
+row's block, so the work done is the blocks the documents need
+(``balance.py`` deals the chunks by it). A query with nothing to see in a
+block adds nothing to the merge.
 """
 from __future__ import annotations
 
@@ -32,28 +40,55 @@ import math
 
 import torch
 
+from ...models import documents
 from .layout import Layout
 
 NEG_INF = float("-inf")
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``q k^T / sqrt(d)`` of one query chunk and one key chunk; the upper triangle masked when causal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``q k^T / sqrt(d)`` of one query chunk and one key chunk; the upper triangle masked when causal, or
+    what ``mask`` (packed documents: same document and not later) does not allow."""
     s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        return s.masked_fill(~mask, NEG_INF)
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), NEG_INF)
     return s
 
 
-def _pairs(layout: Layout, rank: int, source: int):
-    """(local query slice, source key slice, causal) for every block rank ``rank`` computes with
-    ``source``'s keys: key chunk before the query chunk, or the same chunk (causal)."""
+def _pairs(layout: Layout, rank: int, source: int, q: torch.Tensor):
+    """(local query slice, source key slice, causal, mask, rows) for every block rank ``rank`` computes with
+    ``source``'s keys: key chunk before the query chunk, or the same chunk (causal). With packed documents,
+    the block's mask and the rows that need it (an index; None: all), the mask on those rows only; a block
+    no row needs is not computed."""
     c = layout.chunk
+    q_pos, k_pos = layout.positions(rank), layout.positions(source)
     for i, a in enumerate(layout.chunks_of(rank)):
         for j, b in enumerate(layout.chunks_of(source)):
             if b <= a:
-                yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), b == a
+                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                mask = documents.allowed(q.shape[0], q_pos[qs], k_pos[ks], q.device)
+                rows = None
+                if mask is not None:
+                    needed = mask.flatten(1).any(1)
+                    if not bool(needed.any()):
+                        continue
+                    if not bool(needed.all()):
+                        rows = needed.nonzero().squeeze(1)
+                        mask = mask.index_select(0, rows)
+                yield qs, ks, b == a, mask, rows
+
+
+def _at(rows, seq: slice) -> tuple:
+    """The index of a block's rows (all when None) and its sequence slice in a ``[B, H, t(, d)]`` tensor."""
+    return (slice(None) if rows is None else rows, slice(None), seq)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that saw no key yet (``-inf``) at 0, so ``exp(s - lse)`` gives them 0, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def _rotate(comm, t: torch.Tensor, name: str):
@@ -77,26 +112,29 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q)
         lse = q.new_full(q.shape[:-1], NEG_INF)
         kv = torch.stack([k, v]).contiguous()
+        masks = {}  # (source, query start, key start) -> the block's mask: the blocks backward computes again
         for step in range(world):
             source = (rank - step) % world
             ops = []
             if step < world - 1:  # the next block on its way while this one is computed
                 nxt, ops = _rotate(comm, kv, "cp_ring_kv")
             with recorder.span("compute", "attention", cp_source=source):
-                for qs, ks, causal in _pairs(layout, rank, source):
-                    s = _scores(q[..., qs, :], kv[0][..., ks, :], causal)
+                for qs, ks, causal, mask, rows in _pairs(layout, rank, source, q):
+                    masks[source, qs.start, ks.start] = mask, rows
+                    qi, ki = _at(rows, qs), _at(rows, ks)
+                    s = _scores(q[qi], kv[0][ki], causal, mask)
                     l_blk = torch.logsumexp(s, dim=-1)
-                    o_blk = torch.exp(s - l_blk.unsqueeze(-1)) @ kv[1][..., ks, :]
-                    l_old = lse[..., qs]
+                    o_blk = torch.exp(s - _finite(l_blk).unsqueeze(-1)) @ kv[1][ki]
+                    l_old = lse[qi]
                     l_new = torch.logaddexp(l_old, l_blk)
-                    out[..., qs, :] = (out[..., qs, :] * torch.exp(l_old - l_new).unsqueeze(-1)
-                                       + o_blk * torch.exp(l_blk - l_new).unsqueeze(-1))
-                    lse[..., qs] = l_new
+                    base = _finite(l_new)
+                    out[qi] = out[qi] * torch.exp(l_old - base).unsqueeze(-1) + o_blk * torch.exp(l_blk - base).unsqueeze(-1)
+                    lse[qi] = l_new
             if ops:
                 _finish(ops)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.layout, ctx.recorder = comm, layout, recorder
+        ctx.comm, ctx.layout, ctx.recorder, ctx.masks = comm, layout, recorder, masks
         return out
 
     @staticmethod
@@ -116,13 +154,17 @@ class RingAttention(torch.autograd.Function):
             if step < world - 1:
                 kv_next, kv_ops = _rotate(comm, kv, "cp_ring_kv_backward")
             with recorder.span("compute", "attention_backward", cp_source=source):
-                for qs, ks, causal in _pairs(layout, rank, source):
-                    kb, vb, do = kv[0][..., ks, :], kv[1][..., ks, :], grad_out[..., qs, :]
-                    p = torch.exp(_scores(q[..., qs, :], kb, causal) - lse[..., qs].unsqueeze(-1))
-                    dkv[1][..., ks, :] += p.transpose(-2, -1) @ do
-                    ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs].unsqueeze(-1))
-                    dq[..., qs, :] += ds @ kb * scale
-                    dkv[0][..., ks, :] += ds.transpose(-2, -1) @ q[..., qs, :] * scale
+                for (src, q0, k0), (mask, rows) in ctx.masks.items():
+                    if src != source:
+                        continue
+                    qi, ki = _at(rows, slice(q0, q0 + layout.chunk)), _at(rows, slice(k0, k0 + layout.chunk))
+                    causal = layout.chunks_of(rank)[q0 // layout.chunk] == layout.chunks_of(source)[k0 // layout.chunk]
+                    qb, kb, vb, do = q[qi], kv[0][ki], kv[1][ki], grad_out[qi]
+                    p = torch.exp(_scores(qb, kb, causal, mask) - lse[qi].unsqueeze(-1))
+                    dkv[1][ki] += p.transpose(-2, -1) @ do
+                    ds = p * (do @ vb.transpose(-2, -1) - delta[qi].unsqueeze(-1))
+                    dq[qi] += ds @ kb * scale
+                    dkv[0][ki] += ds.transpose(-2, -1) @ qb * scale
             dkv_next, dkv_ops = _rotate(comm, dkv, "cp_ring_dkv_backward")  # C hops: the last one brings it home
             _finish(kv_ops + dkv_ops)
             dkv = dkv_next

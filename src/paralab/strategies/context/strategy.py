@@ -37,7 +37,6 @@ evaluation and ``--check`` only).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from dataclasses import dataclass
 
@@ -46,10 +45,12 @@ import torch.nn as nn
 
 from ...errors import UsageError
 from ...mesh import MeshShape
+from ...models import documents
 from ...models.gpt import Block
 from ...options import option
 from ..allreduce import AllReduceReplicas
 from ..base import Strategy
+from . import balance
 from .layout import Layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
@@ -66,15 +67,35 @@ class ContextOptions:
     cp_balance: bool = option(True, "--cp: each rank holds a head chunk and a tail chunk of the sequence (2 cp "
                                     "chunks), so causal attention's work is equal; --no-cp-balance: one contiguous "
                                     "chunk each", identity=True)
+    cp_balance_documents: bool = option(True, "--cp --packing (balanced): the 2 cp chunks dealt to the ranks every "
+                                              "step by the attention blocks they compute, given where the documents "
+                                              "end; --no-cp-balance-documents: the head + tail pairing")
 
 
 class ContextParallelism:
     """The ``cp`` dimension of one rank: what it does to the units it holds (``ctx.cp``)."""
 
-    def __init__(self, comm, layout: Layout, method: str, recorder):
-        self.comm, self.layout, self.method = comm, layout, method
-        self.positions = layout.positions(comm.rank)
-        self.core = functools.partial(METHODS[method], comm=comm, layout=layout, recorder=recorder)
+    def __init__(self, comm, layout: Layout, method: str, recorder, by_documents: bool = False):
+        self.comm, self.layout, self.method, self.recorder = comm, layout, method, recorder
+        self.positions = layout.positions(comm.rank)  # the modules hold this tensor: a new layout updates it in place
+        self.by_documents = by_documents and layout.balanced and method == "ring"
+        self.spreads: list[tuple[float, float]] = []  # per step balanced: (this assignment's spread, head + tail's)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention of this rank's tokens over the whole sequence (ring or Ulysses), in the current layout."""
+        return METHODS[self.method](q, k, v, self.comm, self.layout, self.recorder)
+
+    def at_step(self) -> None:
+        """Packed documents, balanced ring: deal the chunks for this step's rows (``balance.py``)."""
+        ids = documents.DOCS.ids
+        if not self.by_documents or ids is None:
+            return
+        fixed = dataclasses.replace(self.layout, assignment=None)
+        pairs = tuple(fixed.chunks_of(r) for r in range(fixed.size))  # head + tail
+        work = balance.chunk_work(ids, fixed.chunks)
+        self.layout = dataclasses.replace(fixed, assignment=balance.deal(work, pairs))
+        self.positions.copy_(self.layout.positions(self.comm.rank))
+        self.spreads.append((balance.spread(work, self.layout.assignment), balance.spread(work, pairs)))
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """The embedding and every block's dropout told its tokens' global positions, every attention given the
@@ -128,7 +149,7 @@ class ContextParallel(Strategy):
         super().__init__(ctx, model_fn, optim_fn)
         o = ctx.options
         self.cp = ContextParallelism(ctx.mesh.comm("cp"), Layout(o.context, ctx.mesh.size("cp"), o.cp_balance),
-                                     o.cp_method, ctx.recorder)
+                                     o.cp_method, ctx.recorder, o.cp_balance_documents)
         inner_ctx = dataclasses.replace(ctx, cp=self.cp, mesh=_GradientMesh(ctx.mesh))
         self.inner = inner_cls(inner_ctx, model_fn, optim_fn, **(inner_kwargs or {}))
         self.microbatches, self.bn_rule = self.inner.microbatches, self.inner.bn_rule
@@ -182,6 +203,7 @@ class ContextParallel(Strategy):
         return self.inner.replicas()
 
     def train_step(self, x, y):
+        self.cp.at_step()  # packed documents: this step's chunks for each rank
         result = self.inner.train_step(self.cp.take(x), self.cp.take(y))
         if result.loss is not None:  # the mean of the cp ranks' means: the whole sequence's
             loss = torch.tensor([result.loss], dtype=self.ctx.dtype)
@@ -236,4 +258,13 @@ class ContextParallel(Strategy):
         return {**self.inner.extra_summary(),
                 "context_parallel": {"size": layout.size, "rank": self.cp.comm.rank, "method": self.cp.method,
                                      "balanced": layout.balanced, "chunks": list(layout.chunks_of(self.cp.comm.rank)),
-                                     "tokens": layout.local}}
+                                     "tokens": layout.local, **self.document_balance()}}
+
+    def document_balance(self) -> dict:
+        """Packed documents on a balanced ring: the most loaded rank's attention blocks over the mean, per step,
+        as dealt and as the head + tail pairing would have had them (1: even)."""
+        if not self.cp.spreads:
+            return {}
+        dealt, fixed = zip(*self.cp.spreads)
+        return {"document_balance": {"dealt_spread_mean": sum(dealt) / len(dealt),
+                                     "head_tail_spread_mean": sum(fixed) / len(fixed), "steps": len(dealt)}}

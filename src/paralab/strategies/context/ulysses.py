@@ -10,15 +10,16 @@ per rank (``t = T / C``; ``(C-1)/C`` of them leave the rank). Needs the
 (local) heads divisible by C.
 
 The gathered sequence comes in rank order (each rank's chunks, ``layout.py``),
-so it is put in position order before the causal attention and back after;
+so it is put in position order before the causal attention and back after
+(packed documents: the whole sequence's document-causal mask, ``models/documents.py``);
 load balancing does not matter here (every rank computes whole causal
 attention for its heads), but the model's layout is shared with the ring.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ...models import documents
 from .layout import Layout
 
 
@@ -71,5 +72,5 @@ def ulysses_attention(q, k, v, comm, layout: Layout, recorder) -> torch.Tensor:
     back = layout.order().to(q.device)         # position order -> rank order
     q, k, v = (SeqToHeads.apply(z, comm, f"cp_a2a_{n}").index_select(2, order) for z, n in zip((q, k, v), "qkv"))
     with recorder.span("compute", "attention"):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = documents.attention(q, k, v)  # causal; with packed documents, within each document
     return HeadsToSeq.apply(out.index_select(2, back).contiguous(), comm, "cp_a2a_out")

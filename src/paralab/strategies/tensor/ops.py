@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from ...comm import Comm
+from ...training.losses import token_loss
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -162,8 +163,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor, start: int,
                                  comm: Comm) -> torch.Tensor:
-    """Mean cross-entropy over every token; ``local_logits [..., V/tp]`` hold vocabulary columns
-    ``[start, start + V/tp)``; ``target [...]`` the full-vocabulary token ids."""
+    """Mean cross-entropy over every token (documents: the step's token weighting, ``training/losses.py``);
+    ``local_logits [..., V/tp]`` hold vocabulary columns ``[start, start + V/tp)``; ``target [...]`` the
+    full-vocabulary token ids (an ignored one is no rank's: its loss is left out)."""
     per_token = _VocabParallelCrossEntropy.apply(local_logits.reshape(-1, local_logits.shape[-1]),
                                                  target.reshape(-1), start, comm)
-    return per_token.mean()
+    return token_loss(per_token, target)
