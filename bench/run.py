@@ -15,6 +15,7 @@ BENCHMARKS = ("allreduce", "dp", "pipeline", "fsdp", "mesh", "tp", "schedules", 
 BENCHMARKS += ("context",)  # bench/context.py: cp on the gpt
 BENCHMARKS += ("recompute",)  # bench/recompute.py: time against saved activations
 BENCHMARKS += ("hsdp",)  # bench/hsdp.py: HSDP and fsdp x tp
+BENCHMARKS += ("documents",)  # bench/documents.py: packing vs padding, the cp balancer on packed documents
 BENCHMARKS += ("chaos",)  # bench/chaos.py: faults at random moments, checkpoints that survive them
 
 

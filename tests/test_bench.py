@@ -97,6 +97,18 @@ def test_context_bench(tmp_path):
     assert "cp2_ring_balanced_over_contiguous" in d["ratios"]
 
 
+@pytest.mark.slow  # about 25 s: five variants, three of them on 2 workers
+def test_documents_bench(tmp_path):
+    d = bench(tmp_path, "documents", "--dataset", "synthetic-docs", "--doc-length", "20", "--embed", "32",
+              "--context", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1", "--repeats", "1")
+    assert set(d["best"]) == {"padded", "packed", "cp-dealt", "cp-head-tail", "cp-contiguous"}
+    assert d["best"]["padded"]["valid_fraction"] < d["best"]["packed"]["valid_fraction"] <= 1  # padding left out
+    assert set(d["best"]["cp-dealt"]["attention_s_per_rank"]) == {"0", "1"}
+    spread = d["best"]["cp-dealt"]["blocks_spread"]
+    assert spread["steps"] == 3 and spread["dealt_over_even"] <= spread["head_tail_over_even"]
+    assert {"packed_over_padded_valid_tokens", "attention_spread_dealt_over_head_tail"} <= set(d["ratios"])
+
+
 @pytest.mark.slow  # about 20 s at toy sizes; CI runs the slow suite
 def test_recompute_bench(tmp_path):
     d = bench(tmp_path, "recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",

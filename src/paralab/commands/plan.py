@@ -87,6 +87,25 @@ class PlanOptions:
     recalibrate: bool = option(False, "this-machine: measure again even if a calibration is cached")
 
 
+@dataclass
+class ShapeOptions:
+    """plan: the gpt's shape beyond what paralab's gpt builds (the planner counts it; `paralab train` builds the
+    default of each: a GELU MLP of 4 x --embed, as many key/value heads as heads)"""
+    ffn_hidden: int = option(None, "the MLP's hidden width F (default 4 x --embed)", type=int, positive=True)
+    kv_heads: int = option(None, "key/value heads G (grouped-query attention: --heads divisible by it; 1: "
+                                 "multi-query; default --heads)", type=int, positive=True)
+    mlp: str = option("gelu", "gelu (two h x F matrices) or swiglu (three: gate, up, down; Llama's)",
+                      choices=("gelu", "swiglu"))
+    attention: str = option("eager", "what attention keeps for backward: eager (the s x s scores, softmax and "
+                                     "dropout masks, Korthikanti et al.'s count) or flash (a log-sum-exp per token "
+                                     "and head; FlashAttention)", choices=("eager", "flash"))
+
+    def built_by_paralab(self, embed: int, heads: int) -> bool:
+        """Whether `paralab train --model gpt` builds this shape (its command can be printed)."""
+        return (self.ffn_hidden in (None, 4 * embed) and self.kv_heads in (None, heads) and self.mlp == "gelu"
+                and self.attention == "eager")
+
+
 PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method", "ep")
 MOE = ("--experts", "--top-k", "--expert-hidden", "--capacity-factor")  # the mixture of experts' shape
 
@@ -95,6 +114,7 @@ def add_arguments(p) -> None:
     add_flags(p, ModelOptions, only=("--model", "--width"), defaults=dict(model="gpt"))
     add_flags(p, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
     add_flags(p, MoEOptions, only=MOE)
+    add_flags(p, ShapeOptions)
     add_flags(p, PlanOptions)
 
 
@@ -107,6 +127,7 @@ def run(args) -> int:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     check(args, PlanOptions)
     check(args, GPTOptions)
+    check(args, ShapeOptions)
     if args.report and Path(args.report).exists():
         raise UsageError(f"--report {args.report} already exists; name a new directory (or remove it)")
     work = _workload(args)
@@ -191,6 +212,18 @@ def write_report(plan: dict, out: Path) -> Path:
     return out / "report.html"
 
 
+def _shape(args) -> ShapeOptions:
+    """The gpt's shape options, checked against the heads (exit 2 saying what to change)."""
+    shape = ShapeOptions(args.ffn_hidden, args.kv_heads, args.mlp, args.attention)
+    if shape.kv_heads is not None and args.heads % shape.kv_heads:
+        raise UsageError(f"--kv-heads {shape.kv_heads} must divide --heads {args.heads} (each key/value head serves "
+                         "heads / kv-heads query heads)")
+    if args.experts and shape.ffn_hidden is not None:
+        raise UsageError("--ffn-hidden is the dense MLP's width; with --experts every block's MLP is the experts: "
+                         "give their width with --expert-hidden")
+    return shape
+
+
 def _moe(args) -> dict:
     """The mixture-of-experts options, checked as ``paralab train`` checks them (exit 2 saying what to change)."""
     import dataclasses
@@ -213,7 +246,19 @@ def _workload(args):
             raise UsageError(f"--embed {args.embed} must be divisible by --heads {args.heads}")
         activations = args.activations if args.activations != "auto" else (
             "paralab" if args.cluster == "this-machine" else "published")
-        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe)
+        shape = _shape(args)
+        if activations == "paralab" and not shape.built_by_paralab(args.embed, args.heads):
+            raise UsageError("--activations paralab counts what paralab's gpt keeps, and it builds a GELU MLP of 4 x "
+                             "--embed with as many key/value heads as heads and eager attention: drop --ffn-hidden, "
+                             "--kv-heads, --mlp and --attention, or use --activations published (a cluster preset "
+                             "or file takes it by default)")
+        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe,
+                            ffn_hidden=shape.ffn_hidden or 0, kv_heads=shape.kv_heads or 0, mlp=shape.mlp,
+                            attention=shape.attention)
+    if any(getattr(args, n) is not None for n in ("ffn_hidden", "kv_heads")) or args.mlp != "gelu" or \
+            args.attention != "eager":
+        raise UsageError(f"--ffn-hidden, --kv-heads, --mlp and --attention shape a gpt; --model {args.model} has "
+                         "none: use --model gpt or leave them out")
     if args.ep not in (None, 1):
         raise UsageError(f"--ep {args.ep} splits a mixture of experts' experts; --model {args.model} has none: "
                          "use --model gpt --experts E or drop --ep")
@@ -255,10 +300,22 @@ def layout_config(args, layout, workers: int):
 
 
 def layout_command(args, layout, workers: int) -> str:
-    """The command line of :func:`layout_config`, from the run options' own declaration (``to_argv``)."""
+    """The command line of :func:`layout_config`, from the run options' own declaration (``to_argv``); a shape
+    paralab's gpt does not build has none (the line says why)."""
+    if args.model == "gpt" and not _shape(args).built_by_paralab(args.embed, args.heads):
+        return ("none: paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads and "
+                "eager attention; this plan counts" + gpt_shape_words(args))
     from ..run.config import train_command
     return train_command(layout_config(args, layout, workers),
                          first=("workers", "model", "batch_size") + (("zero_stage",) if layout.zero else ()))
+
+
+def gpt_shape_words(args) -> str:
+    shape = _shape(args)
+    words = [f" F={shape.ffn_hidden}" if shape.ffn_hidden not in (None, 4 * args.embed) else "",
+             f" G={shape.kv_heads}" if shape.kv_heads not in (None, args.heads) else "",
+             " SwiGLU" if shape.mlp == "swiglu" else "", " flash attention" if shape.attention == "flash" else ""]
+    return "".join(words)
 
 
 def _ms(x: float) -> str:

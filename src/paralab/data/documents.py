@@ -197,3 +197,12 @@ def check_documents(name: str, data_dir, context: int) -> None:
 NOT_DOCUMENTS = (f"--packing packs documents one after another; --dataset {{name}} has none (a plain text is "
                  f"already one stream, an image set is not text): use --dataset {SYNTHETIC_DOCS} or "
                  f"{JARGON_ENTRIES} (with --model gpt), or drop --packing")
+
+
+def info_lines(data_dir) -> list[str]:
+    """``paralab data info``'s rows for the datasets of documents."""
+    jargon = "present" if text_path("jargon", data_dir) else "absent "
+    return [f"{JARGON_ENTRIES:<15}{jargon}  documents: the jargon text cut at its entries (2,307; padded, or "
+            "--packing)",
+            f"{SYNTHETIC_DOCS:<15}always   documents generated in memory, log-normal lengths (--doc-length; padded, "
+            "or --packing)"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .datasets import (CIFAR_FOLDER, DEFAULT_DATA_ROOT, FASHION_FILES, cifar_dir, fashion_dir, md5sum)
+from .documents import info_lines as document_info_lines
 from .text import SYNTHETIC_TEXT, TEXTS, info_lines as text_info_lines
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -73,6 +74,7 @@ def info(data_dir: Path | None) -> str:
         lines.append("fashion-mnist  absent   (apt-get install dataset-fashion-mnist, or --data-dir)")
     lines.append("synthetic      always   generated in memory (--synthetic-size, default 10000 train)")
     lines += text_info_lines(data_dir)
+    lines += document_info_lines(data_dir)
     from .datasets import resolve_dataset
     lines.append(f"--dataset auto picks: {resolve_dataset('auto', data_dir)} for image models, "
                  f"{resolve_dataset('auto', data_dir, 'gpt')} for --model gpt")

@@ -45,9 +45,10 @@ SPLIT_KEYS = CATEGORIES + ("other",)
 
 
 def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, attempt: int = 1,
-             lr: float | None = None) -> dict:
+             lr: float | None = None, targets: int = 0) -> dict:
     """One rank's row of ``steps.jsonl``: its times, its reported loss, its samples, the learning rate the
-    step used, its time split (and, for a mixture of experts, the routing)."""
+    step used, its time split (and, for a mixture of experts, the routing; for documents, ``targets``: the
+    valid targets of the step's global batch, what its loss divides by)."""
     seconds = t1 - t0
     accounted = sum(split[c] for c in CATEGORIES)
     split = {**split, "other": max(0.0, seconds - accounted)}
@@ -55,6 +56,8 @@ def step_row(rank: int, step: int, t0: float, t1: float, result, split: dict, at
            "loss": result.loss, "samples": result.samples, "lr": lr, "split": split}
     if getattr(result, "grad_norm", None) is not None:
         row["grad_norm"] = result.grad_norm  # --clip-grad: the whole model's gradient norm before clipping
+    if targets:
+        row["targets"] = targets  # documents (data/documents.py): padding and document ends left out
     if getattr(result, "moe", None):
         row["moe"] = result.moe  # per MoE layer: tokens per expert, dropped, the auxiliary loss (StepResult)
     return row

@@ -34,6 +34,7 @@ from ..models import build_model, count_parameters, dropout, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
 from ..training import documents, recompute
+from ..training.losses import TOKENS
 from ..training.lr_schedule import lr_at, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
@@ -272,7 +273,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             break
         t1 = recorder.now()
         recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
-        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr))
+        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr,
+                                           TOKENS.valid))
         losses.append([step, result.loss])
         norms.append([step, result.grad_norm])
         if result.skipped:  # --on-nonfinite skip: every rank skipped this step's update, and counts it

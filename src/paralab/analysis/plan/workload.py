@@ -15,7 +15,8 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   per block: Korthikanti et al. 2022, Table 2 (``analysis/tensor.py``),
   published for 16-bit activations and scaled by the element size.
   Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
-  first, the head on the last (the cut must divide the blocks).
+  first, the head on the last; where that does not divide, one fewer on the
+  first and the last stage first (:func:`stage_blocks`).
   A mixture of experts (``experts``, ``top_k``, ``expert_hidden``,
   ``capacity_factor``, as ``paralab train`` takes them) replaces every block's
   MLP by a router and E expert MLPs (``models/gpt.moe_parameter_counts``):
@@ -151,18 +152,22 @@ class Workload:
         """Tensor-parallel degrees that split the model: divisors of the heads (gpt); none for a CNN."""
         if self.kind != "gpt":
             return [1]
-        a = self.shape["heads"]
-        return [t for t in range(1, a + 1) if a % t == 0]
+        a, g = self.shape["heads"], self.shape.get("kv_heads") or self.shape["heads"]
+        return [t for t in range(1, a + 1) if a % t == 0 and g % t == 0]  # whole query and key/value heads
 
     def cut(self, stages: int) -> list[tuple[int, int]] | str:
         """The units of each of ``stages`` contiguous stages, or why this count does not divide the model."""
         n = len(self.units)
         if self.kind == "gpt":
             L = self.shape["layers"]
-            if L % stages:
-                return f"{stages} stages do not divide the {L} blocks (stages hold L / (p v) blocks each)"
-            k = L // stages
-            return [(0 if s == 0 else 1 + s * k, n if s == stages - 1 else 1 + (s + 1) * k) for s in range(stages)]
+            if stages > L:
+                return f"{stages} stages exceed the {L} blocks"
+            ends, at = [], 1
+            for held in stage_blocks(L, stages):
+                at += held
+                ends.append(at)
+            starts = [1] + ends[:-1]
+            return [(0 if i == 0 else a, n if i == stages - 1 else b) for i, (a, b) in enumerate(zip(starts, ends))]
         if stages > n:
             return f"{stages} stages exceed the {n} units of {self.name}"
         from ...strategies.pipeline.partition import split_costs
@@ -183,7 +188,6 @@ class Workload:
             if recompute == "full":  # only each unit's input kept
                 kept = b * sum(self.units[i - 1].output_elements if i else 0 for i in range(lo, hi))
             return kept * e
-        from ..tensor import activation_memory
         sh = self.shape
         s, h, a, V = sh["context"], sh["embed"], sh["heads"], sh["vocab"]
         blocks = self.blocks_in(lo, hi)
@@ -196,9 +200,11 @@ class Workload:
                 kept -= blocks * s * b * (h + 8 * h / tp)
                 return kept * e + blocks * paralab_moe_bytes(b * s, h, moe, e, ep)
             return kept * e
-        per_block = activation_memory(b, s, h, a, tp, sp, recompute).value
+        per_block = published_block_bytes(b, s, h, a, tp, sp, recompute, kv_heads=sh["kv_heads"],
+                                          ffn_hidden=sh["ffn_hidden"], mlp=sh["mlp"], attention=sh["attention"])
         if moe:  # Korthikanti's MLP rows (3 + 16 / t) s b h, replaced by the experts' (16-bit bytes)
-            per_block += published_moe_bytes(b * s, h, moe) - s * b * h * (3 + 16 / tp)
+            inner = (8 if sh["mlp"] == "swiglu" else 4) * sh["ffn_hidden"] / h
+            per_block += published_moe_bytes(b * s, h, moe) - s * b * h * (3 + inner / tp)
         total = blocks * per_block
         if lo == 0:  # the embedding's output (its dropout mask, as published)
             total += s * b * h / tp
@@ -217,17 +223,41 @@ class Workload:
         blocks = sum(1 for u in self.units[lo:hi] if u.name == "block")
         return b * blocks * 4 * s * s * h  # selective: the attention scores and their weighted sum again
 
+    def shape_extras(self) -> str:
+        """What the gpt's shape holds beyond paralab's own (``gpt_workload``), as `` F=.. G=.. swiglu flash``."""
+        sh = self.shape
+        out = ""
+        if sh.get("ffn_hidden", 4 * sh["embed"]) != 4 * sh["embed"]:
+            out += f" F={sh['ffn_hidden']}"
+        if sh.get("kv_heads", sh["heads"]) != sh["heads"]:
+            out += f" G={sh['kv_heads']}"
+        out += " swiglu" if sh.get("mlp") == "swiglu" else ""
+        out += " flash-attention" if sh.get("attention") == "flash" else ""
+        return out
+
+    def stages_note(self, stages: int) -> str | None:
+        """Where the blocks go when ``stages`` do not divide them (None: they do)."""
+        L = self.shape.get("layers", 0)
+        if self.kind != "gpt" or not L or L % stages == 0:
+            return None
+        held = stage_blocks(L, stages)
+        k = max(held)
+        fewer = [i for i, n in enumerate(held) if n < k]
+        return (f"{stages} stages do not divide the {L} blocks: {k} on each, {k - 1} on stage"
+                f"{'s' if len(fewer) > 1 else ''} {', '.join(map(str, fewer))} (the first and last hold the "
+                "embedding and the output layer besides)")
+
     def describe(self) -> str:
         if self.kind == "gpt":
             sh, moe = self.shape, self.moe
             if moe:
                 cap = f", capacity factor {moe['capacity_factor']:g}" if moe["capacity_factor"] else ""
-                return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}, "
-                        f"MoE E={moe['experts']} top-{moe['top_k']} H={moe['expert_hidden']}{cap}: "
+                return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}"
+                        f"{self.shape_extras()}, MoE E={moe['experts']} top-{moe['top_k']} H={moe['expert_hidden']}{cap}: "
                         f"{self.parameters:,} parameters, {self.active_parameters:,} active per token (FLOPs and "
                         f"MFU count these), activations as {self.activations}")
-            return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}: "
-                    f"{self.parameters:,} parameters, activations as {self.activations}")
+            return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}"
+                    f"{self.shape_extras()}: {self.parameters:,} parameters, activations as {self.activations}")
         return f"{self.name}: {self.parameters:,} parameters in {len(self.units)} units"
 
 
@@ -281,18 +311,27 @@ def published_moe_bytes(tokens: int, h: int, moe: dict) -> float:
 
 def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
                  activations: str = "published", *, experts: int = 0, top_k: int = 1, expert_hidden: int = 0,
-                 capacity_factor: float | None = None) -> Workload:
-    from ...models.gpt import moe_parameter_counts, parameter_counts
+                 capacity_factor: float | None = None, ffn_hidden: int = 0, kv_heads: int = 0, mlp: str = "gelu",
+                 attention: str = "eager") -> Workload:
+    """A gpt of any shape (module docstring). Beyond paralab's own gpt (``models/gpt.py``: a GELU MLP of
+    ``4 h``, as many key/value heads as heads), the planner counts: ``ffn_hidden`` (the MLP's width),
+    ``kv_heads`` (grouped-query attention: ``G`` key/value heads shared by the ``a`` query heads; 1 is
+    multi-query), ``mlp="swiglu"`` (three ``h x F`` matrices, a gate, as Llama's), and ``attention="flash"``
+    (the s x s scores are never kept: activation memory only)."""
     L, h, s, V = layers, embed, context, vocab
-    c = parameter_counts(L, h, s, V)
-    block = c["blocks"] // L
-    shape = dict(layers=L, embed=h, heads=heads, context=s, vocab=V)
+    F, G = ffn_hidden or 4 * h, kv_heads or heads
+    kv = h * G // heads  # the key (and the value) projection's width
+    attention_params = 2 * h * h + 2 * h + 2 * (h * kv + kv)   # q and the output projection; k and v
+    norms = 4 * h
+    c = parameter_counts_of(L, h, s, V)
+    shape = dict(layers=L, embed=h, heads=heads, context=s, vocab=V, ffn_hidden=F, kv_heads=G, mlp=mlp,
+                 attention=attention)
     extra = {}
     if experts:
         H = expert_hidden or 4 * h
-        m = moe_parameter_counts(L, h, experts, top_k, H)
-        one, router = m["expert_total"] // (L * experts), m["router"] // L
-        rest = block - m["dense_mlp"] // L  # attention and the two LayerNorms
+        one = mlp_parameters(h, H, mlp)
+        router = h * experts
+        rest = attention_params + norms
         block = rest + router + experts * one
         ran = min(1.0, capacity_factor or 1.0) * top_k  # experts a token runs (at most F K under a capacity)
         moe_flops = 2.0 * (router + ran * one) * s
@@ -300,11 +339,63 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
         shape |= dict(experts=experts, top_k=top_k, expert_hidden=H, capacity_factor=capacity_factor)
         block_flops = 2.0 * rest * s + moe_flops + 4.0 * s * s * h
     else:
+        block = attention_params + norms + mlp_parameters(h, F, mlp)
         block_flops = 2.0 * block * s + 4.0 * s * s * h
     units = [Unit("embedding", c["tokens"] + c["positions"], 0.0, s * h)]
     units += [Unit("block", block, block_flops, s * h, **extra) for _ in range(L)]
     units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
     return Workload("gpt", units, s, "gpt", shape, activations)
+
+
+def stage_blocks(layers: int, stages: int) -> list[int]:
+    """Blocks per stage, in order: ``L / stages`` each where that divides; else ``ceil(L / stages)`` each, one
+    fewer on the first stage, then the last, then the second, the second to last, ... until they add up to
+    ``L``, as published runs place them (Llama 3 405B: 126 layers on 16 stages, 7 on the first and the last,
+    which also hold the embedding and the output layer; Dubey et al. 2024, sec. 3.3.2)."""
+    k = -(-layers // stages)
+    held = [k] * stages
+    missing = k * stages - layers
+    order = [i for pair in zip(range(stages), range(stages - 1, -1, -1)) for i in pair]
+    seen = []
+    for i in order:
+        if i not in seen:
+            seen.append(i)
+    for i in seen[:missing]:
+        held[i] -= 1
+    return held
+
+
+def parameter_counts_of(layers: int, embed: int, context: int, vocab: int) -> dict[str, int]:
+    from ...models.gpt import parameter_counts
+    return parameter_counts(layers, embed, context, vocab)
+
+
+def mlp_parameters(h: int, width: int, mlp: str) -> int:
+    """An MLP of ``width`` hidden units, with biases as paralab's gpt has them: GELU's two matrices, or SwiGLU's
+    three (gate and up ``h x F``, down ``F x h``)."""
+    return 3 * h * width + 2 * width + h if mlp == "swiglu" else 2 * h * width + width + h
+
+
+def published_block_bytes(b: int, s: int, h: int, a: int, t: int, sp: bool, recompute: str, *, kv_heads: int,
+                          ffn_hidden: int, mlp: str, attention: str) -> float:
+    """Korthikanti et al. 2022's Table 2 for one block (16-bit activations with dropout masks), its terms
+    counted for any shape, per tp rank (``analysis/tensor.activation_memory`` is this at ``4 h``, GELU, as many
+    key/value heads as heads and eager attention; tests/test_plan_shapes.py holds them equal). In units of
+    ``s b h`` bytes: what stays whole on every tp rank (both LayerNorms' inputs 4, the QKV input 2, the
+    attention's dropout mask 1, the MLP's input 2 and its dropout mask 1: 10), what tp splits (Q 2, K and V
+    2 G / a each, the output projection's input 2, the MLP's inner activations: GELU's input and output
+    ``4 F / h``, SwiGLU's gate, its activation, the up projection and their product ``8 F / h``), and the
+    scores: eager keeps the softmax's output, its dropout mask and the dropout's output, ``5 a s / h``;
+    flash keeps a log-sum-exp per head and token (fp32), ``4 a / h``. Selective recomputation drops the
+    scores; full keeps only the block's input."""
+    if recompute == "full":
+        return 2 * s * b * h  # as published (sec. 5, Table 2)
+    whole = 10.0
+    split = 2 + 4 * kv_heads / a + 2 + (8 if mlp == "swiglu" else 4) * ffn_hidden / h
+    scores = 0.0 if recompute == "selective" else (4 * a / h if attention == "flash" else 5 * a * s / h)
+    if sp:
+        return s * b * h * (whole + split + scores) / t
+    return s * b * h * (whole + (split + scores) / t)
 
 
 #: a CNN of at most this many parameters is probed on the CPU (real tensors at batch 1 and 2: 5-7x faster

@@ -1,71 +1,84 @@
-"""Which chunks each cp rank takes when the rows are packed documents: equal attention work, chunk by chunk.
+"""Which chunks each cp rank takes when the rows are packed documents: the ring's work, rotation by rotation.
 
 Under plain causal attention the work of query chunk ``a`` is ``a + 1``
 blocks (its own triangle and every chunk before it), whatever the data: so
 ``layout.py`` pairs the ``r``-th chunk from the start with the ``r``-th from
 the end, once and for all. Packed documents change that (``--packing``):
-ring attention skips a block in which no query may see any key
-(``ring.py``), and whether a block is empty depends on where this step's
-documents end. Block ``(a, b)``, ``b < a``, holds an allowed pair only if a
-document runs from key chunk ``b`` into query chunk ``a`` in some row; since
-a row's document ids never decrease, that is exactly when the last token of
-chunk ``b`` and the first of chunk ``a`` share a document in some row (one
-comparison per row, no mask built).
+ring attention computes a block only in the rows where some query may see
+some key (``ring.py``), and that depends on where this step's documents end.
+Block ``(a, b)``, ``b < a``, is needed in a row only if a document runs from
+key chunk ``b`` into query chunk ``a``; since a row's document ids never
+decrease, that is exactly when the last token of chunk ``b`` and the first
+of chunk ``a`` share a document (one comparison per row, no mask built).
 
-So, per step, from the document ids of the rows the step trains on (every
-rank of a cp group holds the same rows, so every rank computes the same
+The ring does not wait once per step but once per rotation: at rotation
+``i`` rank ``r`` computes its query chunks against the key chunks of rank
+``r - i``, and the next K/V block arrives only when the slowest rank has
+sent. So what an assignment costs is the sum over rotations of the busiest
+rank's blocks (:func:`ring_time`), not the busiest rank's total.
+
+Per step, from the document ids of the rows the step trains on (every rank
+of a cp group holds the same rows, so every rank computes the same
 assignment, with no communication):
 
-- :func:`chunk_work`: the blocks each query chunk's attention will compute,
-  row by row (the ring computes a block only in the rows that need it);
-- :func:`assign`: the chunks dealt to the ranks, each rank taking the same
-  number (its activations keep their shape), largest work first, each to the
-  rank with the least work so far (the longest-processing-time rule, which
-  is within 4/3 of the best split); :func:`deal` keeps the head + tail
-  pairing where that is as even, so the chunks are never dealt worse.
+- :func:`block_work`: for each (query chunk, key chunk) pair, the rows that
+  need that block;
+- :func:`deal`: starting from the head + tail pairing, swap two chunks of
+  different ranks while that shortens :func:`ring_time` (each rank keeps the
+  same number of chunks, so its activations keep their shape); so the chunks
+  are never dealt worse than the pairing, by this count.
 
-Documents shorter than a chunk leave most earlier blocks empty, so the work
-no longer grows with the chunk's index as the head + tail pairing assumes;
-how uneven that pairing leaves the ranks, and the dealt chunks, is measured
-in docs/context.md (``bench/context.py``).
+How even the dealt chunks and the pairing leave the ranks is measured in
+docs/context.md (``bench/documents.py``).
 """
 from __future__ import annotations
 
 import torch
 
+Assignment = tuple[tuple[int, ...], ...]
 
-def chunk_work(ids: torch.Tensor, chunks: int) -> list[int]:
-    """``ids [rows, T]`` (document ids, non-decreasing along each row) -> for each of ``chunks`` equal query
-    chunks, the (row, key chunk) blocks ring attention computes for it: its own in every row, and each
-    earlier chunk in the rows where a document runs from that chunk into this one."""
+
+def block_work(ids: torch.Tensor, chunks: int) -> list[list[int]]:
+    """``ids [rows, T]`` (document ids, non-decreasing along each row) -> ``work[a][b]``, for ``b <= a``: the
+    rows in which query chunk ``a`` needs key chunk ``b`` (every row for ``b == a``; 0 above the diagonal)."""
     c = ids.shape[1] // chunks
     first = ids[:, ::c][:, :chunks]        # each chunk's first token's document
     last = ids[:, c - 1::c][:, :chunks]    # each chunk's last token's document
     rows = ids.shape[0]
-    return [rows + sum(int((last[:, b] == first[:, a]).sum()) for b in range(a)) for a in range(chunks)]
+    return [[rows if b == a else int((last[:, b] == first[:, a]).sum()) if b < a else 0 for b in range(chunks)]
+            for a in range(chunks)]
 
 
-def assign(work: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:
-    """Chunks dealt to ``ranks`` ranks, ``len(work) / ranks`` each, balancing their summed ``work``: the
-    largest first, each to the least loaded rank that has room; each rank's chunks in position order."""
-    per_rank = len(work) // ranks
-    held: list[list[int]] = [[] for _ in range(ranks)]
-    load = [0] * ranks
-    for chunk in sorted(range(len(work)), key=lambda a: (-work[a], a)):
-        r = min((r for r in range(ranks) if len(held[r]) < per_rank), key=lambda r: (load[r], r))
-        held[r].append(chunk)
-        load[r] += work[chunk]
-    return tuple(tuple(sorted(h)) for h in held)
+def ring_time(work: list[list[int]], assignment: Assignment) -> int:
+    """The blocks the ring waits for: over its rotations, the busiest rank's blocks in each."""
+    ranks = len(assignment)
+    return sum(max(sum(work[a][b] for a in assignment[r] for b in assignment[(r - i) % ranks])
+                   for r in range(ranks)) for i in range(ranks))
 
 
-def deal(work: list[int], fixed: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """:func:`assign`'s chunks, or the ``fixed`` pairing where that is at least as even (the rule is a
-    heuristic: the fixed pairing is kept whenever the dealt chunks would not improve on it)."""
-    dealt = assign(work, len(fixed))
-    return dealt if spread(work, dealt) < spread(work, fixed) else fixed
+def even_time(work: list[list[int]], ranks: int) -> float:
+    """The ring's time were every rotation's blocks shared evenly: the total over the ranks."""
+    return sum(map(sum, work)) / ranks
 
 
-def spread(work: list[int], assignment: tuple[tuple[int, ...], ...]) -> float:
-    """The most loaded rank's work over the mean (1: perfectly even)."""
-    loads = [sum(work[a] for a in chunks) for chunks in assignment]
-    return max(loads) / (sum(loads) / len(loads))
+def deal(work: list[list[int]], fixed: Assignment) -> Assignment:
+    """From ``fixed`` (the head + tail pairing), the best single swap of two chunks between two ranks, again
+    while one shortens :func:`ring_time`; each rank's chunks in position order."""
+    best, best_time = [list(chunks) for chunks in fixed], ring_time(work, fixed)
+    improved = True
+    while improved:
+        improved = False
+        for r in range(len(best)):
+            for q in range(r + 1, len(best)):
+                for i in range(len(best[r])):
+                    for j in range(len(best[q])):
+                        trial = [list(chunks) for chunks in best]
+                        trial[r][i], trial[q][j] = best[q][j], best[r][i]
+                        t = ring_time(work, _sorted(trial))
+                        if t < best_time:
+                            best, best_time, improved = trial, t, True
+    return _sorted(best)
+
+
+def _sorted(held: list[list[int]]) -> Assignment:
+    return tuple(tuple(sorted(chunks)) for chunks in held)

@@ -79,7 +79,7 @@ class ContextParallelism:
         self.comm, self.layout, self.method, self.recorder = comm, layout, method, recorder
         self.positions = layout.positions(comm.rank)  # the modules hold this tensor: a new layout updates it in place
         self.by_documents = by_documents and layout.balanced and method == "ring"
-        self.spreads: list[tuple[float, float]] = []  # per step balanced: (this assignment's spread, head + tail's)
+        self.spreads: list[tuple[float, float]] = []  # per step: the ring's blocks over the even share, dealt and paired
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention of this rank's tokens over the whole sequence (ring or Ulysses), in the current layout."""
@@ -92,10 +92,12 @@ class ContextParallelism:
             return
         fixed = dataclasses.replace(self.layout, assignment=None)
         pairs = tuple(fixed.chunks_of(r) for r in range(fixed.size))  # head + tail
-        work = balance.chunk_work(ids, fixed.chunks)
+        work = balance.block_work(ids, fixed.chunks)
         self.layout = dataclasses.replace(fixed, assignment=balance.deal(work, pairs))
         self.positions.copy_(self.layout.positions(self.comm.rank))
-        self.spreads.append((balance.spread(work, self.layout.assignment), balance.spread(work, pairs)))
+        even = balance.even_time(work, fixed.size)
+        self.spreads.append((balance.ring_time(work, self.layout.assignment) / even,
+                             balance.ring_time(work, pairs) / even))
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """The embedding and every block's dropout told its tokens' global positions, every attention given the
@@ -261,10 +263,11 @@ class ContextParallel(Strategy):
                                      "tokens": layout.local, **self.document_balance()}}
 
     def document_balance(self) -> dict:
-        """Packed documents on a balanced ring: the most loaded rank's attention blocks over the mean, per step,
-        as dealt and as the head + tail pairing would have had them (1: even)."""
+        """Packed documents on a balanced ring: the blocks the ring waits for (the busiest rank's in each rotation,
+        ``balance.ring_time``) over an even share of them, mean over the steps, as dealt and as the head + tail
+        pairing would have had them (1: even)."""
         if not self.cp.spreads:
             return {}
         dealt, fixed = zip(*self.cp.spreads)
-        return {"document_balance": {"dealt_spread_mean": sum(dealt) / len(dealt),
-                                     "head_tail_spread_mean": sum(fixed) / len(fixed), "steps": len(dealt)}}
+        return {"document_balance": {"dealt_over_even": sum(dealt) / len(dealt),
+                                     "head_tail_over_even": sum(fixed) / len(fixed), "steps": len(dealt)}}
