@@ -192,7 +192,8 @@ def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
     print(f"{work.describe()}; global batch {setting.global_batch}, {setting.precision} precision, "
           f"{setting.optimizer}; cluster {cluster.name}, {args.workers} devices (times in ms per step):\n")
     print(table([x], work))
-    print(f"\n{fit}\nplace: {got.where()}\nrun it: {command}")
+    uneven = work.stages_note(x.layout.pp * x.layout.virtual) if work.kind == "gpt" else None
+    print(f"\n{fit}\nplace: {got.where()}\nrun it: {command}" + (f"\nstages: {uneven}" if uneven else ""))
     return 0
 
 
@@ -353,6 +354,9 @@ def show(plan, where: str, command: str) -> None:
     if len(plan.ranked) > 1:
         print("\nwhy: " + why_first(best, plan.ranked[1]))
     print(f"\nrun the first: {command}" + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
+    uneven = plan.work.stages_note(best.layout.pp * best.layout.virtual) if plan.work.kind == "gpt" else None
+    if uneven:
+        print(f"stages: {uneven}")
     print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "
           "overlapped); cp comm = context-parallel messages left exposed; " + ("ep comm = expert parallelism's token "
           "all-to-alls (synchronous); MFU counts the active FLOPs (top-k experts); " if moe else "") + "bubble = pipeline idle (simulated); pp comm = what transfers add; dp comm = data-parallel "

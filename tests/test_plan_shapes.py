@@ -1,0 +1,115 @@
+"""The planner counts real shapes (issue 35): FFN width, grouped-query attention, SwiGLU, flash attention's
+activations, and blocks that the pipeline stages do not divide.
+
+References not written here: the published parameter counts of Llama 2 70B and Llama 3 8B (their model cards:
+68,976,648,192 and 8,030,261,248 parameters; paralab's gpt adds biases, two-parameter LayerNorms and a learned
+position table, a fraction of a percent), Korthikanti et al. 2022's Table 2 at the default shape (the
+published formula paralab's ``calc tp`` prints), and Llama 3 405B's placement of 126 layers on 16 stages (Dubey
+et al. 2024, sec. 3.3.2: one fewer on the first and the last stage).
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_paralab
+from paralab.analysis.plan.workload import gpt_workload, published_block_bytes, stage_blocks
+from paralab.analysis.tensor import activation_memory
+from paralab.models.gpt import parameter_counts
+
+
+def test_the_default_shape_is_paralabs_gpt_and_korthikantis_table():
+    w = gpt_workload(4, 128, 4, 64, 256)
+    assert w.parameters == parameter_counts(4, 128, 64)["total"]
+    assert w.describe().startswith("gpt L=4 h=128 a=4 s=64 V=256:")  # nothing beyond the default named
+    for t in (1, 2, 4):
+        for sp in (False, True):
+            for recompute in ("none", "selective", "full"):
+                if t == 1 and sp:
+                    continue
+                assert published_block_bytes(8, 2048, 12288, 96, t, sp, recompute, kv_heads=96,
+                                             ffn_hidden=4 * 12288, mlp="gelu", attention="eager") == \
+                    pytest.approx(activation_memory(8, 2048, 12288, 96, t, sp, recompute).value, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,shape,published", [
+    ("Llama 2 70B", dict(layers=80, embed=8192, heads=64, kv_heads=8, ffn_hidden=28672, context=4096, vocab=32000),
+     68_976_648_192),
+    ("Llama 3 8B", dict(layers=32, embed=4096, heads=32, kv_heads=8, ffn_hidden=14336, context=8192, vocab=128256),
+     8_030_261_248),
+])
+def test_grouped_query_swiglu_models_have_their_published_parameters(name, shape, published):
+    w = gpt_workload(shape["layers"], shape["embed"], shape["heads"], shape["context"], shape["vocab"],
+                     kv_heads=shape["kv_heads"], ffn_hidden=shape["ffn_hidden"], mlp="swiglu")
+    extra = w.parameters - published
+    # what paralab's gpt has that Llama has not: the learned positions, biases, LayerNorm biases
+    h, L = shape["embed"], shape["layers"]
+    kv = h * shape["kv_heads"] // shape["heads"]
+    ours = shape["context"] * h + L * (2 * h + 2 * kv + 2 * shape["ffn_hidden"] + h + 2 * h) + h
+    assert extra == ours, name
+    assert abs(extra) / published < 0.006
+    plain = gpt_workload(shape["layers"], shape["embed"], shape["heads"], shape["context"], shape["vocab"])
+    assert w.parameters != plain.parameters and "G=8" in w.describe() and "swiglu" in w.describe()
+
+
+def test_flash_attention_keeps_no_scores():
+    kw = dict(kv_heads=8, ffn_hidden=14336, mlp="swiglu")
+    for s in (2048, 8192, 32768):
+        eager = published_block_bytes(1, s, 4096, 32, 8, True, "none", attention="eager", **kw)
+        flash = published_block_bytes(1, s, 4096, 32, 8, True, "none", attention="flash", **kw)
+        selective = published_block_bytes(1, s, 4096, 32, 8, True, "selective", attention="eager", **kw)
+        assert flash < eager and flash > selective  # the log-sum-exp is kept
+        assert published_block_bytes(1, 2 * s, 4096, 32, 8, True, "none", attention="flash", **kw) == \
+            pytest.approx(2 * flash)  # linear in the sequence: no s x s term
+    # grouped-query attention keeps smaller K and V: 2 G / a each instead of 2
+    mha = published_block_bytes(1, 4096, 4096, 32, 1, False, "none", kv_heads=32, ffn_hidden=16384, mlp="gelu",
+                                attention="flash")
+    gqa = published_block_bytes(1, 4096, 4096, 32, 1, False, "none", kv_heads=8, ffn_hidden=16384, mlp="gelu",
+                                attention="flash")
+    assert mha - gqa == pytest.approx(4096 * 4096 * 4 * (1 - 8 / 32))
+
+
+def test_tensor_parallelism_keeps_key_value_heads_whole():
+    w = gpt_workload(2, 4096, 32, 128, 256, kv_heads=4)
+    assert w.tp_options() == [1, 2, 4]
+
+
+@pytest.mark.parametrize("layers,stages,held", [
+    (126, 16, [7] + [8] * 14 + [7]),           # Llama 3 405B (Dubey et al. 2024)
+    (61, 16, [3, 3] + [4] * 13 + [3]),         # one fewer on the first, the last, then the second
+    (96, 16, [6] * 16),                        # divides: equal
+    (5, 4, [1, 1, 2, 1]),
+])
+def test_blocks_the_stages_do_not_divide_go_to_the_middle(layers, stages, held):
+    assert stage_blocks(layers, stages) == held
+    w = gpt_workload(layers, 64, 4, 16, 256)
+    cut = w.cut(stages)
+    assert cut[0][0] == 0 and cut[-1][1] == len(w.units)
+    assert all(a[1] == b[0] for a, b in zip(cut, cut[1:]))
+    assert [w.blocks_in(lo, hi) for lo, hi in cut] == held
+    assert (w.stages_note(stages) is None) == (layers % stages == 0)
+    assert isinstance(w.cut(layers + 1), str)
+
+
+def test_a_plan_of_a_real_shape_names_its_stages_and_prints_no_command_it_cannot_run():
+    r = run_paralab("plan", "--model", "gpt", "--layers", "126", "--embed", "16384", "--heads", "128", "--kv-heads",
+                    "8", "--ffn-hidden", "53248", "--mlp", "swiglu", "--attention", "flash", "--context", "8192",
+                    "--vocab", "128256", "--workers", "16384", "--cluster", "h100-sxm", "--global-batch", "2048",
+                    "--layout", "dp128 tp8+sp pp16 1f1b m16xb1 zero1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "F=53248 G=8 swiglu flash-attention" in r.stdout
+    assert "stages: 16 stages do not divide the 126 blocks: 8 on each, 7 on stages 0, 15" in r.stdout
+    assert "run it: none: paralab's gpt builds a GELU MLP" in r.stdout
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--model", "gpt", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
+    (["--model", "gpt", "--experts", "4", "--ffn-hidden", "100"], "give their width with --expert-hidden"),
+    (["--model", "gpt", "--mlp", "swiglu", "--activations", "paralab"], "--activations paralab counts"),
+    (["--model", "vgg11", "--kv-heads", "2"], "shape a gpt; --model vgg11 has none"),
+    (["--model", "gpt", "--mlp", "relu"], "--mlp"),
+    (["--model", "gpt", "--ffn-hidden", "0"], "--ffn-hidden"),
+])
+def test_shape_options_that_do_not_fit_are_refused(argv, says):
+    r = run_paralab("plan", *argv, "--workers", "8", "--cluster", "h100-sxm")
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+    assert r.stdout == ""
