@@ -81,7 +81,7 @@ def test_every_layout_divides_the_model_the_workers_and_the_batch():
     assert len(layouts) > 100
     for lay in layouts:
         assert lay.dp * lay.cp * lay.tp * lay.pp == workers
-        assert SMALL["heads"] % lay.tp == 0 and SMALL["layers"] % (lay.pp * lay.virtual) == 0
+        assert SMALL["heads"] % lay.tp == 0 and lay.pp * lay.virtual <= SMALL["layers"]  # uneven stages allowed
         assert batch % lay.dp == 0 and lay.microbatch * lay.microbatches == batch // lay.dp
         if lay.zero >= 2:  # paralab's fsdp at ZeRO-2/3: with tp and pp, not cp; no accumulation without pp
             assert lay.cp == 1 and (lay.pp > 1 or lay.microbatches == 1)
@@ -212,7 +212,7 @@ def refused(capsys, *argv) -> str:
 
 
 def test_bad_input_exits_2(capsys, tmp_path):
-    assert "--pp 5: 5 stages do not divide the 4 blocks" in refused(capsys, "--workers", "5", "--pp", "5",
+    assert "--pp 5: 5 stages exceed the 4 blocks" in refused(capsys, "--workers", "5", "--pp", "5",
                                                                    "--cluster", "h100-sxm")
     assert "--tp 3 does not divide the model" in refused(capsys, "--workers", "6", "--tp", "3",
                                                         "--cluster", "h100-sxm")

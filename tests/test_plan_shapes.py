@@ -91,13 +91,13 @@ def test_blocks_the_stages_do_not_divide_go_to_the_middle(layers, stages, held):
 
 
 def test_a_plan_of_a_real_shape_names_its_stages_and_prints_no_command_it_cannot_run():
-    r = run_paralab("plan", "--model", "gpt", "--layers", "126", "--embed", "16384", "--heads", "128", "--kv-heads",
-                    "8", "--ffn-hidden", "53248", "--mlp", "swiglu", "--attention", "flash", "--context", "8192",
-                    "--vocab", "128256", "--workers", "16384", "--cluster", "h100-sxm", "--global-batch", "2048",
-                    "--layout", "dp128 tp8+sp pp16 1f1b m16xb1 zero1")
+    r = run_paralab("plan", "--model", "gpt", "--layers", "30", "--embed", "4096", "--heads", "32", "--kv-heads", "8",
+                    "--ffn-hidden", "14336", "--mlp", "swiglu", "--attention", "flash", "--context", "4096", "--vocab",
+                    "128256", "--workers", "64", "--cluster", "h100-sxm", "--global-batch", "64",
+                    "--layout", "dp2 tp8+sp pp4 1f1b m32xb1 zero1")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "F=53248 G=8 swiglu flash-attention" in r.stdout
-    assert "stages: 16 stages do not divide the 126 blocks: 8 on each, 7 on stages 0, 15" in r.stdout
+    assert "F=14336 G=8 swiglu flash-attention" in r.stdout
+    assert "stages: 4 stages do not divide the 30 blocks: 8 on each, 7 on stages 0, 3" in r.stdout
     assert "run it: none: paralab's gpt builds a GELU MLP" in r.stdout
 
 
