@@ -112,15 +112,15 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q)
         lse = q.new_full(q.shape[:-1], NEG_INF)
         kv = torch.stack([k, v]).contiguous()
-        masks = {}  # (source, query start, key start) -> the block's mask: the blocks backward computes again
+        blocks = {}  # source -> the blocks computed with its keys (and their masks): what backward walks again
         for step in range(world):
             source = (rank - step) % world
             ops = []
             if step < world - 1:  # the next block on its way while this one is computed
                 nxt, ops = _rotate(comm, kv, "cp_ring_kv")
             with recorder.span("compute", "attention", cp_source=source):
-                for qs, ks, causal, mask, rows in _pairs(layout, rank, source, q):
-                    masks[source, qs.start, ks.start] = mask, rows
+                blocks[source] = list(_pairs(layout, rank, source, q))
+                for qs, ks, causal, mask, rows in blocks[source]:
                     qi, ki = _at(rows, qs), _at(rows, ks)
                     s = _scores(q[qi], kv[0][ki], causal, mask)
                     l_blk = torch.logsumexp(s, dim=-1)
@@ -128,19 +128,20 @@ class RingAttention(torch.autograd.Function):
                     l_old = lse[qi]
                     l_new = torch.logaddexp(l_old, l_blk)
                     base = _finite(l_new)
-                    out[qi] = out[qi] * torch.exp(l_old - base).unsqueeze(-1) + o_blk * torch.exp(l_blk - base).unsqueeze(-1)
+                    out[qi] = (out[qi] * torch.exp(l_old - base).unsqueeze(-1)
+                               + o_blk * torch.exp(l_blk - base).unsqueeze(-1))
                     lse[qi] = l_new
             if ops:
                 _finish(ops)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.layout, ctx.recorder, ctx.masks = comm, layout, recorder, masks
+        ctx.comm, ctx.recorder, ctx.blocks = comm, recorder, blocks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, layout, recorder = ctx.comm, ctx.layout, ctx.recorder
+        comm, recorder = ctx.comm, ctx.recorder
         rank, world = comm.rank, comm.world
         scale = 1.0 / math.sqrt(q.shape[-1])
         grad_out = grad_out.contiguous()
@@ -154,11 +155,8 @@ class RingAttention(torch.autograd.Function):
             if step < world - 1:
                 kv_next, kv_ops = _rotate(comm, kv, "cp_ring_kv_backward")
             with recorder.span("compute", "attention_backward", cp_source=source):
-                for (src, q0, k0), (mask, rows) in ctx.masks.items():
-                    if src != source:
-                        continue
-                    qi, ki = _at(rows, slice(q0, q0 + layout.chunk)), _at(rows, slice(k0, k0 + layout.chunk))
-                    causal = layout.chunks_of(rank)[q0 // layout.chunk] == layout.chunks_of(source)[k0 // layout.chunk]
+                for qs, ks, causal, mask, rows in ctx.blocks[source]:
+                    qi, ki = _at(rows, qs), _at(rows, ks)
                     qb, kb, vb, do = q[qi], kv[0][ki], kv[1][ki], grad_out[qi]
                     p = torch.exp(_scores(qb, kb, causal, mask) - lse[qi].unsqueeze(-1))
                     dkv[1][ki] += p.transpose(-2, -1) @ do
