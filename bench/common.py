@@ -158,13 +158,15 @@ def gpt_args(args: argparse.Namespace) -> list[str]:
             "--context", str(args.context)]
 
 
-def train_gpt(label: str, argv: list[str], args: argparse.Namespace, out: Path) -> tuple[dict, list[dict], list[str]]:
+def train_gpt(label: str, argv: list[str], args: argparse.Namespace, out: Path,
+              data: tuple[str, ...] = ("--dataset", "synthetic-text")) -> tuple[dict, list[dict], list[str]]:
     """:func:`train`'s twin for the gpt: ``argv`` (the strategy, its workers and options) on the gpt of
     :func:`gpt_options`' values, ``args.batch_size``, ``args.steps`` (``args.warmup`` left out), synthetic text of
-    max(1024, batch x steps) windows, evaluation on one batch, no progress bar, one log line.
+    max(1024, batch x steps) windows (``data``: other data options), evaluation on one batch, no progress bar,
+    one log line.
     Returns (summary.json, the rows of steps.jsonl, the whole argv); raises RuntimeError if it fails."""
     argv = [*argv, *gpt_args(args), "--batch-size", str(args.batch_size), "--num-batches", str(args.steps),
-            "--warmup", str(args.warmup), "--dataset", "synthetic-text",
+            "--warmup", str(args.warmup), *data,
             "--synthetic-size", str(max(1024, args.batch_size * args.steps)), "--eval-batches", "1",
             "--eval-batch-size", str(args.batch_size), "--no-progress", "--log-every", str(args.steps)]
     p = paralab_train(argv, out)

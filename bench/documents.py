@@ -21,19 +21,17 @@ batch of rows:
   the fastest rank.
 
 The default data is the Jargon File cut at its entries (``jargon-entries``, a
-real length distribution: median 438 bytes, a long tail) when it is installed,
+real length distribution: median 433 bytes, a long tail) when it is installed,
 else ``synthetic-docs`` (log-normal lengths, median ``--doc-length``). Writes
 ``bench/results/documents.json``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from common import (RESULTS, best_of, cpu_name, gpt_args, gpt_options, paralab_train, read_summary, selected,
-                    step_seconds, write_result)
+from common import RESULTS, best_of, cpu_name, gpt_options, selected, step_seconds, train_gpt, write_result
 from context import attention_seconds
 
 VARIANTS = {  # name -> (strategy, workers (0: --cp), extra options)
@@ -71,16 +69,8 @@ def run_one(name: str, args, workdir: Path, tag: str) -> dict:
     workers = workers or args.cp
     out = workdir / f"{name}-{tag}"
     cores = ["--cores-per-worker", str(args.cores_per_worker)] if args.cores_per_worker else []
-    argv = [strategy, "--workers", str(workers), *cores, *extra, *gpt_args(args), "--dataset", args.dataset,
-            "--doc-length", str(args.doc_length), "--synthetic-size", str(max(1024, args.batch_size * args.steps)),
-            "--batch-size", str(args.batch_size), "--num-batches", str(args.steps), "--warmup", str(args.warmup),
-            "--eval-batches", "1", "--eval-batch-size", str(args.batch_size), "--no-progress",
-            "--log-every", str(args.steps)]
-    p = paralab_train(argv, out)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    s = read_summary(out)
-    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    s, rows, _ = train_gpt(name, [strategy, "--workers", str(workers), *cores, *extra], args, out,
+                           data=("--dataset", args.dataset, "--doc-length", str(args.doc_length)))
     seconds = step_seconds(rows, args.warmup)
     measured = sorted({r["step"] for r in rows})[-len(seconds):]
     targets = sum(next(r["targets"] for r in rows if r["step"] == st) for st in measured)

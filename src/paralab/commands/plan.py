@@ -100,10 +100,10 @@ class ShapeOptions:
                                      "dropout masks, Korthikanti et al.'s count) or flash (a log-sum-exp per token "
                                      "and head; FlashAttention)", choices=("eager", "flash"))
 
-    def built_by_paralab(self, embed: int, heads: int) -> bool:
-        """Whether `paralab train --model gpt` builds this shape (its command can be printed)."""
-        return (self.ffn_hidden in (None, 4 * embed) and self.kv_heads in (None, heads) and self.mlp == "gelu"
-                and self.attention == "eager")
+
+#: why a plan of a shape paralab's gpt does not build prints no command (Workload.shape_extras names the shape)
+NOT_BUILT = ("paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads and eager "
+             "attention")
 
 
 PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method", "ep")
@@ -151,7 +151,7 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     finally:
         bar.clear()
-    command = layout_command(args, plan.ranked[0].layout, plan.workers)
+    command = layout_command(args, work, plan.ranked[0].layout, plan.workers)
     if args.json:
         print(json.dumps(to_json(plan, where, command), indent=1))
     else:
@@ -182,7 +182,7 @@ def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
            f"does not fit: needs {x.memory / 1e9:.4g} GB per device (model states {parts['model_states'] / 1e9:.4g}"
            f" GB, activations {parts['activations'] / 1e9:.4g} GB), {(x.memory - usable) / 1e9:.4g} GB more than "
            f"the {usable / 1e9:.4g} GB usable ({cluster.memory_gb:g} GB x {cluster.usable_fraction:g})")
-    command = layout_command(args, x.layout, args.workers)
+    command = layout_command(args, work, x.layout, args.workers)
     if args.json:
         print(json.dumps({"model": work.describe(), "workers": args.workers, "cluster": cluster.to_dict()
                           | {"from": where}, "evaluated": x.to_dict(), "fits": x.fits, "rank": got.rank,
@@ -192,7 +192,7 @@ def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
     print(f"{work.describe()}; global batch {setting.global_batch}, {setting.precision} precision, "
           f"{setting.optimizer}; cluster {cluster.name}, {args.workers} devices (times in ms per step):\n")
     print(table([x], work))
-    uneven = work.stages_note(x.layout.pp * x.layout.virtual) if work.kind == "gpt" else None
+    uneven = work.stages_note(x.layout.pp * x.layout.virtual)
     print(f"\n{fit}\nplace: {got.where()}\nrun it: {command}" + (f"\nstages: {uneven}" if uneven else ""))
     return 0
 
@@ -248,14 +248,14 @@ def _workload(args):
         activations = args.activations if args.activations != "auto" else (
             "paralab" if args.cluster == "this-machine" else "published")
         shape = _shape(args)
-        if activations == "paralab" and not shape.built_by_paralab(args.embed, args.heads):
-            raise UsageError("--activations paralab counts what paralab's gpt keeps, and it builds a GELU MLP of 4 x "
-                             "--embed with as many key/value heads as heads and eager attention: drop --ffn-hidden, "
-                             "--kv-heads, --mlp and --attention, or use --activations published (a cluster preset "
-                             "or file takes it by default)")
-        return gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe,
+        work = gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe,
                             ffn_hidden=shape.ffn_hidden or 0, kv_heads=shape.kv_heads or 0, mlp=shape.mlp,
                             attention=shape.attention)
+        if activations == "paralab" and work.shape_extras():
+            raise UsageError(f"--activations paralab counts what paralab's gpt keeps, and {NOT_BUILT}: drop "
+                             "--ffn-hidden, --kv-heads, --mlp and --attention, or use --activations published (a "
+                             "cluster preset or file takes it by default)")
+        return work
     if any(getattr(args, n) is not None for n in ("ffn_hidden", "kv_heads")) or args.mlp != "gelu" or \
             args.attention != "eager":
         raise UsageError(f"--ffn-hidden, --kv-heads, --mlp and --attention shape a gpt; --model {args.model} has "
@@ -300,23 +300,14 @@ def layout_config(args, layout, workers: int):
                      **TRAIN_OPTIMIZER[args.optimizer])
 
 
-def layout_command(args, layout, workers: int) -> str:
+def layout_command(args, work, layout, workers: int) -> str:
     """The command line of :func:`layout_config`, from the run options' own declaration (``to_argv``); a shape
-    paralab's gpt does not build has none (the line says why)."""
-    if args.model == "gpt" and not _shape(args).built_by_paralab(args.embed, args.heads):
-        return ("none: paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads and "
-                "eager attention; this plan counts" + gpt_shape_words(args))
+    paralab's gpt does not build (``work.shape_extras()``) has none, and the line says why."""
+    if work.shape_extras():
+        return f"none: {NOT_BUILT}; this plan counts{work.shape_extras()}"
     from ..run.config import train_command
     return train_command(layout_config(args, layout, workers),
                          first=("workers", "model", "batch_size") + (("zero_stage",) if layout.zero else ()))
-
-
-def gpt_shape_words(args) -> str:
-    shape = _shape(args)
-    words = [f" F={shape.ffn_hidden}" if shape.ffn_hidden not in (None, 4 * args.embed) else "",
-             f" G={shape.kv_heads}" if shape.kv_heads not in (None, args.heads) else "",
-             " SwiGLU" if shape.mlp == "swiglu" else "", " flash attention" if shape.attention == "flash" else ""]
-    return "".join(words)
 
 
 def _ms(x: float) -> str:
@@ -354,7 +345,7 @@ def show(plan, where: str, command: str) -> None:
     if len(plan.ranked) > 1:
         print("\nwhy: " + why_first(best, plan.ranked[1]))
     print(f"\nrun the first: {command}" + (f" (recomputation: {best.notes[0]})" if best.notes else ""))
-    uneven = plan.work.stages_note(best.layout.pp * best.layout.virtual) if plan.work.kind == "gpt" else None
+    uneven = plan.work.stages_note(best.layout.pp * best.layout.virtual)
     if uneven:
         print(f"stages: {uneven}")
     print("columns: compute = the busiest rank's arithmetic; tp comm = tensor-parallel collectives (never "

@@ -42,8 +42,8 @@ IDENTITY_KEYS = ("model", "width", "norm", "strategy", "optimizer", "seed", "bat
 IDENTITY_DEFAULTS = {"drop_last": False, "precision": "fp32", "pp": 1}
 IDENTITY_DEFAULTS |= {"replicate": 1}  # HSDP (fsdp --replicate)
 IDENTITY_DEFAULTS |= {"dropout": 0.0}  # the gpt's residual dropout
-IDENTITY_DEFAULTS |= {"lr_schedule": "constant"}
-IDENTITY_DEFAULTS |= {"packing": False, "doc_length": 64}  # documents (data/documents.py)  # a cosine's rate at each step depends on its length
+IDENTITY_DEFAULTS |= {"lr_schedule": "constant"}  # a cosine's rate at each step depends on its length
+IDENTITY_DEFAULTS |= {"packing": False, "doc_length": 64}  # documents (data/documents.py)
 # the identity keys that only say how the same training is laid out over ranks: a checkpoint that differs
 # from the run in these alone resumes resharded (the global batch, checked apart, must stay the same)
 LAYOUT_KEYS = ("strategy", "world", "pp", "tp", "partition", "microbatches", "virtual_stages", "sequence_parallel",

@@ -255,9 +255,9 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         with recorder.span("data", "load"):
             x, y = source.batch(step)
             x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
+            documents.at_source_step(source, step, x, y)  # documents: the loss's global count, packed rows' ids
         # where this shard's samples sit in the step's global batch (the gpt's dropout masks: models/dropout.py)
         dropout.at_step(cfg.seed, step, rows=len(y) * replicas, first=len(y) * replica)
-        documents.at_source_step(source, step, x, y)  # documents: the loss's global count, packed rows' ids
         try:
             if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
                 probe = held.Probe([strategy], s.optimizers)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100  # F.cross_entropy's ignore_index: a target no loss counts (data/documents.py uses it)
+from ..data.documents import IGNORE  # F.cross_entropy's ignore_index: a target no loss counts
 
 
 class _Tokens:
@@ -43,7 +43,8 @@ def at_step(valid: int, elements: int) -> None:
 
 
 def piece_scale(targets: int) -> float:
-    """What a piece of ``targets`` elements multiplies its sum over valid targets by (module docstring)."""
+    """What a piece of ``targets`` elements multiplies its sum over valid targets by (module docstring; a global
+    batch with no valid target has a zero sum, scaled by anything finite)."""
     return TOKENS.elements / (targets * TOKENS.valid) if TOKENS.valid else 1.0 / targets
 
 

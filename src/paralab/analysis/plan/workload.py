@@ -224,8 +224,11 @@ class Workload:
         return b * blocks * 4 * s * s * h  # selective: the attention scores and their weighted sum again
 
     def shape_extras(self) -> str:
-        """What the gpt's shape holds beyond paralab's own (``gpt_workload``), as `` F=.. G=.. swiglu flash``."""
+        """What the gpt's shape holds beyond paralab's own (``gpt_workload``), as `` F=.. G=.. swiglu flash``
+        ("": the shape `paralab train` builds, or a CNN)."""
         sh = self.shape
+        if self.kind != "gpt":
+            return ""
         out = ""
         if sh.get("ffn_hidden", 4 * sh["embed"]) != 4 * sh["embed"]:
             out += f" F={sh['ffn_hidden']}"
@@ -323,7 +326,8 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     kv = h * G // heads  # the key (and the value) projection's width
     attention_params = 2 * h * h + 2 * h + 2 * (h * kv + kv)   # q and the output projection; k and v
     norms = 4 * h
-    c = parameter_counts_of(L, h, s, V)
+    from ...models.gpt import parameter_counts
+    c = parameter_counts(L, h, s, V)
     shape = dict(layers=L, embed=h, heads=heads, context=s, vocab=V, ffn_hidden=F, kv_heads=G, mlp=mlp,
                  attention=attention)
     extra = {}
@@ -354,20 +358,9 @@ def stage_blocks(layers: int, stages: int) -> list[int]:
     which also hold the embedding and the output layer; Dubey et al. 2024, sec. 3.3.2)."""
     k = -(-layers // stages)
     held = [k] * stages
-    missing = k * stages - layers
-    order = [i for pair in zip(range(stages), range(stages - 1, -1, -1)) for i in pair]
-    seen = []
-    for i in order:
-        if i not in seen:
-            seen.append(i)
-    for i in seen[:missing]:
-        held[i] -= 1
+    for j in range(k * stages - layers):  # fewer than the stages: the j-th from the ends, alternately
+        held[j // 2 if j % 2 == 0 else stages - 1 - j // 2] -= 1
     return held
-
-
-def parameter_counts_of(layers: int, embed: int, context: int, vocab: int) -> dict[str, int]:
-    from ...models.gpt import parameter_counts
-    return parameter_counts(layers, embed, context, vocab)
 
 
 def mlp_parameters(h: int, width: int, mlp: str) -> int:

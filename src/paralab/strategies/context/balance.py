@@ -62,8 +62,8 @@ def even_time(work: list[list[int]], ranks: int) -> float:
 
 
 def deal(work: list[list[int]], fixed: Assignment) -> Assignment:
-    """From ``fixed`` (the head + tail pairing), the best single swap of two chunks between two ranks, again
-    while one shortens :func:`ring_time`; each rank's chunks in position order."""
+    """From ``fixed`` (the head + tail pairing), swap two chunks of different ranks whenever that shortens
+    :func:`ring_time`, until no swap does; each rank's chunks in position order."""
     best, best_time = [list(chunks) for chunks in fixed], ring_time(work, fixed)
     improved = True
     while improved:
