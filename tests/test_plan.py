@@ -136,7 +136,9 @@ def test_the_bubble_is_the_simulators_on_per_stage_times():
         lay = Layout(dp=1, tp=1, pp=4, schedule=sched, virtual=v, microbatch=1, microbatches=8)
         got = predict(w, lay, cluster, Setting(8))
         stages = w.cut(4 * v)
-        F = [sum(u.forward_flops for u in w.units[lo:hi]) / 100e12 for lo, hi in stages]
+        # each stage's matmuls at the rate, its blocks' elementwise bytes at the memory bandwidth (1000 GB/s)
+        F = [sum(u.forward_flops for u in w.units[lo:hi]) / 100e12
+             + w.elementwise_bytes(lo, hi, 1, 1, False, 2)[0] / 1000e9 for lo, hi in stages]
         split = spec_of(sched).split_backward  # paralab's W walks the activation gradients again: I = F, W = 2 F
         B = [(3 if split else 2) * f for f in F]
         kw = dict(input_time=[f for f in F], weight_time=[2 * f for f in F]) if split else {}
@@ -569,3 +571,25 @@ def test_a_named_layout_is_evaluated_fitting_or_not_and_placed(capsys):
     assert "dp x cp x tp x pp = 8, not the 16 workers" in refused(capsys, *shape, "--layout", "dp8 m1xb4")
     assert "pp2 needs its schedule" in refused(capsys, *shape, "--layout", "dp8 pp2 m1xb4")
     assert "--layout names every dimension" in refused(capsys, *shape, "--layout", "dp16 m1xb2", "--tp", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["mixtral", "llama"])
+def test_the_pages_other_examples_give_the_first_row_they_print(capsys, example):
+    """docs/plan.md's Mixtral-like and Llama 3 405B examples, run as printed: their first row's layout and MFU
+    are the page's (the Mixtral table's first line; the Llama paragraph's "first row is ..., MFU ...")."""
+    import re
+    import shlex
+    from pathlib import Path
+    page = (Path(__file__).resolve().parent.parent / "docs" / "plan.md").read_text()
+    flat = " ".join(page.replace("\\\n", " ").split())  # a command continued over lines, joined
+    if example == "mixtral":
+        command = re.search(r"(paralab plan --model gpt --layers 32 .*?--global-batch 256)", flat).group(1)
+        layout, mfu = re.search(r"\| (dp\S.*?) \| \d+ \|.*?\| ([\d.]+) % \|", page.split("The first three:")[1]).groups()
+    else:
+        command = re.search(r"(paralab plan --model gpt --layers 126 .*?--top 5)", flat).group(1)
+        layout, mfu = re.search(r"first row is `([^`]+)`, MFU ([\d.]+) %", flat).groups()
+    assert main(shlex.split(command)[1:]) == 0
+    out = capsys.readouterr().out
+    first = re.search(r"^ ?1  (\S.*?)\s{2,}\S+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", out, re.M)
+    assert first.groups() == (layout, mfu), out

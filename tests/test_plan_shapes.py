@@ -108,8 +108,48 @@ def test_a_plan_of_a_real_shape_names_its_stages_and_prints_no_command_it_cannot
     (["--model", "vgg11", "--kv-heads", "2"], "shape a gpt; --model vgg11 has none"),
     (["--model", "gpt", "--mlp", "relu"], "--mlp"),
     (["--model", "gpt", "--ffn-hidden", "0"], "--ffn-hidden"),
+    (["--model", "gpt", "--shared-experts", "2"], "--shared-experts 2 are a mixture of experts'"),
+    (["--model", "gpt", "--experts", "4", "--top-k", "2", "--shared-experts", "-1"], "--shared-experts"),
+    (["--model", "gpt", "--experts", "4", "--top-k", "2", "--shared-experts", "1", "--activations", "paralab"],
+     "--activations paralab counts"),
+    (["--model", "vgg11", "--shared-experts", "1"], "shape a gpt; --model vgg11 has none"),
 ])
 def test_shape_options_that_do_not_fit_are_refused(argv, says):
     r = run_paralab("plan", *argv, "--workers", "8", "--cluster", "h100-sxm")
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert r.stdout == ""
+
+
+def test_shared_experts_are_counted_as_experts_every_token_runs():
+    """S shared experts (DeepSeekMoE's) add S expert MLPs to every block, run by every token: parameters and
+    active parameters grow by L S (2 h H + H + h) (GELU), forward FLOPs by twice that per token, the
+    published activations by each token's expert input and GELU input and output per shared expert, and
+    they are held whole on every rank (tp and ep split them not), as the router is."""
+    L, h, a, s, V, E, K, H = 4, 256, 8, 128, 1000, 8, 2, 512
+    base = gpt_workload(L, h, a, s, V, experts=E, top_k=K, expert_hidden=H)
+    shared = gpt_workload(L, h, a, s, V, experts=E, top_k=K, expert_hidden=H, shared_experts=2)
+    one = 2 * h * H + H + h
+    assert shared.parameters - base.parameters == L * 2 * one
+    assert shared.active_parameters - base.active_parameters == L * 2 * one
+    assert shared.model_flops_per_sample() - base.model_flops_per_sample() == pytest.approx(3 * L * 2 * 2 * one * s)
+    n = len(base.units)
+    (rest0, experts0), (rest1, experts1) = base.held_parameters(0, n, 4, 2), shared.held_parameters(0, n, 4, 2)
+    assert experts1 == experts0 and rest1 - rest0 == L * 2 * one  # whole on each of 4 tp and 2 ep ranks
+    kept = [w.activation_bytes(1, n - 1, 1, 1, False, "none", 2) for w in (base, shared)]  # the L blocks
+    assert kept[1] - kept[0] == pytest.approx(L * s * 2 * (2 * h + 4 * H))  # 16-bit: per token, per shared expert
+    assert shared.shape_extras() == " shared-experts=2" and "+ 2 shared" in shared.describe()
+
+
+def test_eager_attention_pays_for_its_scores_in_memory_bound_time():
+    """Eager attention's softmax and dropout read and write the a s^2 scores: memory-bound time flash attention
+    does not spend. The same layout is slower eager than flash, by a share of the step that grows with the
+    context (the scores grow with s, the matmuls with s and h)."""
+    from paralab.analysis.plan import PRESETS, Layout, Setting, predict
+    lay = Layout(dp=8, tp=2, pp=1, microbatch=1, microbatches=1)
+    share = []
+    for s in (2048, 8192):
+        eager, flash = (predict(gpt_workload(8, 4096, 32, s, 50257, attention=a), lay, PRESETS["h100-sxm"],
+                                Setting(8)) for a in ("eager", "flash"))
+        assert eager.step > flash.step and eager.mfu < flash.mfu
+        share.append(1 - flash.compute / eager.compute)
+    assert 0 < share[0] < share[1]

@@ -8,7 +8,8 @@ sequence parallelism; ring or all-to-all context parallelism; expert
 parallelism of a mixture of experts; pipeline schedule, microbatches and
 virtual stages; recomputation none/selective/full, planned from
 Korthikanti et al.'s formulas), predicts
-each one's step time (compute; tensor-parallel, pipeline and data-parallel
+each one's step time (compute: matmuls at the device's rate, elementwise
+kernels at its memory bandwidth; tensor-parallel, pipeline and data-parallel
 communication with what paralab overlaps; the bubble from the schedule
 simulator on per-stage times; the optimizer step) and peak memory per
 device, and prints the fastest that fit, with MFU, tokens/s and why the
@@ -99,11 +100,14 @@ class ShapeOptions:
     attention: str = option("eager", "what attention keeps for backward: eager (the s x s scores, softmax and "
                                      "dropout masks, Korthikanti et al.'s count) or flash (a log-sum-exp per token "
                                      "and head; FlashAttention)", choices=("eager", "flash"))
+    shared_experts: int = option(0, "a mixture of experts' shared experts S (DeepSeekMoE's: every token runs them "
+                                    "beside its --top-k routed ones; each of --expert-hidden; needs --experts)",
+                                 minimum=0)
 
 
 #: why a plan of a shape paralab's gpt does not build prints no command (Workload.shape_extras names the shape)
-NOT_BUILT = ("paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads and eager "
-             "attention")
+NOT_BUILT = ("paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads, eager "
+             "attention and no shared experts")
 
 
 PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method", "ep")
@@ -186,6 +190,7 @@ def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
     if args.json:
         print(json.dumps({"model": work.describe(), "workers": args.workers, "cluster": cluster.to_dict()
                           | {"from": where}, "evaluated": x.to_dict(), "fits": x.fits, "rank": got.rank,
+                          "rank_all": got.rank_all, "fitting": got.plan.fitting if got.plan else 0,
                           "searched": len(got.plan.ranked) if got.plan else 0, "where": got.where(),
                           "command": command}, indent=1))
         return 0
@@ -215,7 +220,10 @@ def write_report(plan: dict, out: Path) -> Path:
 
 def _shape(args) -> ShapeOptions:
     """The gpt's shape options, checked against the heads (exit 2 saying what to change)."""
-    shape = ShapeOptions(args.ffn_hidden, args.kv_heads, args.mlp, args.attention)
+    shape = ShapeOptions(args.ffn_hidden, args.kv_heads, args.mlp, args.attention, args.shared_experts)
+    if shape.shared_experts and not args.experts:
+        raise UsageError(f"--shared-experts {shape.shared_experts} are a mixture of experts' (every token runs them "
+                         "beside its routed experts): give --experts E --top-k K too, or drop --shared-experts")
     if shape.kv_heads is not None and args.heads % shape.kv_heads:
         raise UsageError(f"--kv-heads {shape.kv_heads} must divide --heads {args.heads} (each key/value head serves "
                          "heads / kv-heads query heads)")
@@ -250,15 +258,15 @@ def _workload(args):
         shape = _shape(args)
         work = gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe,
                             ffn_hidden=shape.ffn_hidden or 0, kv_heads=shape.kv_heads or 0, mlp=shape.mlp,
-                            attention=shape.attention)
+                            attention=shape.attention, shared_experts=shape.shared_experts)
         if activations == "paralab" and work.shape_extras():
             raise UsageError(f"--activations paralab counts what paralab's gpt keeps, and {NOT_BUILT}: drop "
-                             "--ffn-hidden, --kv-heads, --mlp and --attention, or use --activations published (a "
+                             "--ffn-hidden, --kv-heads, --mlp, --attention and --shared-experts, or use --activations published (a "
                              "cluster preset or file takes it by default)")
         return work
     if any(getattr(args, n) is not None for n in ("ffn_hidden", "kv_heads")) or args.mlp != "gelu" or \
-            args.attention != "eager":
-        raise UsageError(f"--ffn-hidden, --kv-heads, --mlp and --attention shape a gpt; --model {args.model} has "
+            args.attention != "eager" or args.shared_experts:
+        raise UsageError(f"--ffn-hidden, --kv-heads, --mlp, --attention and --shared-experts shape a gpt; --model {args.model} has "
                          "none: use --model gpt or leave them out")
     if args.ep not in (None, 1):
         raise UsageError(f"--ep {args.ep} splits a mixture of experts' experts; --model {args.model} has none: "

@@ -2,7 +2,8 @@
 
 One concept per module: ``cluster.py`` (a cluster and its presets, a user's file), ``calibrate.py``
 (this machine, measured), ``collectives.py`` (its collectives timed as a run meets them), ``workload.py`` (the model as units), ``layouts.py`` (what is enumerated),
-``predict.py`` (one layout's step and memory), ``search.py`` (the plan). docs/plan.md explains the
+``predict.py`` (one layout's step and memory), ``search.py`` (the plan), ``published.py`` (published
+training runs, each laid out as it was, beside the planner's prediction). docs/plan.md explains the
 assumptions.
 """
 from .cluster import PRESETS, Cluster, load_cluster

@@ -377,6 +377,7 @@ def this_machine(cal: dict, workers: int, where: str) -> Cluster:
         intra_latency_us=latency * 1e6, inter_gbps=gbps, inter_latency_us=latency * 1e6, efficiency=efficiency,
         unit_overhead_us=cal["unit_overhead_s"] * 1e6 * slowdown, crowding=slowdown if share < 1 else 0.0,
         p2p_overhead_us=cal.get("p2p_overhead_s", 0.0) * 1e6,  # alone: shared_cores.py shares it
+        elementwise=False,  # the block's measured rate holds its elementwise work
         source=f"measured on {cal['cpu']} ({cores} cores), {where}: {cal['dtype']} matmul "
                f"{cal['matmul_flops'] / 1e9:.3g} GFLOP/s per core"
                + (f" x {cores}/{workers} (workers share the cores)" if share < 1 else "")

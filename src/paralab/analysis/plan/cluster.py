@@ -45,6 +45,9 @@ class Cluster:
     collectives: dict | None = None  # measured: {op: {group size: [[bytes, seconds], ...]}} (collectives.py)
     crowding: float = 0.0  # workers sharing fewer cores: a unit's slowdown with all computing at once (0: a device each)
     p2p_overhead_us: float = 0.0  # processor time of a point-to-point send or receive beside its transfer (measured here)
+    elementwise: bool = True  # time a gpt block's elementwise kernels at memory_gbs beside the matmuls at their
+    #                           rate (workload.block_elementwise); False where the rate was measured on a whole
+    #                           block, which holds them (this-machine)
 
     def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
         """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on
@@ -87,8 +90,11 @@ class Cluster:
 
 _LATENCY = ("latencies are typical small-message figures, assumed (not from a datasheet): 5 us inside a node, "
             "10 us between nodes")
-_EFFICIENCY = ("efficiency 0.6 of the dense peak is an assumption (large GEMMs reach more; elementwise ops less), "
-               "and so is 20 us of fixed cost per unit forward of a microbatch (kernel launches)")
+_EFFICIENCY = ("efficiency 0.6 of the dense peak for the matmuls is an assumption (the best-shaped bf16 matmul "
+               "reaches 85.9 % of it on an A100 SXM and 80.1 % on an H100 SXM, stas00/ml-engineering's mamf-finder "
+               "table; a run's matmuls are smaller and less regular), the elementwise kernels timed at the memory "
+               "bandwidth beside them; 20 us of fixed cost per unit forward of a microbatch (kernel launches) is "
+               "assumed too")
 
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("a100-sxm", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
@@ -128,8 +134,8 @@ PRESETS["a100-40gb"] = replace(
            "dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
            "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
-           "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU; the 2020 DGX A100 "
-           f"that Narayanan et al. 2021 and BLOOM trained on); {_LATENCY}; {_EFFICIENCY}")
+           "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU); "
+           f"{_LATENCY}; {_EFFICIENCY}")
 PRESETS["h800"] = replace(
     PRESETS["h100-sxm"], name="h800", intra_gbps=1600,
     source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5: the H100 SXM's compute, FP32 67 TFLOPS, "
@@ -192,6 +198,8 @@ def load_cluster(path: str) -> Cluster:
     for k, rule in RANGES.items():
         if k in data:
             check_number(path, k, data[k], rule)
+    if not isinstance(data.get("elementwise", True), bool):
+        raise UsageError(f"--cluster {path}: elementwise must be true or false (got {data['elementwise']!r})")
     coll = data.get("collectives")
     if coll is not None and not (isinstance(coll, dict) and all(isinstance(by, dict) and all(
             isinstance(pts, list) and pts and all(isinstance(pt, list) and len(pt) == 2 and all(

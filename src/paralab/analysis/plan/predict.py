@@ -3,9 +3,14 @@
 Per step on the busiest device (all times in seconds):
 
 - **compute**: each stage's forward of one microbatch is its units' FLOPs
-  x b / tp at the cluster's achievable rate, plus the cluster's fixed cost
-  per unit (launches: what makes tiny microbatches slow); its backward twice that, plus
-  what recomputation runs again (``Workload.recompute_flops``).
+  x b / tp at the cluster's achievable rate, plus, on a preset or a cluster
+  file, the bytes its blocks' elementwise kernels move at the device's
+  memory bandwidth (``workload.block_elementwise``: LayerNorms, residual
+  adds, the MLP's activation, eager attention's softmax and dropout; a
+  measured ``this-machine`` rate holds them already), plus the cluster's
+  fixed cost per unit (launches: what makes tiny microbatches slow); its
+  backward twice that, plus what recomputation runs again
+  (``Workload.recompute_flops``, and the elementwise bytes it moves again).
 - **tensor parallelism** (synchronous in paralab, in every layer's critical
   path): per block two activation all-reduces forward and two backward
   (``b s h e`` bytes, ring over the tp group; sequence parallelism's
@@ -172,9 +177,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     split = p > 1 and spec_of(lay.schedule).split_backward  # zero bubble: I, then W walks the units again
     cp_block = cp_exposed(work, lay, b, e, cp_link, cluster, rate, split) if C > 1 else 0.0
     ep_block = ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep), split) if lay.ep > 1 else 0.0
+    bandwidth = cluster.memory_gbs * 1e9  # the elementwise kernels' bytes move at it (0: in the measured rate)
     for lo, hi in stages:
-        f = b * work.rank_flops(lo, hi, t, C) / rate + overhead * (hi - lo)
-        extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate
+        moved, scores = work.elementwise_bytes(lo, hi, t, C, lay.sp, e) if cluster.elementwise else (0.0, 0.0)
+        f = b * work.rank_flops(lo, hi, t, C) / rate + b * moved / bandwidth + overhead * (hi - lo)
+        again = {"full": moved, "selective": scores}.get(lay.recompute, 0.0)
+        extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate + b * again / bandwidth
         blocks = work.blocks_in(lo, hi)
         comm = 0.0
         if t > 1:

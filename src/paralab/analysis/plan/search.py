@@ -14,6 +14,7 @@ tens of thousands of predictions back cost more than computing them.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import multiprocessing
 import os
@@ -40,6 +41,7 @@ class Plan:
     fitting: int
     smallest: Prediction | None = None  # the layout with the least memory (also when nothing fits)
     notes: list = field(default_factory=list)
+    rough: list[float] = field(default_factory=list)  # every fitting layout's first-pass step, fastest first
 
 
 def _predict(work: Workload, cluster: Cluster, setting: Setting, simulate: bool, layout: Layout) -> Prediction:
@@ -100,7 +102,8 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
     final = predict_many(work, [x.layout for x in fitting[:keep]], cluster, setting, simulate=True, tick=tick)
     final = [x for x in final if x.fits]
     final.sort(key=lambda x: (x.step, x.memory))
-    return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest)
+    return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest,
+                rough=[x.step for x in fitting])
 
 
 @dataclass
@@ -110,6 +113,12 @@ class Evaluation:
     plan: Plan | None      # the unpinned search on the same model, cluster and batch (None: nothing fits)
     rank: int | None       # 1-based among the plan's simulated layouts; None if it does not fit or is slower
                            # than every one of them
+    rank_all: int | None = None  # 1-based among every layout that fits, all by the first pass's closed forms
+
+    @property
+    def top_percent(self) -> float | None:
+        """Where ``rank_all`` falls in the list of every layout that fits, as a percentage (1st of 200: 0.5)."""
+        return None if self.rank_all is None else 100 * self.rank_all / self.plan.fitting
 
     def where(self) -> str:
         x, plan = self.prediction, self.plan
@@ -118,18 +127,21 @@ class Evaluation:
         if plan is None:
             return "no layout the search lists fits"
         of = f"of the {len(plan.ranked)} fastest the search simulated ({plan.fitting} fit of {plan.considered})"
+        among = (f"; by the first pass's closed forms, {self.rank_all} of the {plan.fitting} that fit (the fastest "
+                 f"{self.top_percent:.2g} %)")
         if self.rank is None:
-            return f"slower than all {of}"
+            return f"slower than all {of}" + among
         return f"{self.rank} {of}" + ("" if self.rank == 1 else
                                       f"; the first, {plan.ranked[0].layout.label()}, takes "
-                                      f"{plan.ranked[0].step * 1e3:.4g} ms")
+                                      f"{plan.ranked[0].step * 1e3:.4g} ms") + among
 
 
 def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, layout: Layout, *,
              ranked: int = 40) -> Evaluation:
     """``layout`` predicted with the simulator, fitting or not, and ranked among the ``ranked`` fastest layouts
-    of the unpinned search (:func:`make_plan`); NoLayout saying why if the layout does not divide the model,
-    the workers and the batch, or is not one paralab runs."""
+    of the unpinned search (:func:`make_plan`), and among every layout that fits by the closed forms the search's
+    first pass ranks them with (its own closed form against theirs: like against like); NoLayout saying why if
+    the layout does not divide the model, the workers and the batch, or is not one paralab runs."""
     pins = layout.pins()
     if layout not in enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node, fixed=pins):
         per_replica = setting.global_batch / layout.dp
@@ -147,7 +159,9 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
     if not x.fits:
         return Evaluation(x, plan, None)
     faster = sum(y.step < x.step or (y.step == x.step and y.memory < x.memory) for y in plan.ranked)
-    return Evaluation(x, plan, faster + 1 if faster < len(plan.ranked) else None)
+    rough = predict(work, layout, cluster, setting, simulate_pipeline=False).step
+    return Evaluation(x, plan, faster + 1 if faster < len(plan.ranked) else None,
+                      bisect.bisect_left(plan.rough, rough) + 1)
 
 
 TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),

@@ -67,6 +67,8 @@ class Unit:
     kept_elements: float = 0  # per sample, a CNN's: elements kept for backward (the gpt's come from its formula)
     expert_parameters: int = 0   # a MoE block's E experts (in ``parameters``): whole on tp ranks, split over ep
     router_parameters: int = 0   # a MoE block's router (in ``parameters``): whole on every rank
+    shared_parameters: int = 0   # a MoE block's shared experts (in ``parameters``): whole on every rank, run by
+    #                              every token
     moe_flops: float = 0.0       # per sample, a MoE block's router and experts (in ``forward_flops``): not split by tp
     kept_first: float = 0     # per sample, a CNN's: the same when the unit starts a stage (its input received)
     kept_fixed: float = 0     # per microbatch, whatever its size (BatchNorm's statistics), in the chain
@@ -91,7 +93,8 @@ class Workload:
         """A mixture of experts' shape (experts, top_k, expert_hidden, capacity_factor), None if dense."""
         if not self.shape.get("experts"):
             return None
-        return {k: self.shape[k] for k in ("experts", "top_k", "expert_hidden", "capacity_factor")}
+        return {k: self.shape[k] for k in ("experts", "top_k", "expert_hidden", "capacity_factor",
+                                           "shared_experts")}
 
     @property
     def active_parameters(self) -> int:
@@ -117,8 +120,9 @@ class Workload:
         ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router,
         whole; its experts split over ep only."""
         units = self.units[lo:hi]
-        rest = sum(u.parameters - u.expert_parameters - u.router_parameters for u in units) / t
-        return rest + sum(u.router_parameters for u in units), sum(u.expert_parameters for u in units) / ep
+        whole = sum(u.router_parameters + u.shared_parameters for u in units)
+        rest = sum(u.parameters - u.expert_parameters for u in units) - whole
+        return rest / t + whole, sum(u.expert_parameters for u in units) / ep
 
     @_per_range
     def parameters_in(self, lo: int, hi: int) -> int:
@@ -143,6 +147,23 @@ class Workload:
         """Activation collectives per microbatch, forward and backward, that ``blocks`` blocks run under tp:
         the attention's and the MLP's (2 + 2); a MoE layer is whole on every tp rank, so only the attention's."""
         return (2 if self.moe else 4) * blocks
+
+    @_per_range
+    def elementwise_bytes(self, lo: int, hi: int, t: int, C: int, sp: bool, e: int) -> tuple[float, float]:
+        """Bytes one rank's memory-bound (elementwise) kernels move in the forward of one sample through the
+        blocks of units ``lo..hi-1`` (:func:`block_elementwise`), and the part of them the attention scores
+        take (selective recomputation runs that part again); 0 for a CNN, which the planner counts by FLOPs."""
+        if self.kind != "gpt":
+            return 0.0, 0.0
+        sh, moe = self.shape, self.moe
+        width = (moe["top_k"] * min(1.0, moe["capacity_factor"] or 1.0) + moe["shared_experts"]) * \
+            moe["expert_hidden"] if moe else sh["ffn_hidden"]
+        rest, scores = block_elementwise(sh["context"], sh["embed"], sh["heads"], t, C, sp, e, width=width,
+                                         mlp=sh["mlp"], dropout=self.activations == "published", mlp_split=not moe,
+                                         # paralab's gpt: PyTorch's fused attention, no dropout
+                                         attention=sh["attention"] if self.activations == "published" else "flash")
+        blocks = self.blocks_in(lo, hi)
+        return blocks * (rest + scores), blocks * scores
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs of one sample without recomputation: forward and twice it backward."""
@@ -235,6 +256,7 @@ class Workload:
         if sh.get("kv_heads", sh["heads"]) != sh["heads"]:
             out += f" G={sh['kv_heads']}"
         out += " swiglu" if sh.get("mlp") == "swiglu" else ""
+        out += f" shared-experts={sh['shared_experts']}" if sh.get("shared_experts") else ""
         out += " flash-attention" if sh.get("attention") == "flash" else ""
         return out
 
@@ -256,7 +278,8 @@ class Workload:
             if moe:
                 cap = f", capacity factor {moe['capacity_factor']:g}" if moe["capacity_factor"] else ""
                 return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}"
-                        f"{self.shape_extras()}, MoE E={moe['experts']} top-{moe['top_k']} H={moe['expert_hidden']}{cap}: "
+                        f"{self.shape_extras()}, MoE E={moe['experts']} top-{moe['top_k']} H={moe['expert_hidden']}{cap}"
+                        f"{' + ' + str(moe['shared_experts']) + ' shared' if moe['shared_experts'] else ''}: "
                         f"{self.parameters:,} parameters, {self.active_parameters:,} active per token (FLOPs and "
                         f"MFU count these), activations as {self.activations}")
             return (f"gpt L={sh['layers']} h={sh['embed']} a={sh['heads']} s={sh['context']} V={sh['vocab']}"
@@ -307,20 +330,22 @@ def published_moe_bytes(tokens: int, h: int, moe: dict) -> float:
     """A MoE layer's activations in Korthikanti et al.'s terms (16-bit, with a dropout mask; ours, not
     published): the layer's input and the dropout mask as the MLP's (3h bytes per token), the router's
     fp32 probabilities (4E), and per kept choice its expert's input (2h) and GELU input and output (2H
-    each); whole on every tp rank."""
-    R = kept_choices(tokens, moe)
+    each), as per token for each shared expert; whole on every tp rank."""
+    R = kept_choices(tokens, moe) + tokens * moe.get("shared_experts", 0)
     return tokens * (3 * h + 4 * moe["experts"]) + R * (2 * h + 4 * moe["expert_hidden"])
 
 
 def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
                  activations: str = "published", *, experts: int = 0, top_k: int = 1, expert_hidden: int = 0,
                  capacity_factor: float | None = None, ffn_hidden: int = 0, kv_heads: int = 0, mlp: str = "gelu",
-                 attention: str = "eager") -> Workload:
+                 attention: str = "eager", shared_experts: int = 0) -> Workload:
     """A gpt of any shape (module docstring). Beyond paralab's own gpt (``models/gpt.py``: a GELU MLP of
     ``4 h``, as many key/value heads as heads), the planner counts: ``ffn_hidden`` (the MLP's width),
     ``kv_heads`` (grouped-query attention: ``G`` key/value heads shared by the ``a`` query heads; 1 is
-    multi-query), ``mlp="swiglu"`` (three ``h x F`` matrices, a gate, as Llama's), and ``attention="flash"``
-    (the s x s scores are never kept: activation memory only)."""
+    multi-query), ``mlp="swiglu"`` (three ``h x F`` matrices, a gate, as Llama's), ``attention="flash"``
+    (the s x s scores are never kept: activation memory only), and a mixture of experts'
+    ``shared_experts`` (DeepSeekMoE's: S more experts of ``expert_hidden`` every token runs beside its K
+    routed ones, whole on every rank as the router is)."""
     L, h, s, V = layers, embed, context, vocab
     F, G = ffn_hidden or 4 * h, kv_heads or heads
     kv = h * G // heads  # the key (and the value) projection's width
@@ -334,13 +359,15 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     if experts:
         H = expert_hidden or 4 * h
         one = mlp_parameters(h, H, mlp)
-        router = h * experts
+        router, shared = h * experts, shared_experts * one
         rest = attention_params + norms
-        block = rest + router + experts * one
+        block = rest + router + shared + experts * one
         ran = min(1.0, capacity_factor or 1.0) * top_k  # experts a token runs (at most F K under a capacity)
-        moe_flops = 2.0 * (router + ran * one) * s
-        extra = dict(expert_parameters=experts * one, router_parameters=router, moe_flops=moe_flops)
-        shape |= dict(experts=experts, top_k=top_k, expert_hidden=H, capacity_factor=capacity_factor)
+        moe_flops = 2.0 * (router + shared + ran * one) * s
+        extra = dict(expert_parameters=experts * one, router_parameters=router, shared_parameters=shared,
+                     moe_flops=moe_flops)
+        shape |= dict(experts=experts, top_k=top_k, expert_hidden=H, capacity_factor=capacity_factor,
+                      shared_experts=shared_experts)
         block_flops = 2.0 * rest * s + moe_flops + 4.0 * s * s * h
     else:
         block = attention_params + norms + mlp_parameters(h, F, mlp)
@@ -349,6 +376,35 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     units += [Unit("block", block, block_flops, s * h, **extra) for _ in range(L)]
     units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
     return Workload("gpt", units, s, "gpt", shape, activations)
+
+
+def block_elementwise(s: int, h: int, a: int, t: int, C: int, sp: bool, e: int, *, width: int, mlp: str,
+                      attention: str, dropout: bool, mlp_split: bool = True) -> tuple[float, float]:
+    """Bytes one rank's elementwise kernels read and write in one block's forward of one sequence, as
+    Megatron-LM fuses them, each reading its inputs and writing its output once (``e`` bytes an element, a
+    dropout mask 1 byte a element), as (the rest, the attention scores'):
+
+    - the two LayerNorms: read and write ``s h`` each (4 e s h);
+    - the two bias-dropout-residual adds: read the output and the residual, write the sum (and the mask):
+      (3 e + 1) s h each, (3 e) without dropout;
+    - the MLP's activation: GELU reads and writes its ``s F`` input (2 e s F), SwiGLU reads gate and up and
+      writes their product (3 e s F); a mixture of experts' is its kept choices' (``width``: K H);
+    - the scores (eager attention): scale-mask-softmax reads and writes ``a s^2`` (2 e), the attention
+      dropout reads and writes them with its mask (2 e + 1); flash attention keeps them in the kernel: 0.
+
+    ``dropout`` is Korthikanti et al.'s block (``--activations published``); paralab's own gpt has none, and
+    a fused attention.
+
+    Tensor parallelism splits the heads and the MLP's width (a MoE layer, whole on every tp rank, excepted:
+    ``mlp_split``); the LayerNorms and the residual adds stay whole unless sequence parallelism splits the
+    tokens; context parallelism gives each rank ``s / C`` queries. These are memory-bound: the planner times
+    them at the device's memory bandwidth beside the matmuls at their rate (``predict.py``), backward moving
+    twice a forward's bytes."""
+    tokens = s / C
+    norms_and_adds = tokens * h * (4 * e + 2 * (3 * e + (1 if dropout else 0))) / (t if sp else 1)
+    activation = tokens * width * (3 if mlp == "swiglu" else 2) * e / (t if mlp_split else 1)
+    scores = 0.0 if attention == "flash" else tokens * s * a / t * (2 * e + (2 * e + 1 if dropout else 0))
+    return norms_and_adds + activation, scores
 
 
 def stage_blocks(layers: int, stages: int) -> list[int]:
