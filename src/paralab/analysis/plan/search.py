@@ -7,10 +7,10 @@ predicted again with the schedule simulator on their per-stage times, and
 ranked by that. Every row a plan shows is simulated. :func:`why_first`
 says, in one sentence, which terms make the first beat the second.
 
-The simulations (two thirds of a 1,024-device search) are pure Python over
-independent layouts: they run on every core this process may use (a forked
-pool, :func:`predict_many`). The closed forms stay in this process: sending
-tens of thousands of predictions back cost more than computing them.
+Both passes run on every core this process may use (a forked pool): the
+simulations one layout at a time, the closed forms in chunks of a few
+hundred returning only (step, memory, fits), so that what crosses back costs
+little beside the work.
 """
 from __future__ import annotations
 
@@ -48,29 +48,50 @@ def _predict(work: Workload, cluster: Cluster, setting: Setting, simulate: bool,
     return predict(work, layout, cluster, setting, simulate_pipeline=simulate)
 
 
-def predict_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting, simulate: bool,
-                 tick=None) -> list[Prediction]:
-    """:func:`predict` of each layout, in order; simulated ones on the cores this process may use (a forked pool
-    of processes where there are several and enough layouts to pay for it); ``tick(n)`` after every ``n`` done."""
-    job = functools.partial(_predict, work, cluster, setting, simulate)
+def _rough(work: Workload, cluster: Cluster, setting: Setting, layout: Layout) -> tuple[float, float, bool]:
+    """The first pass's answer for one layout, as little as crosses a process boundary: (step, memory, fits)."""
+    x = predict(work, layout, cluster, setting, simulate_pipeline=False)
+    return x.step, x.memory, x.fits
+
+
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    if not simulate or cores < 2 or len(layouts) < 8 or "fork" not in multiprocessing.get_all_start_methods():
+        return os.cpu_count() or 1
+
+
+def _map(job, items: list, tick, chunk: int) -> list:
+    """``job`` over ``items`` in order, on the cores this process may use (a forked pool where there are several
+    and enough items to pay for it), ``tick(n)`` after every ``n`` done."""
+    if _cores() < 2 or len(items) < 8 or "fork" not in multiprocessing.get_all_start_methods():
         out = []
-        for lay in layouts:
-            out.append(job(lay))
+        for item in items:
+            out.append(job(item))
             if tick:
                 tick(1)
         return out
     out = []
-    with multiprocessing.get_context("fork").Pool(cores) as pool:
-        for p in pool.imap(job, layouts):
-            out.append(p)
+    with multiprocessing.get_context("fork").Pool(_cores()) as pool:
+        for x in pool.imap(job, items, chunksize=chunk):
+            out.append(x)
             if tick:
                 tick(1)
     return out
+
+
+def predict_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting, simulate: bool,
+                 tick=None) -> list[Prediction]:
+    """:func:`predict` of each layout, in order, on the cores this process may use; ``tick(n)`` after every
+    ``n`` done."""
+    return _map(functools.partial(_predict, work, cluster, setting, simulate), layouts, tick, 1)
+
+
+def rough_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting,
+               tick=None) -> list[tuple[float, float, bool]]:
+    """The first pass (closed forms) over every layout, on the cores this process may use: (step, memory,
+    fits) each, in order; chunks of a few hundred layouts, so what returns costs little beside the work."""
+    return _map(functools.partial(_rough, work, cluster, setting), layouts, tick, 256)
 
 
 def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, *, fixed: dict | None = None,
@@ -88,9 +109,10 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
         if progress and (100 * done[0] // total != 100 * before // total or done[0] == total):
             progress(done[0], total)
 
-    rough = predict_many(work, layouts, cluster, setting, simulate=False, tick=tick)
-    smallest = min(rough, key=lambda x: x.memory)
-    fitting = [x for x in rough if x.fits]
+    rough = rough_many(work, layouts, cluster, setting, tick=tick)
+    least = min(range(len(layouts)), key=lambda i: rough[i][1])
+    smallest = predict(work, layouts[least], cluster, setting, simulate_pipeline=False)
+    fitting = sorted((step, i) for i, (step, _, fits) in enumerate(rough) if fits)
     if not fitting:
         parts = smallest.memory_parts
         raise NoLayout(
@@ -98,12 +120,11 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
             f"smallest found needs {smallest.memory / 1e9:.4g} GB ({smallest.layout.label()}: model states "
             f"{parts['model_states'] / 1e9:.4g} GB, activations {parts['activations'] / 1e9:.4g} GB); give more "
             "--workers, a smaller --global-batch or model, or a cluster with more memory")
-    fitting.sort(key=lambda x: x.step)
-    final = predict_many(work, [x.layout for x in fitting[:keep]], cluster, setting, simulate=True, tick=tick)
+    final = predict_many(work, [layouts[i] for _, i in fitting[:keep]], cluster, setting, simulate=True, tick=tick)
     final = [x for x in final if x.fits]
     final.sort(key=lambda x: (x.step, x.memory))
     return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest,
-                rough=[x.step for x in fitting])
+                rough=[step for step, _ in fitting])
 
 
 @dataclass
