@@ -14,7 +14,10 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   ``s (6 N + 12 L h s)``, ``calc tp``'s FLOPs per token times s. Activations
   per block: Korthikanti et al. 2022, Table 2 (``analysis/tensor.py``),
   published for 16-bit activations and scaled by the element size.
-  Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
+  Elementwise kernels (LayerNorms, residual adds, the MLP's activation,
+  eager attention's softmax and dropout) as the bytes they move
+  (:func:`block_elementwise`), which the planner times at the memory
+  bandwidth. Pipeline cuts put ``L / (p v)`` blocks on each stage, the embedding on the
   first, the head on the last; where that does not divide, one fewer on the
   first and the last stage first (:func:`stage_blocks`).
   A mixture of experts (``experts``, ``top_k``, ``expert_hidden``,
@@ -90,7 +93,8 @@ class Workload:
 
     @property
     def moe(self) -> dict | None:
-        """A mixture of experts' shape (experts, top_k, expert_hidden, capacity_factor), None if dense."""
+        """A mixture of experts' shape (experts, top_k, expert_hidden, capacity_factor, shared_experts), None if
+        dense."""
         if not self.shape.get("experts"):
             return None
         return {k: self.shape[k] for k in ("experts", "top_k", "expert_hidden", "capacity_factor",
@@ -117,8 +121,8 @@ class Workload:
     @_per_range
     def held_parameters(self, lo: int, hi: int, t: int, ep: int = 1) -> tuple[float, float]:
         """(the rest, experts) of units ``lo..hi-1``'s parameters one rank holds under ``t``-way tensor and
-        ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router,
-        whole; its experts split over ep only."""
+        ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router and
+        shared experts, whole; its routed experts split over ep only."""
         units = self.units[lo:hi]
         whole = sum(u.router_parameters + u.shared_parameters for u in units)
         rest = sum(u.parameters - u.expert_parameters for u in units) - whole
@@ -343,7 +347,8 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     ``4 h``, as many key/value heads as heads), the planner counts: ``ffn_hidden`` (the MLP's width),
     ``kv_heads`` (grouped-query attention: ``G`` key/value heads shared by the ``a`` query heads; 1 is
     multi-query), ``mlp="swiglu"`` (three ``h x F`` matrices, a gate, as Llama's), ``attention="flash"``
-    (the s x s scores are never kept: activation memory only), and a mixture of experts'
+    (the s x s scores are never kept, nor passed over by a softmax and dropout of their own: activation
+    memory and elementwise time), and a mixture of experts'
     ``shared_experts`` (DeepSeekMoE's: S more experts of ``expert_hidden`` every token runs beside its K
     routed ones, whole on every rank as the router is)."""
     L, h, s, V = layers, embed, context, vocab
