@@ -40,9 +40,9 @@ BLOOM = ("BigScience tr11-176B-ml: train/tr11-176B-ml/tr11-176B-ml.slurm in bigs
          "105.22 s per iteration, 149.02 TFLOP/s per GPU; README.md: 8 A100 80GB per node, 4 Omni-Path links")
 
 #: Megatron-LM in 2021 ran data, tensor and pipeline parallelism (1F1B or interleaved) with full recomputation
-MEGATRON_2021 = {"cp": 1, "sp": False, "zero": 0, "recompute": "full"}, ("1f1b", "interleaved-1f1b")
+MEGATRON_2021 = dict(cp=1, sp=False, zero=0, recompute="full"), ("1f1b", "interleaved-1f1b")
 #: Megatron-DeepSpeed for BLOOM: the same, with the bf16 optimizer's sharded states and DeepSpeed's 1F1B
-DEEPSPEED_2022 = {"cp": 1, "sp": False, "zero": 1, "replicate": 1, "recompute": "full"}, ("1f1b",)
+DEEPSPEED_2022 = dict(cp=1, sp=False, zero=1, replicate=1, recompute="full"), ("1f1b",)
 
 #: Jean Zay's A100 partition as BLOOM's README describes it: 4 Omni-Path links (100 Gb/s each) per node of 8
 #: (examples/clusters/jean-zay-a100.toml is the same cluster as a file, for the command the page prints)
