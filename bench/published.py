@@ -1,6 +1,6 @@
 """The planner against published training runs: each run's own layout predicted beside what it reached.
 
-    python bench/published.py                  # every run (about 8 minutes on 2 cores): table + JSON
+    python bench/published.py                  # every run (4 minutes on 2 cores): table + JSON
     python bench/published.py --runs "GPT 1.7B,BLOOM 176B" --out /tmp/p.json
 
 For each run of ``paralab.analysis.plan.published.RUNS`` (Narayanan et al.
