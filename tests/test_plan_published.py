@@ -88,3 +88,21 @@ def test_ranks_of_two_published_layouts_as_the_page_prints(tmp_path):
     for line in done.stdout.splitlines()[2:]:
         name = line.split(" | ")[0].lstrip("| ")
         assert ROW.match(line).groups()[1:] == rows[name], line
+
+
+@pytest.mark.slow
+def test_the_pages_published_commands_print_the_tables_prediction():
+    """The two `paralab plan ... --layout` commands the page prints (1.7B on a preset, BLOOM on the Jean Zay
+    file), run as printed from the repository's root: each prints its layout's row with the table's step."""
+    import shlex
+    flat = " ".join(PAGE.read_text().replace("\\\n", " ").split())
+    commands = re.findall(r'(paralab plan --model gpt --layers \d+ [^#]*?--layout "[^"]+")\s*# (GPT 1.7B|BLOOM 176B)',
+                          flat)
+    assert [name for _, name in commands] == ["GPT 1.7B", "BLOOM 176B"]
+    for command, name in commands:
+        r = subprocess.run([sys.executable, "-m", "paralab", *shlex.split(command)[1:]], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        step = float(page_rows()[name][2])  # the table's predicted seconds per step
+        row = re.search(r"^1  \S.*?\s{2,}([\d.e+]+)\s", r.stdout, re.M)
+        assert float(row.group(1)) / 1e3 == pytest.approx(step, rel=1e-3), r.stdout
