@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from .cluster import PRESETS, Cluster
 from .layouts import Layout, enumerate_layouts
 from .predict import Setting, predict
-from .search import evaluate
+from .search import evaluate, rough_many
 from .workload import gpt_workload
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
@@ -124,17 +124,14 @@ def against(run: Run) -> dict:
     """:func:`predicted`, with the layout's rank among every layout that fits and among those the published
     system could run (closed forms against closed forms), and the search's first row."""
     work, cfg = workload(run), setting(run)
-    lay = Layout.parse(run.layout)
-    got = evaluate(work, run.cluster, cfg, run.workers, lay)
+    got = evaluate(work, run.cluster, cfg, run.workers, Layout.parse(run.layout))
     pins, schedules = run.techniques
     theirs = [x for x in enumerate_layouts(work, run.workers, run.global_batch, run.cluster.devices_per_node,
                                            fixed=pins) if x.schedule in (None, *schedules)]
-    rough = sorted(y.step for y in (predict(work, x, run.cluster, cfg, simulate_pipeline=False) for x in theirs)
-                   if y.fits)
-    mine = predict(work, lay, run.cluster, cfg, simulate_pipeline=False).step
+    rough = sorted(step for step, _, fits in rough_many(work, theirs, run.cluster, cfg) if fits)
     first = got.plan.ranked[0]
     return predicted(run) | {
         "rank": got.rank_all, "fitting": got.plan.fitting, "top_percent": got.top_percent,
-        "rank_theirs": bisect.bisect_left(rough, mine) + 1, "fitting_theirs": len(rough),
+        "rank_theirs": bisect.bisect_left(rough, got.rough_step) + 1, "fitting_theirs": len(rough),
         "first": first.layout.label(), "first_step": first.step, "first_mfu": first.mfu,
         "source": run.source, "command": run.command()}

@@ -135,6 +135,7 @@ class Evaluation:
     rank: int | None       # 1-based among the plan's simulated layouts; None if it does not fit or is slower
                            # than every one of them
     rank_all: int | None = None  # 1-based among every layout that fits, all by the first pass's closed forms
+    rough_step: float | None = None  # its own first-pass step, which ``rank_all`` places
 
     @property
     def top_percent(self) -> float | None:
@@ -182,7 +183,7 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
     faster = sum(y.step < x.step or (y.step == x.step and y.memory < x.memory) for y in plan.ranked)
     rough = predict(work, layout, cluster, setting, simulate_pipeline=False).step
     return Evaluation(x, plan, faster + 1 if faster < len(plan.ranked) else None,
-                      bisect.bisect_left(plan.rough, rough) + 1)
+                      bisect.bisect_left(plan.rough, rough) + 1, rough)
 
 
 TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),
