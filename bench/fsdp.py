@@ -73,7 +73,9 @@ def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
     step_s = step_seconds(rows, args.warmup)
     ranks = list(s["split"].values())
     details = s.get("strategy_details") or {}
-    memory = [d["memory"] for d in details.values() if isinstance(d, dict) and "memory" in d]
+    # measured: each rank's held record (its ledger over the first step); predicted: the cost model's, beside it
+    memory = [(d["held"]["ledger"], d["memory"], d.get("allocator") or {}) for d in details.values()
+              if isinstance(d, dict) and "memory" in d and "ledger" in (d.get("held") or {})]
     result = {
         "variant": variant, "strategy": " ".join(strategy), "samples_per_s": s["global_batch"] / statistics.median(step_s),
         "samples_per_s_mean": s["samples_per_s"], "median_step_s": statistics.median(step_s),
@@ -83,15 +85,15 @@ def run_one(variant: str, args, workdir: Path, tag: str, ddp_name: str) -> dict:
         "parameters": s["parameters"], "global_batch": s["global_batch"], "run": str(out),
     }
     if memory:
-        worst = max(memory, key=lambda m: m["measured"]["resident_peak_bytes"])
-        result["memory"] = {"resident_peak_bytes": worst["measured"]["resident_peak_bytes"],
-                            "resident_peak_split": worst["measured"]["resident_peak_split"],
-                            "resident_peak_at": worst["measured"]["resident_peak_at"],
-                            "peak_bytes": worst["measured"]["peak_bytes"],
-                            "predicted_bytes": worst["predicted"]["bytes"],
-                            "predicted_formula": worst["predicted"]["formulas"]["total"]["substituted"]}
-        if "cuda_max_memory_allocated_bytes" in worst["measured"]:
-            result["memory"]["cuda_max_memory_allocated_bytes"] = worst["measured"]["cuda_max_memory_allocated_bytes"]
+        measured, model, allocator = max(memory, key=lambda m: m[0]["resident_peak_bytes"])
+        result["memory"] = {"resident_peak_bytes": measured["resident_peak_bytes"],
+                            "resident_peak_split": measured["resident_peak_split"],
+                            "resident_peak_at": measured["resident_peak_at"],
+                            "peak_bytes": measured["peak_bytes"],
+                            "predicted_bytes": model["predicted"]["bytes"],
+                            "predicted_formula": model["predicted"]["formulas"]["total"]["substituted"]}
+        if "peak_bytes" in allocator:  # CUDA: the allocator's peak over the run (recorder.allocator_peaks)
+            result["memory"]["cuda_max_memory_allocated_bytes"] = allocator["peak_bytes"]
         d0 = details.get("0", {})
         for key in ("reduce_scatter", "largest_unit", "padding_elements"):
             if key in d0:

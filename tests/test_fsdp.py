@@ -79,6 +79,7 @@ def _zero1_rank(rank, world, out_dir):
     from paralab.comm import Comm
     from paralab.recorder import Recorder
     from paralab.strategies.base import Context
+    from paralab.run import held
     from paralab.strategies.fsdp import ZeroOneReplicas
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir / 'store'}", rank=rank, world_size=world,
@@ -103,8 +104,10 @@ def _zero1_rank(rank, world, out_dir):
             dp.sync_buffers()
 
         model, dp = make()
-        for step in range(2):
-            train(model, dp, step)
+        ledgers = held.Ledgers([dp])  # what the flavour's ledger counts over a step, read as a run reads it
+        train(model, dp, 0)
+        measured = ledgers.close()
+        train(model, dp, 1)
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), **dp.state_dict()}, buf)  # as a checkpoint does
         train(model, dp, 2)
@@ -122,7 +125,7 @@ def _zero1_rank(rank, world, out_dir):
                   "momentum": [list(dp.optimizer.state[fu.shard]["momentum_buffer"].shape) for fu in dp.units],
                   "shards": [fu.shard_numel for fu in dp.units],
                   "real_parameters": all(isinstance(p, nn.Parameter) for p in model.parameters()),
-                  "summary": dp.summary()}
+                  "summary": dp.summary(), "held": measured}
         (out_dir / f"zero1-rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -149,7 +152,7 @@ def test_zero1_replicas_equal_one_process_on_the_whole_batch(tmp_path):
         s = r["summary"]
         assert s["zero_stage"] == 1 and s["units_sharded"] == 3 and s["shard_elements"] == 23
         assert s["padding_elements"] == 1 and s["reduce_scatter"] in ("reduce_scatter", "all_reduce+slice")
-        assert s["memory"]["measured"]["peak_bytes"]["optimizer"] == 4 * 23
+        assert r["held"]["peak_bytes"]["optimizer"] == 4 * 23
 
 
 # ---------------------------------------------------------------- the check matrix, in-process ranks
@@ -170,6 +173,7 @@ def _run_combo(rank, world, combo, data):
     from paralab.recorder import Recorder
     from paralab.strategies import get_strategy
     from paralab.strategies.base import Context
+    from paralab.run import held
     from paralab.run.worker import build_model_factory, build_optimizer_factory
 
     name, stage, norm, optimizer = combo
@@ -192,9 +196,13 @@ def _run_combo(rank, world, combo, data):
     cfg.precision = "fp32"
     check = Check(cfg, strategy, source, model_fn, optim_fn, None, comm, lambda *a: None, start=0, total=2)
     losses = []
-    for step in range(2):
-        losses.append([step, strategy.train_step(*source.batch(step)).loss])
-        check.after_step(step + 1)
+    probe = held.Probe([strategy], [strategy.optimizer])  # what the rank holds, measured as a run does
+    with probe.watch():
+        losses.append([0, strategy.train_step(*source.batch(0)).loss])
+    measured = probe.record(0)
+    check.after_step(1)
+    losses.append([1, strategy.train_step(*source.batch(1)).loss])
+    check.after_step(2)
     buf = io.BytesIO()
     torch.save(strategy.state_dict(), buf)  # as the checkpoint does; loaded back with weights_only
     check = check.finish(losses, rank)
@@ -223,7 +231,7 @@ def _run_combo(rank, world, combo, data):
     return {"passed": check["passed"], "max_weight_dev": check["max_weight_dev"],
             "max_output_dev": check["max_output_dev"], "lines": [v["lines"] for v in check["ranks"]],
             "shard_sizes": shard_sizes, "state_sizes": state_sizes, "resume_equal": resume_equal,
-            "replicated": strategy.replicated, "extra": strategy.extra_summary()}
+            "replicated": strategy.replicated, "extra": strategy.extra_summary(), "held": measured}
 
 
 def _matrix_rank(rank, world, out_dir):
@@ -274,7 +282,7 @@ def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
         if name == "fsdp":
             assert total * world == parameters + r["extra"]["padding_elements"]
             assert r["replicated"] == (stage != "3")
-            measured = r["extra"]["memory"]["measured"]["peak_bytes"]
+            measured = r["held"]["ledger"]["peak_bytes"]
             extra = measured["optimizer"] - 4 * total * len(keys)  # Adam also keeps a scalar step per shard
             assert 0 <= extra <= 8 * len(r["shard_sizes"]) * (optimizer == "adam")
             assert r["extra"]["reduce_scatter"] in ("reduce_scatter", "all_reduce+slice")
@@ -285,16 +293,16 @@ def test_optimizer_state_covers_the_local_shard_only(matrix, combo):
 def test_stage3_holds_a_shard_plus_gathered_units(matrix):
     world, ranks = matrix
     r = ranks[0]["fsdp/3/batch/sgd"]["extra"]
-    measured, predicted = r["memory"]["measured"], predicted_memory(r["memory"]["model"])["bytes"]
+    measured = ranks[0]["fsdp/3/batch/sgd"]["held"]["ledger"]
+    predicted = predicted_memory(r["memory"]["model"])["bytes"]
     unit = r["largest_unit"]["bytes"]
     shard_bytes = 4 * r["shard_elements"]
     # parameters: the shards plus at most two gathered units (the running one and the prefetched one)
     assert shard_bytes <= measured["peak_bytes"]["params"] <= shard_bytes + 2 * unit
     assert abs(shard_bytes - predicted["params"]) <= 4 * world * r["units_sharded"]
-    stage1 = ranks[0]["fsdp/1/batch/sgd"]["extra"]["memory"]["measured"]["peak_bytes"]
+    stage1 = ranks[0]["fsdp/1/batch/sgd"]["held"]["ledger"]["peak_bytes"]
     assert stage1["params"] == world * shard_bytes  # a full (padded) replica
-    assert measured["resident_peak_bytes"] < ranks[0]["fsdp/1/batch/sgd"]["extra"]["memory"]["measured"][
-        "resident_peak_bytes"]
+    assert measured["resident_peak_bytes"] < ranks[0]["fsdp/1/batch/sgd"]["held"]["ledger"]["resident_peak_bytes"]
 
 
 def test_prefetch_off_gathers_each_unit_when_reached(matrix):
@@ -304,8 +312,10 @@ def test_prefetch_off_gathers_each_unit_when_reached(matrix):
         assert on["prefetch"] is True and off["prefetch"] is False
         # without prefetch at most one unit is gathered at a time (the running one)
         unit, shards = off["largest_unit"]["bytes"], 4 * off["shard_elements"]
-        assert off["memory"]["measured"]["peak_bytes"]["params"] <= shards + unit
-        assert off["memory"]["measured"]["resident_peak_bytes"] <= on["memory"]["measured"]["resident_peak_bytes"]
+        held_on = results["fsdp/3/batch/sgd"]["held"]["ledger"]
+        held_off = results["fsdp/3-noprefetch/batch/sgd"]["held"]["ledger"]
+        assert held_off["peak_bytes"]["params"] <= shards + unit
+        assert held_off["resident_peak_bytes"] <= held_on["resident_peak_bytes"]
 
 
 def test_prefetch_is_a_command_line_option():
@@ -321,22 +331,24 @@ def test_resident_peak_is_within_the_models_peak_and_the_issue_target(matrix):
         for combo in ("fsdp/3/batch/sgd", "fsdp/3-end/batch/sgd", "fsdp/2/none/sgd", "fsdp/2-end/none/adam",
                       "fsdp/1/batch/sgd", "fsdp/3/none/adam"):
             r = results[combo]["extra"]
-            measured = r["memory"]["measured"]
+            measured = results[combo]["held"]["ledger"]
             predicted = predicted_memory(r["memory"]["model"])["bytes"]
             # padding: a few elements per unit in every sharded state
             slack = 3 * 4 * world * r["units_sharded"]
             assert measured["resident_peak_bytes"] <= predicted["peak"] + slack, (rank, combo)
             assert r["step_in_backward"] == ("-end" not in combo and r["zero_stage"] > 1)
         sib, end = results["fsdp/3/batch/sgd"]["extra"], results["fsdp/3-end/batch/sgd"]["extra"]
+        held_sib = results["fsdp/3/batch/sgd"]["held"]["ledger"]
+        held_end = results["fsdp/3-end/batch/sgd"]["held"]["ledger"]
         unit = sib["largest_unit"]["bytes"]
         # stepped in backward, gradient shards never pile up: at most one unit's gradient and its flat copy
-        assert sib["memory"]["measured"]["peak_bytes"]["grads"] <= 2 * unit
-        assert end["memory"]["measured"]["peak_bytes"]["grads"] >= 4 * end["shard_elements"]
-        assert sib["memory"]["measured"]["resident_peak_bytes"] < end["memory"]["measured"]["resident_peak_bytes"]
+        assert held_sib["peak_bytes"]["grads"] <= 2 * unit
+        assert held_end["peak_bytes"]["grads"] >= 4 * end["shard_elements"]
+        assert held_sib["resident_peak_bytes"] < held_end["resident_peak_bytes"]
         if world == 2:
             # the issue's target: <= a replica's parameters + gradients + momentum over N, + one unit
             replica = 12 * sib["memory"]["model"]["parameters"]
-            assert sib["memory"]["measured"]["resident_peak_bytes"] <= replica / world + unit
+            assert held_sib["resident_peak_bytes"] <= replica / world + unit
 
 
 # ---------------------------------------------------------------- the command line
@@ -358,7 +370,8 @@ def test_cli_fsdp_stage3_three_workers(paralab):
     assert "predicted" not in details["memory"] and "predicted" not in details["held"]
     from paralab.analysis.runs import load_run
     assert load_run(r.out).rank_details(0)["memory"]["predicted"]["strategy"] == "zero-3"
-    assert details["memory"]["measured"]["resident_peak_bytes"] > 0
+    assert set(details["memory"]) == {"model"}  # measured in one place: the held record, with the ledger's peaks
+    assert details["held"]["ledger"]["resident_peak_bytes"] > 0
     assert any(sp["args"].get("async") for sp in r.rows("spans.jsonl") if sp["category"] == "comm")
     # the memory figure and table: measured resident peak beside the model's states and peak
     from paralab.report import plots
@@ -378,6 +391,9 @@ def test_cli_torch_fsdp_two_workers_bn_free(paralab):
     assert r.summary["check"]["result"] == "PASS"
     from paralab.analysis.runs import load_run
     assert load_run(r.out).rank_details(1)["memory"]["predicted"]["strategy"] == "zero-3"
+    # its ledger is read from outside FSDP2, and the one record of what it measured says so
+    ledger = r.summary["strategy_details"]["1"]["held"]["ledger"]
+    assert ledger["resident_peak_bytes"] > 0 and "lower bound" in ledger["observed"]
     # FSDP2's collectives go through comm.py: timed, counted, nested in the compute spans
     assert r.summary["strategy_details"]["0"]["collectives_timed"] is True
     assert {"all_gather", "reduce_scatter"} <= set(r.summary["comm_ops"])

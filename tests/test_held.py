@@ -120,9 +120,19 @@ def test_ledgers_are_added_up_over_the_step_at_their_resident_peak():
     assert got["ledgers"] == 2 and got["resident_peak_bytes"] == 200 + 140 + 50
     assert got["resident_peak_split"] == {"params": 200, "grads": 140, "optimizer": 50}
     assert got["resident_peak_at"] == "flatten a"
-    assert a.peak["grads"] + b.peak["grads"] == 80 + 120  # each one's own peak: not at the same moment
+    # the peak of their sum, not the sum of each one's peak (a's 80 and b's 120 come at different moments)
+    assert got["peak_bytes"] == {"params": 200, "grads": 140, "optimizer": 50}
+    assert "observed" not in got  # both see every change they count
     a.add("grads", 999, "after")  # no longer listened to
     assert ledgers.peak["grads"] == 140
+
+
+def test_a_ledger_that_cannot_see_every_change_says_so_in_the_record():
+    from paralab.strategies.memory_ledger import Ledger
+    led = Ledger(observes="at unit boundaries only")
+    ledgers = held.Ledgers([led])
+    led.add("params", 8, "gather")
+    assert ledgers.close()["observed"] == "at unit boundaries only"
 
 
 GPT = ("--model", "gpt", "--layers", "2", "--embed", "32", "--heads", "2", "--context", "16",

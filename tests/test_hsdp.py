@@ -97,7 +97,7 @@ def test_zero3_pp2_holds_only_shards_between_steps_and_whole_stage_inside(parala
         itemsize = 8
         whole, shard = details["stage_parameters"] * itemsize, dp["shard_elements"] * itemsize
         # kept gathered across the step's microbatches: the stage's parameters whole plus the shards
-        assert dp["memory"]["measured"]["peak_bytes"]["params"] == whole + shard, dp
+        assert details["held"]["ledger"]["peak_bytes"]["params"] == whole + shard, details["held"]
     from paralab.analysis.runs import load_run
     from paralab.report.plots import memory_by_rank
     drawn = memory_by_rank(load_run(r.out))  # the memory plot draws each stage's ledger, not an estimate
@@ -246,4 +246,5 @@ def test_zero3_tp2_ledger_peak_equals_the_memory_models_prediction(paralab):
     for details in load_run(r.out).details.values():
         memory = details["memory"]
         assert memory["model"]["workers"] == 2 and memory["predicted"]["strategy"] == "zero-3"
-        assert memory["measured"]["resident_peak_bytes"] == memory["predicted"]["bytes"]["peak"], memory
+        measured = details["held"]["ledger"]  # measured in one place: the held record (run/held.py)
+        assert measured["resident_peak_bytes"] == memory["predicted"]["bytes"]["peak"], (measured, memory)

@@ -23,7 +23,7 @@ Span categories:
   waiting for an activation or a gradient: ``wait:recv_*``).
 
 Detail records: figures a strategy alone knows (its bucket layout, its
-stage's units, its memory ledger) go in ``summary.json``'s
+stage's units, what its memory model is) go in ``summary.json``'s
 ``strategy_details`` per rank, under the keys below; the ones the analysis
 reads are typed here (:class:`StageRecord`, :class:`MemoryModel`).
 """
@@ -47,7 +47,7 @@ WAIT_PREFIX = "wait:"    # name prefix: the rank blocked on an asynchronous oper
 # detail record keys (strategy_details[rank])
 STAGE = "stage"      # this rank is a pipeline stage: a StageRecord's fields
 BUCKETS = "buckets"  # a bucketed all-reduce's layout (ddp)
-MEMORY = "memory"    # a memory ledger: {"measured": the ledger, "model": a MemoryModel}; a reader adds "predicted"
+MEMORY = "memory"    # a sharded strategy's {"model": a MemoryModel}; a reader adds "predicted" (measured: HELD)
 UNCOUNTED_COMM = "uncounted_comm"  # this rank also communicated outside comm.py (e.g. a library's own hook), so
                                    # its recorded bytes are not all it sent: why, as a string
 ALLOCATOR = "allocator"  # CUDA only: the allocator's peak bytes per step (recorder.allocator_peaks); where a

@@ -2,15 +2,15 @@
 
 A training run records what it measured and calls no model of its own
 cost: each rank's ``held`` record (``run/held.py``: the model states and
-saved activations of its first step) and, for a strategy with a memory
-ledger, its ``memory`` record (the ledger and the ``model`` of what it
-holds). :func:`add_predictions`, applied by :func:`~.runs.load_run` to every
-run a command reads (``paralab calc memory RUN``, ``plot memory``, the
+saved activations of its first step, with a sharded strategy's ledgers
+read over it) and, for such a strategy, its ``memory`` record (the
+``model`` of what it holds, for the cost model). :func:`add_predictions`,
+applied by :func:`~.runs.load_run` to every run a command reads (``paralab calc memory RUN``, ``plot memory``, the
 compare report), adds beside each:
 
 - ``held["predicted"]``: the planner's memory for the run's layout and that
   rank's pipeline stage (``plan/from_run.py``), or ``{"why_not": ...}``;
-- ``memory["predicted"]``: the cost model's figures for the ledger's model
+- ``memory["predicted"]``: the cost model's figures for that model
   (``memory.py``), and on CUDA the allocator's measured peak beside them.
 
 So the planner can change and every old run is read with the new one.

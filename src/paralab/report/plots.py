@@ -438,17 +438,18 @@ SAVED = "saved activations (peak)"
 def memory_by_rank(run: Run) -> dict[int, dict]:
     """Per rank: ``{"parts": {component: (bytes, estimated?)}, "predicted": bytes | None}``.
 
-    Sources, in order: the strategy's ``memory`` in ``strategy_details`` (a
-    pipeline stage's: its data-parallel flavour's, where it keeps a ledger) —
-    either ``{component: bytes}`` or ``{"measured": {"resident_peak_split":
-    {...}}, "predicted": {"bytes": {...}}}`` (measured parts, predicted total);
-    else what the rank measured it held (``held``: model states and the peak
-    of saved activations, ``run/held.py``; with a ledger, its saved activations
-    are added to the ledger's parts, so every row counts the same); otherwise (records from before
-    that) the model state is estimated with the cost model
+    Sources, in order: what the rank measured it holds (``held``: model
+    states and the peak of saved activations, ``run/held.py``, the one place
+    a run measures memory), beside the cost model's prediction where the
+    strategy records the ``memory`` model it holds (fsdp, torch-fsdp: its
+    parts are then the ledgers' resident peak, which that model predicts) or
+    else the planner's for the run's layout; for records from before
+    ``held``, the strategy's own ``memory`` figures (``{component: bytes}``
+    or a ledger's ``{"measured": {"resident_peak_split": {...}}}``), or
+    otherwise the model state estimated with the cost model
     (``analysis.memory``, DDP formula) for the parameters the rank holds
-    (``stage_parameters`` / ``shard_parameters`` when reported, else the whole
-    model). Reported ``*_bytes`` figures (e.g. a pipeline stage's peak
+    (``stage_parameters`` / ``shard_parameters`` when reported, else the
+    whole model). Reported ``*_bytes`` figures (e.g. a pipeline stage's peak
     activations) are added as measured parts.
     """
     out: dict[int, dict] = {}
@@ -460,8 +461,9 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
             mem = det["data_parallel"].get("memory")
         parts: dict[str, tuple[float, bool]] = {}
         predicted = predicted_peak = None
+        held = det.get(HELD) if isinstance(det.get(HELD), dict) else None
         if isinstance(mem, dict):
-            measured = mem.get("measured")
+            measured = (held or {}).get("ledger") or mem.get("measured")  # (the latter: records before held)
             split = _numeric_dict(measured.get("resident_peak_split")) if isinstance(measured, dict) else {}
             flat = _numeric_dict(mem)
             if split:
@@ -476,10 +478,9 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
                         sum(_numeric_dict(pb).values()) or None)
                     if isinstance(pb.get("peak"), (int, float)) and pb["peak"] != predicted:
                         predicted_peak = pb["peak"]  # model states + the largest unit's working set
-        held = det.get(HELD)
-        if parts and isinstance(held, dict):  # a ledger counts model states: the saved activations beside them,
-            parts.setdefault(SAVED, (float(held.get("saved_activations_peak_bytes", 0)), False))  # as for the rest
-        if not parts and isinstance(held, dict):  # measured on any device (run/held.py)
+        if parts and held:  # a ledger counts model states: the saved activations beside them, as for the rest
+            parts.setdefault(SAVED, (float(held.get("saved_activations_peak_bytes", 0)), False))
+        if not parts and held:  # measured on any device (run/held.py)
             states = _numeric_dict(held.get("model_states_bytes"))
             parts = {("optimizer state" if k == "optimizer" else f"{k} held" if k == "other" else k): (v, False)
                      for k, v in states.items() if v}

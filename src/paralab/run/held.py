@@ -26,8 +26,8 @@ microseconds per saved tensor, and no averaged step pays them), with a
   buckets) is not seen.
 - **A strategy's own ledger** (``strategies/memory_ledger.py``, kept by
   ``fsdp``, its ZeRO flavours under ``--pp``/``--tp``/``--ep``, and
-  ``torch-fsdp``): it counts the tensors the strategy makes and frees inside
-  the step that the two counts above cannot see (fsdp's gathered units and
+  ``torch-fsdp``): the strategy tells it the tensors it makes and frees
+  inside the step that the two counts above cannot see (fsdp's gathered units and
   their full gradients, the flat copy of a unit's gradient a flavour
   reduce-scatters). Where the rank keeps any (several: a pipeline rank's
   stages, the experts' flavour beside the dense one), they are added up
@@ -36,7 +36,10 @@ microseconds per saved tensor, and no averaged step pays them), with a
   replace the three above; ``other`` stays the walk's.
 
 The record is a sum of peaks (model states, saved activations), as the
-memory model's formula is.
+memory model's formula is. It is the only place a run measures memory: a
+strategy's ledger is its instrument and is read here, and a strategy's own
+details carry no memory figures (its ``memory`` record holds only the
+``model`` the cost model predicts from).
 
 Records: ``strategy_details[rank]["held"]`` (``kinds.HELD``); the report's
 memory figure, ``paralab calc memory RUN`` and ``bench/plan.py`` set it
@@ -198,9 +201,11 @@ class Ledgers:
         if not self.ledgers:
             return None
         split = {"params": self.split["params"], "grads": self.split["grads"], "optimizer": self.now["optimizer"]}
+        observed = sorted({led.observes for led in self.ledgers if led.observes})
         return {"ledgers": len(self.ledgers), "resident_peak_bytes": sum(split.values()),
                 "resident_peak_split": split, "resident_peak_at": self.where,
-                "peak_bytes": dict(self.peak), "sum_of_peaks_bytes": sum(self.peak.values())}
+                "peak_bytes": dict(self.peak), "sum_of_peaks_bytes": sum(self.peak.values())} | (
+                    {"observed": "; ".join(observed)} if observed else {})
 
 
 class Probe:

@@ -1,15 +1,15 @@
-"""Memory accounting for the sharded strategies: bytes held per category, and their peaks.
+"""Memory accounting for the sharded strategies: the bytes held per category, told as they change.
 
 A :class:`Ledger` is told every time a strategy allocates or frees a
 parameter, gradient or optimizer-state tensor (``add``, ``sub``, ``set``,
-with where it happened). It keeps each category's current bytes, each
-category's peak, and the peak of their sum (``resident_peak_bytes``) with
-its split and its place. ``fsdp`` counts its tensors where its primitives
-allocate them; ``torch-fsdp`` counts what it can see from outside PyTorch's
-FSDP. What the figures show is in ``docs/fsdp.md``. A listener (:meth:`Ledger.listen`)
-is told every change as it happens: ``run/held.py`` adds up the ledgers of
-one rank (a pipeline stage's flavours, the experts' and the dense part's)
-over the step it measures.
+with where it happened) and keeps each category's current bytes. It is the
+strategy's instrument, not a record: ``fsdp`` counts its tensors where its
+primitives allocate them, ``torch-fsdp`` what it can see from outside
+PyTorch's FSDP (``observes`` says what that is). Memory is measured in one
+place, ``run/held.py``: it listens to every ledger of a rank (a pipeline
+stage's flavours, the experts' and the dense part's) over the step it
+measures and records their peaks in the rank's ``held`` record. What the
+figures show is in ``docs/fsdp.md``.
 """
 from __future__ import annotations
 
@@ -32,14 +32,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class Ledger:
-    """Bytes held per category, as tensors are allocated and freed; peaks of each and of the sum."""
+    """Bytes held per category, as tensors are allocated and freed; listeners told every change."""
 
-    def __init__(self):
+    def __init__(self, observes: str | None = None):
         self.now = dict.fromkeys(CATEGORIES, 0)
-        self.peak = dict.fromkeys(CATEGORIES, 0)
-        self.peak_total = 0
-        self.peak_split: dict[str, int] = dict(self.now)  # each category at the moment of peak_total
-        self.peak_where = ""
+        self.observes = observes  # when the counts are read, where a strategy cannot see every change
         self._listeners: list = []
 
     def listen(self, fn):
@@ -51,10 +48,6 @@ class Ledger:
         for fn in self._listeners:
             fn(category, size, where)
         self.now[category] += size
-        self.peak[category] = max(self.peak[category], self.now[category])
-        total = sum(self.now.values())
-        if total > self.peak_total:
-            self.peak_total, self.peak_split, self.peak_where = total, dict(self.now), where
 
     def sub(self, category: str, size: int) -> None:
         for fn in self._listeners:
@@ -63,8 +56,3 @@ class Ledger:
 
     def set(self, category: str, size: int, where: str = "") -> None:
         self.add(category, size - self.now[category], where)
-
-    def report(self) -> dict:
-        return {"peak_bytes": dict(self.peak), "sum_of_peaks_bytes": sum(self.peak.values()),
-                "resident_peak_bytes": self.peak_total, "resident_peak_split": dict(self.peak_split),
-                "resident_peak_at": self.peak_where}

@@ -164,7 +164,8 @@ class TorchFSDP(Strategy):
         self.params = list(self.model.parameters())
         self.parameters = sum(p.numel() for p in self.params)
         self.optimizer = optim_fn(self.params)
-        self.ledger = Ledger()
+        self.ledger = Ledger(observes="torch-fsdp: at forward unit boundaries, after backward and at the step: "
+                                      "a lower bound (backward's internals are not visible)")
         self.shard_bytes = sum(nbytes(local(p)) for p in self.params)
         self.ledger.add("params", self.shard_bytes, "init")
         for unit in self.units:
@@ -301,13 +302,9 @@ class TorchFSDP(Strategy):
             portable, self.model, self.optimizer, lambda k: 0 if k in params else None, rank, world)})
 
     def extra_summary(self):
-        measured = self.ledger.report() | {"observed": "forward unit boundaries, after backward, step: "
-                                                       "a lower bound (backward internals not visible)"}
-        if self.ctx.device.type == "cuda":
-            measured["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
         model = MemoryModel(parameters=self.local_parameters, workers=self.dp_comm.world, zero_stage=3,
                             optimizer=optimizer_kind(self.optimizer), precision="fp32",
                             unit_parameters=self.unit_parameters)
         return {"zero_stage": 3, "collectives_timed": self.reduce_scatter is not None,
                 "reduce_scatter": self.reduce_scatter.kind if self.reduce_scatter else None,
-                MEMORY: {"measured": measured, "model": model.to_dict()}}
+                MEMORY: {"model": model.to_dict()}}  # measured: the held record (run/held.py)

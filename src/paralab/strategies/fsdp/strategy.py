@@ -23,8 +23,8 @@ stage 3 the parameters as well. The step, as this file reads:
   parameters, stepped in place and completed by an asynchronous all-gather;
   then BatchNorm buffers broadcast from rank 0 (``first-replica``).
 
-A memory ledger (:mod:`..memory_ledger`) counts every byte as it is
-allocated and freed. Under ``--tp`` (no ``--pp``) stages 2-3 run this class on
+A memory ledger (:mod:`..memory_ledger`) is told every byte as it is
+allocated and freed (``run/held.py`` reads it over a run's first step). Under ``--tp`` (no ``--pp``) stages 2-3 run this class on
 each rank's tensor-parallel slice of the units (``ctx.shard``, ``ctx.loss``),
 sharded over the mesh's dp group; under ``--pp`` each stage is wrapped in a
 ZeRO flavour instead (:mod:`.zero1`, :mod:`.zero23`), and so is stage 1 under
@@ -393,9 +393,6 @@ class FSDP(Strategy):
         return []
 
     def extra_summary(self):
-        measured = self.ledger.report()
-        if self.ctx.device.type == "cuda":
-            measured["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
         largest = max(self.flat_units, key=lambda fu: fu.numel, default=None)
         return {
             "zero_stage": self.stage,
@@ -408,5 +405,5 @@ class FSDP(Strategy):
             "shard_elements": sum(fu.shard_numel for fu in self.flat_units),
             "largest_unit": None if largest is None else {"index": largest.index, "parameters": largest.numel,
                                                           "bytes": largest.full_bytes},
-            MEMORY: {"measured": measured, "model": self.memory_model().to_dict()},
+            MEMORY: {"model": self.memory_model().to_dict()},  # measured: the rank's held record (run/held.py)
         }

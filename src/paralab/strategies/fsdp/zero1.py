@@ -191,5 +191,4 @@ class ZeroOneReplicas(Replicas):
         return {"zero_stage": self.zero_stage, "reduce_scatter": self.reduce_scatter_kind, **self._hsdp(),
                 "units_sharded": len(self.units),
                 "shard_elements": sum(fu.shard_numel for fu in self.units),
-                "padding_elements": sum(fu.padded - fu.numel for fu in self.units),
-                "memory": {"measured": self.ledger.report()}}
+                "padding_elements": sum(fu.padded - fu.numel for fu in self.units)}
