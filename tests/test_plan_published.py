@@ -56,6 +56,20 @@ def test_the_published_step_is_narayanans_flops_over_the_published_rate():
     assert run.published_step() == pytest.approx(run.eq3_flops() / (148e12 * 1536))
 
 
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_tied_embeddings_count_each_model_as_its_name_does(run):
+    """Table 1 names each model by its parameters (the paper's `12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))`, a
+    tied output layer), and BLOOM is 176B: with --tied-embeddings the planner's count rounds to the name;
+    untied (paralab's gpt) it counts V h more (the 1.7B would be 1.8B)."""
+    name = re.search(r"([\d.]+)B$", run.name).group(1)
+    work = workload(run)
+    assert work.shape["tied_embeddings"] and work.tied_parameters == run.vocab * run.embed
+    assert round(work.parameters / 1e9, len(name.partition(".")[2])) == float(name)
+    l, h, s, V = run.layers, run.embed, run.context, run.vocab
+    paper = 12 * l * h * h + 13 * l * h + (V + s) * h  # the paper's expression, multiplied out
+    assert work.parameters - paper == 2 * h  # the final LayerNorm, which the paper's count leaves out
+
+
 def test_bloom_reads_its_iteration_time_and_runs_on_jean_zay():
     """BLOOM's published step is its log's (105.22 s at global batch 2048), and its cluster file, printed in
     the page's command, is the cluster the table used."""

@@ -113,6 +113,8 @@ def test_a_plan_of_a_real_shape_names_its_stages_and_prints_no_command_it_cannot
     (["--model", "gpt", "--experts", "4", "--top-k", "2", "--shared-experts", "1", "--activations", "paralab"],
      "--activations paralab counts"),
     (["--model", "vgg11", "--shared-experts", "1"], "shape a gpt; --model vgg11 has none"),
+    (["--model", "vgg11", "--tied-embeddings"], "shape a gpt; --model vgg11 has none"),
+    (["--model", "gpt", "--tied-embeddings", "--activations", "paralab"], "--activations paralab counts"),
 ])
 def test_shape_options_that_do_not_fit_are_refused(argv, says):
     r = run_paralab("plan", *argv, "--workers", "8", "--cluster", "h100-sxm")
@@ -153,3 +155,36 @@ def test_eager_attention_pays_for_its_scores_in_memory_bound_time():
         assert eager.step > flash.step and eager.mfu < flash.mfu
         share.append(1 - flash.compute / eager.compute)
     assert 0 < share[0] < share[1]
+
+
+def test_tied_embeddings_are_one_matrix_on_one_stage_and_a_copy_kept_in_step_across_a_pipeline():
+    """--tied-embeddings: the model counts the output layer once (V h fewer parameters). Without a pipeline one
+    rank holds one matrix: fewer model states and fewer gradient bytes for data parallelism to move. Across
+    stages the last keeps a copy (Megatron-LM's), so its memory is the untied one's, and every step pays one
+    all-reduce of that copy's gradient with the first stage (V h / tp elements, 2 ranks) in pp comm."""
+    from paralab.analysis.plan import PRESETS, Layout, Setting, predict
+    h100, setting = PRESETS["h100-sxm"], Setting(64)
+    L, h, a, s_, V = 8, 2048, 16, 2048, 50257
+    untied, tied = (gpt_workload(L, h, a, s_, V, tied_embeddings=t) for t in (False, True))
+    assert untied.parameters - tied.parameters == V * h == tied.tied_parameters
+    assert "tied-embeddings" in tied.describe() and untied.tied_parameters == 0
+
+    one = Layout(dp=8, tp=2, pp=1, microbatch=1, microbatches=8)
+    u, t = (predict(w, one, h100, setting) for w in (untied, tied))
+    assert t.memory_parts["model_states"] < u.memory_parts["model_states"] and t.dp_total < u.dp_total
+    assert t.pp_comm == u.pp_comm == 0
+
+    two = Layout(dp=4, tp=2, pp=2, microbatch=1, microbatches=16, schedule="1f1b")
+    u, t = (predict(w, two, h100, setting) for w in (untied, tied))
+    assert t.memory_by_rank == u.memory_by_rank  # the last stage's copy is held as the untied layer was
+    link = h100.link(two.tp * two.dp * two.pp)
+    tie = h100.collective("all_reduce", V * h / two.tp * setting.element, 2, link)
+    assert tie > 0 and t.pp_comm - u.pp_comm == pytest.approx(tie) and t.step - u.step == pytest.approx(tie)
+
+
+def test_a_tied_plan_prints_no_command_paralabs_untied_gpt_would_not_match():
+    r = run_paralab("plan", "--model", "gpt", "--layers", "4", "--embed", "256", "--heads", "4", "--context", "256",
+                    "--vocab", "50257", "--tied-embeddings", "--workers", "8", "--cluster", "h100-sxm",
+                    "--global-batch", "16", "--layout", "dp4 pp2 1f1b m4xb1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tied-embeddings" in r.stdout and "an output layer of its own (untied)" in r.stdout

@@ -38,7 +38,7 @@ from pathlib import Path
 from ..analysis.memory import OPTIMIZERS
 from ..errors import UsageError
 from ..models import MODELS, GPTOptions, ModelOptions, MoEOptions
-from ..options import add_flags, check, name_of, option
+from ..options import add_flags, check, flag, name_of, option, option_fields
 from ..progress import Progress
 from ..strategies.pipeline.schedules import SCHEDULES
 
@@ -103,11 +103,19 @@ class ShapeOptions:
     shared_experts: int = option(0, "a mixture of experts' shared experts S (DeepSeekMoE's: every token runs them "
                                     "beside its --top-k routed ones; each of --expert-hidden; needs --experts)",
                                  minimum=0)
+    tied_embeddings: bool = option(False, "the output layer is the token table's matrix (GPT-2's, GPT-3's, BLOOM's, "
+                                          "Megatron-LM's default): counted once; under pipeline stages the last "
+                                          "keeps a copy, its gradient all-reduced with the first stage's each step")
 
 
 #: why a plan of a shape paralab's gpt does not build prints no command (Workload.shape_extras names the shape)
 NOT_BUILT = ("paralab's gpt builds a GELU MLP of 4 x --embed with as many key/value heads as heads, eager "
-             "attention and no shared experts")
+             "attention, no shared experts and an output layer of its own (untied)")
+
+
+#: the shape flags, as a sentence (for the errors that name them all)
+SHAPE_FLAGS = " and ".join([", ".join(flag(f.name) for f in option_fields(ShapeOptions)[:-1]),
+                           flag(option_fields(ShapeOptions)[-1].name)])
 
 
 PINS = ("tp", "pp", "dp", "zero", "schedule", "microbatch", "recompute", "cp", "cp_method", "ep")
@@ -220,7 +228,7 @@ def write_report(plan: dict, out: Path) -> Path:
 
 def _shape(args) -> ShapeOptions:
     """The gpt's shape options, checked against the heads (exit 2 saying what to change)."""
-    shape = ShapeOptions(args.ffn_hidden, args.kv_heads, args.mlp, args.attention, args.shared_experts)
+    shape = ShapeOptions(**{f.name: getattr(args, f.name) for f in option_fields(ShapeOptions)})
     if shape.shared_experts and not args.experts:
         raise UsageError(f"--shared-experts {shape.shared_experts} are a mixture of experts' (every token runs them "
                          "beside its routed experts): give --experts E --top-k K too, or drop --shared-experts")
@@ -238,7 +246,6 @@ def _moe(args) -> dict:
     import dataclasses
 
     from ..models.moe import check_shape
-    from ..options import flag, name_of
     names = [name_of(x) for x in MOE]
     given = {n: getattr(args, n) for n in names}
     check(dataclasses.replace(MoEOptions(), **given), MoEOptions)
@@ -258,16 +265,16 @@ def _workload(args):
         shape = _shape(args)
         work = gpt_workload(args.layers, args.embed, args.heads, args.context, args.vocab, activations, **moe,
                             ffn_hidden=shape.ffn_hidden or 0, kv_heads=shape.kv_heads or 0, mlp=shape.mlp,
-                            attention=shape.attention, shared_experts=shape.shared_experts)
+                            attention=shape.attention, shared_experts=shape.shared_experts,
+                            tied_embeddings=shape.tied_embeddings)
         if activations == "paralab" and work.shape_extras():
             raise UsageError(f"--activations paralab counts what paralab's gpt keeps, and {NOT_BUILT}: drop "
-                             "--ffn-hidden, --kv-heads, --mlp, --attention and --shared-experts, or use --activations published (a "
-                             "cluster preset or file takes it by default)")
+                             f"{SHAPE_FLAGS}, or use --activations published (a cluster preset or file takes it by "
+                             "default)")
         return work
-    if any(getattr(args, n) is not None for n in ("ffn_hidden", "kv_heads")) or args.mlp != "gelu" or \
-            args.attention != "eager" or args.shared_experts:
-        raise UsageError(f"--ffn-hidden, --kv-heads, --mlp, --attention and --shared-experts shape a gpt; --model {args.model} has "
-                         "none: use --model gpt or leave them out")
+    if ShapeOptions(**{f.name: getattr(args, f.name) for f in option_fields(ShapeOptions)}) != ShapeOptions():
+        raise UsageError(f"{SHAPE_FLAGS} shape a gpt; --model {args.model} has none: use --model gpt or leave them "
+                         "out")
     if args.ep not in (None, 1):
         raise UsageError(f"--ep {args.ep} splits a mixture of experts' experts; --model {args.model} has none: "
                          "use --model gpt --experts E or drop --ep")

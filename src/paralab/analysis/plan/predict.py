@@ -35,7 +35,10 @@ Per step on the busiest device (all times in seconds):
   busiest rank's work at free transfers, ``pp comm`` what the transfers and
   their processor time add on top. A zero-bubble schedule's split backward
   costs 1.5 whole ones (:func:`split_backward`: ``W`` walks the activation
-  gradients again).
+  gradients again). Tied embeddings add one all-reduce to ``pp comm``:
+  the last stage's copy of the token table (``V h / tp``) with the first
+  stage's, after the pipeline drains, every step (Megatron-LM's embedding
+  group).
 - **data parallelism** (after the last microbatch, per paralab's flavours):
   ddp's buckets all-reduce during the last microbatch's backward, so only
   what outlasts it (and at least the last bucket) is exposed; ZeRO-1
@@ -236,8 +239,10 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             free = m * (f_r + b_r) + spec.idle.bounded(p, m, v, f_r, *split_backward(b_r))
             real = free + 2 * (p - 1) * transfer
         bubble = max(free - busy[r_max], 0.0)
-        pp_comm = max(real - free, 0.0)
-        pipe = real
+        # tied embeddings: the last stage's copy of the token table, its gradient summed with the first stage's
+        tied = cluster.collective("all_reduce", work.tied_parameters / t * e, 2, pp_link) if work.tied_parameters else 0
+        pp_comm = max(real - free, 0.0) + tied
+        pipe = real + tied
     else:
         pipe = busy[0]
     # ---------------------------------------------------------------- data parallelism

@@ -10,6 +10,11 @@ like): among all the planner lists, and among those the published system
 could run (its ``techniques``: Megatron-LM in 2021 had no sequence
 parallelism, selective recomputation, ZeRO or context parallelism).
 
+Every run ties its output layer to the token table (Megatron-LM's default,
+kept by BigScience's Megatron-DeepSpeed), so each is planned with
+``tied_embeddings``; the parameter counts then agree with the paper's (its
+Table 1 names each model by them).
+
 Published throughput is read as the run states it. Narayanan et al. give
 TFLOP/s per GPU counted by their eq. 3, `96 B s l h^2 (1 + s/(6h) + V/(16lh))`
 FLOPs per iteration (forward, backward and full recomputation), so the
@@ -82,7 +87,7 @@ class Run:
         cluster = self.cluster.name if self.cluster.name in PRESETS else f"examples/clusters/{self.cluster.name}.toml"
         return (f"paralab plan --model gpt --layers {self.layers} --embed {self.embed} --heads {self.heads} "
                 f"--context {self.context} --vocab {self.vocab} --workers {self.workers} --cluster {cluster} "
-                f"--global-batch {self.global_batch} --layout \"{self.layout}\"")
+                f"--tied-embeddings --global-batch {self.global_batch} --layout \"{self.layout}\"")
 
 
 def _table1(name, heads, h, layers, workers, batch, tflops, layout) -> Run:
@@ -106,7 +111,7 @@ RUNS: list[Run] = [
 
 
 def workload(run: Run):
-    return gpt_workload(run.layers, run.embed, run.heads, run.context, run.vocab, "published")
+    return gpt_workload(run.layers, run.embed, run.heads, run.context, run.vocab, "published", tied_embeddings=True)
 
 
 def setting(run: Run) -> Setting:

@@ -28,6 +28,11 @@ keeps for its backward, what recomputation costs, and which cuts divide it.
   FLOPs, and MFU, are the *active* ones. The MoE layer stays whole on every
   tp rank (its parameters, FLOPs and activations are not divided by tp);
   ``--ep`` divides its experts' parameters (``held_parameters``).
+  Tied embeddings (``tied_embeddings``: GPT-2's, GPT-3's, BLOOM's, Megatron-LM's
+  default) make the output layer the token table's matrix: the model counts
+  it once, and so does a stage that holds both; under pipeline stages the
+  last keeps a copy (``Unit.tied_parameters``), as Megatron-LM does, whose
+  gradient the planner all-reduces with the first stage's every step.
 - :func:`cnn_workload`: a course CNN run at batch 1 and 2 (on the meta device,
   nothing allocated, or on the CPU where it is small: the counts are the same):
   what each unit keeps for backward is counted by the saved-tensor probe,
@@ -73,6 +78,8 @@ class Unit:
     shared_parameters: int = 0   # a MoE block's shared experts (in ``parameters``): whole on every rank, run by
     #                              every token
     moe_flops: float = 0.0       # per sample, a MoE block's router and experts (in ``forward_flops``): not split by tp
+    tied_parameters: int = 0     # the head's, tied embeddings: the token table's matrix (in ``parameters``), a copy
+    #                              held only where another stage holds the embedding
     kept_first: float = 0     # per sample, a CNN's: the same when the unit starts a stage (its input received)
     kept_fixed: float = 0     # per microbatch, whatever its size (BatchNorm's statistics), in the chain
     kept_first_fixed: float = 0  # and starting a stage
@@ -89,7 +96,18 @@ class Workload:
 
     @property
     def parameters(self) -> int:
-        return sum(u.parameters for u in self.units)
+        """The model's parameters: a tied output layer counted once, with the embedding."""
+        return sum(u.parameters - u.tied_parameters for u in self.units)
+
+    @property
+    def tied_parameters(self) -> int:
+        """The output layer's parameters that are the embedding's (0 if untied)."""
+        return sum(u.tied_parameters for u in self.units)
+
+    def _copy_in(self, lo: int, hi: int) -> int:
+        """The tied copy among units ``lo..hi-1``, but where they hold the embedding too (then it is one
+        matrix)."""
+        return 0 if lo == 0 else sum(u.tied_parameters for u in self.units[lo:hi])
 
     @property
     def moe(self) -> dict | None:
@@ -125,13 +143,14 @@ class Workload:
         shared experts, whole; its routed experts split over ep only."""
         units = self.units[lo:hi]
         whole = sum(u.router_parameters + u.shared_parameters for u in units)
-        rest = sum(u.parameters - u.expert_parameters for u in units) - whole
+        rest = sum(u.parameters - u.expert_parameters - u.tied_parameters for u in units) - whole
+        rest += self._copy_in(lo, hi)
         return rest / t + whole, sum(u.expert_parameters for u in units) / ep
 
     @_per_range
     def parameters_in(self, lo: int, hi: int) -> int:
-        """Parameters of units ``lo..hi-1``."""
-        return sum(u.parameters for u in self.units[lo:hi])
+        """Parameters of units ``lo..hi-1`` (a tied output layer's copy where they hold no embedding)."""
+        return sum(u.parameters - u.tied_parameters for u in self.units[lo:hi]) + self._copy_in(lo, hi)
 
     @_per_range
     def blocks_in(self, lo: int, hi: int) -> int:
@@ -262,6 +281,7 @@ class Workload:
         out += " swiglu" if sh.get("mlp") == "swiglu" else ""
         out += f" shared-experts={sh['shared_experts']}" if sh.get("shared_experts") else ""
         out += " flash-attention" if sh.get("attention") == "flash" else ""
+        out += " tied-embeddings" if sh.get("tied_embeddings") else ""
         return out
 
     def stages_note(self, stages: int) -> str | None:
@@ -342,7 +362,7 @@ def published_moe_bytes(tokens: int, h: int, moe: dict) -> float:
 def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
                  activations: str = "published", *, experts: int = 0, top_k: int = 1, expert_hidden: int = 0,
                  capacity_factor: float | None = None, ffn_hidden: int = 0, kv_heads: int = 0, mlp: str = "gelu",
-                 attention: str = "eager", shared_experts: int = 0) -> Workload:
+                 attention: str = "eager", shared_experts: int = 0, tied_embeddings: bool = False) -> Workload:
     """A gpt of any shape (module docstring). Beyond paralab's own gpt (``models/gpt.py``: a GELU MLP of
     ``4 h``, as many key/value heads as heads), the planner counts: ``ffn_hidden`` (the MLP's width),
     ``kv_heads`` (grouped-query attention: ``G`` key/value heads shared by the ``a`` query heads; 1 is
@@ -350,7 +370,8 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     (the s x s scores are never kept, nor passed over by a softmax and dropout of their own: activation
     memory and elementwise time), and a mixture of experts'
     ``shared_experts`` (DeepSeekMoE's: S more experts of ``expert_hidden`` every token runs beside its K
-    routed ones, whole on every rank as the router is)."""
+    routed ones, whole on every rank as the router is), and ``tied_embeddings`` (the output layer is the
+    token table: module docstring)."""
     L, h, s, V = layers, embed, context, vocab
     F, G = ffn_hidden or 4 * h, kv_heads or heads
     kv = h * G // heads  # the key (and the value) projection's width
@@ -359,7 +380,7 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
     from ...models.gpt import parameter_counts
     c = parameter_counts(L, h, s, V)
     shape = dict(layers=L, embed=h, heads=heads, context=s, vocab=V, ffn_hidden=F, kv_heads=G, mlp=mlp,
-                 attention=attention)
+                 attention=attention, tied_embeddings=tied_embeddings)
     extra = {}
     if experts:
         H = expert_hidden or 4 * h
@@ -379,7 +400,8 @@ def gpt_workload(layers: int, embed: int, heads: int, context: int, vocab: int,
         block_flops = 2.0 * block * s + 4.0 * s * s * h
     units = [Unit("embedding", c["tokens"] + c["positions"], 0.0, s * h)]
     units += [Unit("block", block, block_flops, s * h, **extra) for _ in range(L)]
-    units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V))
+    units.append(Unit("head", c["head"], 2.0 * c["head"] * s, s * V,
+                      tied_parameters=V * h if tied_embeddings else 0))
     return Workload("gpt", units, s, "gpt", shape, activations)
 
 
