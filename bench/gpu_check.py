@@ -22,11 +22,15 @@ having run nothing. Steps, each recorded even when it fails:
    ``fsdp`` and ``torch-fsdp`` on VGG-11 (width 1, batch 256), and model FLOPs utilisation (MFU) for VGG-11
    and ``--model gpt``: FLOPs of one training step counted by
    ``torch.utils.flop_counter`` over the measured step time, against the
-   device's dense peak (the table below; an unknown device gets no MFU).
+   device's dense peak (the table below; an unknown device gets no MFU);
+5. the matmul ramp (``bench/matmul.py``): bf16 TFLOP/s of a gpt block's four
+   GEMMs over the widths of published runs, and their fraction of the peak:
+   what a shape-dependent matmul efficiency for the planner is calibrated
+   from (docs/plan.md).
 
-Writes ``bench/results/gpu-check.json`` (steps 1-3) and
-``bench/results/gpu-bench.json`` (step 4), naming the device; exits 1 if a
-test or a check failed.
+Writes ``bench/results/gpu-check.json`` (steps 1-3),
+``bench/results/gpu-bench.json`` (step 4) and ``bench/results/gpu-matmul.json``
+(step 5), naming the device; exits 1 if a test or a check failed.
 """
 from __future__ import annotations
 
@@ -390,6 +394,11 @@ def main(argv=None) -> int:
         if not a.skip_bench:
             path = write("gpu-bench.json", {**header, "runs": benchmarks(device, tmp, a.bench_steps)})
             print(f"gpu-check: benchmarks -> {path}", flush=True)
+            import matmul  # bench/matmul.py
+            peak = peak_flops(device, "bf16")
+            rows = matmul.measure("cuda", peak=peak, say=lambda line: print(f"gpu-check: matmul{line}", flush=True))
+            path = write("gpu-matmul.json", {**header, "dtype": "bf16", "peak_flops": peak, "rows": rows})
+            print(f"gpu-check: matmul ramp -> {path}", flush=True)
     print(f"gpu-check: {'FAILED' if failed else 'passed'}; results in {RESULTS}/gpu-*.json", flush=True)
     return 1 if failed else 0
 

@@ -1,0 +1,127 @@
+"""Matmul throughput by size: the four GEMMs of a gpt block, timed on one device.
+
+    python bench/matmul.py                  # this machine's CPU, fp32, a small grid (seconds)
+    python bench/matmul.py --device cuda    # bf16 on the first GPU, the widths of published runs
+
+The planner times every matmul at one ``efficiency`` x the dense peak (a
+preset's 0.6, docs/plan.md), where published runs rise from 43 % to 52 % of
+the peak with the model's size. A matmul efficiency that depends on the
+shape would be calibrated from figures like these, measured on the device:
+for m tokens (microbatch x sequence) and a width h split over t tensor
+ranks, a block's forward GEMMs (``x @ w``, ``x`` m x k, ``w`` k x n):
+
+    qkv   k = h      n = 3 h / t    (the query, key and value projections)
+    proj  k = h / t  n = h          (attention's output projection)
+    up    k = h      n = 4 h / t    (the MLP's first matrix)
+    down  k = 4 h/t  n = h          (its second)
+
+each the median of ``--repeats`` timed calls after a warm-up, as achieved
+FLOP/s (``2 m n k`` per call) and, where the device's dense peak is known
+(``gpu_check.PEAKS``), its fraction of it. ``bench/gpu_check.py`` runs it on
+a lent GPU. Writes ``bench/results/matmul-<device>.json`` (or ``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import cpu_name, write_result
+
+HERE = Path(__file__).resolve().parent
+
+#: (tokens, widths, tensor-parallel degrees) per device kind: the CPU's a course size, the GPU's published ones
+GRIDS = {"cpu": ((64, 256, 1024), (128, 256, 512), (1,)),
+         "cuda": ((2048, 8192), (2048, 4096, 8192, 12288, 25600), (1, 8))}
+GEMMS = ("qkv", "proj", "up", "down")
+
+
+def shape(name: str, m: int, h: int, t: int) -> tuple[int, int, int]:
+    """(m, k, n) of a block's forward GEMM ``name`` for m tokens and width h over t tensor ranks."""
+    k, n = {"qkv": (h, 3 * h // t), "proj": (h // t, h), "up": (h, 4 * h // t), "down": (4 * h // t, h)}[name]
+    return m, k, n
+
+
+def seconds_of(m: int, k: int, n: int, device: str, dtype, repeats: int) -> float:
+    """The median seconds of ``repeats`` calls of an (m x k) @ (k x n) matmul, after two untimed."""
+    import torch
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(2):
+        x @ w
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            x @ w
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            x @ w
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(device: str, *, tokens=None, widths=None, tp=None, repeats: int = 10, peak: float | None = None,
+            say=print) -> list[dict]:
+    """Every GEMM of the grid (``GRIDS[device]`` unless given) timed: one row each."""
+    import torch
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    grid_m, grid_h, grid_t = GRIDS[device]
+    rows = []
+    for m in tokens or grid_m:
+        for h in widths or grid_h:
+            for t in tp or grid_t:
+                if h % t:
+                    continue
+                for name in GEMMS:
+                    m_, k, n = shape(name, m, h, t)
+                    s = seconds_of(m_, k, n, device, dtype, repeats)
+                    flops = 2 * m_ * n * k
+                    row = {"gemm": name, "tokens": m, "width": h, "tp": t, "m": m_, "k": k, "n": n,
+                           "flops": flops, "seconds": s, "flops_per_s": flops / s,
+                           "fraction_of_peak": flops / s / peak if peak else None}
+                    rows.append(row)
+                    say(f"  {name:<5} m {m_:>6} k {k:>6} n {n:>6}: {flops / s / 1e12:8.3f} TFLOP/s"
+                        + (f" ({100 * row['fraction_of_peak']:.1f} % of peak)" if peak else ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench/matmul.py", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (fp32) or cuda (bf16, first GPU)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per GEMM (the median is kept)")
+    p.add_argument("--tokens", type=int, nargs="+", help="tokens m (default: the device's grid)")
+    p.add_argument("--widths", type=int, nargs="+", help="widths h (default: the device's grid)")
+    p.add_argument("--tp", type=int, nargs="+", help="tensor-parallel degrees t (default: the device's grid)")
+    p.add_argument("--out", help="the JSON to write (default bench/results/matmul-<device>.json)")
+    a = p.parse_args(argv)
+    if a.repeats < 1 or any(v < 1 for v in (a.tokens or []) + (a.widths or []) + (a.tp or [])):
+        p.error("--repeats, --tokens, --widths and --tp take positive integers")
+    import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench/matmul.py: --device cuda, but torch sees no CUDA device; nothing was measured", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0) if a.device == "cuda" else cpu_name()
+    peak = None
+    if a.device == "cuda":
+        from gpu_check import peak_flops
+        peak = peak_flops(name, "bf16")
+    print(f"matmul: {name}, {'bf16' if a.device == 'cuda' else 'fp32'}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    rows = measure(a.device, tokens=a.tokens, widths=a.widths, tp=a.tp, repeats=a.repeats, peak=peak)
+    out = Path(a.out) if a.out else HERE / "results" / f"matmul-{a.device}.json"
+    path = write_result(out, {"device": name, "kind": a.device, "dtype": "bf16" if a.device == "cuda" else "fp32",
+                              "peak_flops": peak, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows})
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
