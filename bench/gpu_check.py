@@ -397,7 +397,8 @@ def main(argv=None) -> int:
             import matmul  # bench/matmul.py
             peak = peak_flops(device, "bf16")
             rows = matmul.measure("cuda", peak=peak, say=lambda line: print(f"gpu-check: matmul{line}", flush=True))
-            path = write("gpu-matmul.json", {**header, "dtype": "bf16", "peak_flops": peak, "rows": rows})
+            path = write("gpu-matmul.json", {**header, "dtype": "bf16", "peak_flops": peak, "rows": rows,
+                                             "cluster_matmul": matmul.ramp(rows)})
             print(f"gpu-check: matmul ramp -> {path}", flush=True)
     print(f"gpu-check: {'FAILED' if failed else 'passed'}; results in {RESULTS}/gpu-*.json", flush=True)
     return 1 if failed else 0

@@ -17,8 +17,10 @@ ranks, a block's forward GEMMs (``x @ w``, ``x`` m x k, ``w`` k x n):
 
 each the median of ``--repeats`` timed calls after a warm-up, as achieved
 FLOP/s (``2 m n k`` per call) and, where the device's dense peak is known
-(``gpu_check.PEAKS``), its fraction of it. ``bench/gpu_check.py`` runs it on
-a lent GPU. Writes ``bench/results/matmul-<device>.json`` (or ``--out``).
+(``gpu_check.PEAKS``), its fraction of it, and the ramp a cluster file's
+``matmul`` takes (the median fraction by FLOPs; the planner then times a
+gpt's weight matmuls at it). ``bench/gpu_check.py`` runs it on a lent GPU.
+Writes ``bench/results/matmul-<device>.json`` (or ``--out``).
 """
 from __future__ import annotations
 
@@ -92,6 +94,16 @@ def measure(device: str, *, tokens=None, widths=None, tp=None, repeats: int = 10
     return rows
 
 
+def ramp(rows: list[dict]) -> list[list[float]]:
+    """A cluster file's ``matmul`` from measured rows: per distinct FLOPs, ascending, the median fraction of
+    the peak (empty where the peak is unknown)."""
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if r["fraction_of_peak"]:
+            by.setdefault(r["flops"], []).append(r["fraction_of_peak"])
+    return [[f, round(min(1.0, statistics.median(v)), 4)] for f, v in sorted(by.items())]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench/matmul.py", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (fp32) or cuda (bf16, first GPU)")
@@ -118,8 +130,11 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else HERE / "results" / f"matmul-{a.device}.json"
     path = write_result(out, {"device": name, "kind": a.device, "dtype": "bf16" if a.device == "cuda" else "fp32",
                               "peak_flops": peak, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows})
+                              "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows,
+                              "cluster_matmul": ramp(rows)})
     print(f"written: {path}")
+    if peak:
+        print(f"for a cluster file of this device (docs/plan.md, Clusters):\nmatmul = {ramp(rows)}")
     return 0
 
 

@@ -56,6 +56,10 @@ def test_matmul_ramp_times_a_blocks_four_gemms_at_their_shapes(tmp_path):
         assert r["flops"] == 2 * r["m"] * r["k"] * r["n"] and r["seconds"] > 0
         assert r["flops_per_s"] == pytest.approx(r["flops"] / r["seconds"])
     assert matmul.shape("proj", 8, 16, 8) == (8, 2, 16)
+    assert d["cluster_matmul"] == []  # no peak known for a CPU: no fraction, no ramp
+    rows = [{"flops": 4, "fraction_of_peak": 0.5}, {"flops": 2, "fraction_of_peak": 0.2},
+            {"flops": 4, "fraction_of_peak": 0.7}, {"flops": 4, "fraction_of_peak": 0.6}]
+    assert matmul.ramp(rows) == [[2, 0.2], [4, 0.6]]  # a cluster file's matmul: by FLOPs, the median
 
 
 def test_matmul_ramp_refuses_bad_input_and_a_missing_gpu():

@@ -247,6 +247,12 @@ GOOD_CLUSTER = dict(peak_tflops={"bf16": 312}, memory_gb=80, memory_gbs=2039, de
     ({"crowding": -1}, "crowding must be a number, zero or more"),
     ({"source": 3}, "source must be a string"),
     ({"inter_gpbs": 100}, "unknown field 'inter_gpbs' (did you mean 'inter_gbps'?)"),
+    ({"matmul": [[1e9, 0.5], [1e8, 0.6]]}, "matmul must be [[FLOPs, fraction of the peak], ...], FLOPs positive and "
+                                           "ascending"),
+    ({"matmul": [[1e9, 1.5]]}, "each fraction in (0, 1]"),
+    ({"matmul": [[1e9, "NaN"]]}, "matmul must be"),
+    ({"matmul": []}, "matmul must be"),
+    ({"matmul": [1e9, 0.5]}, "matmul must be"),
 ])
 def test_a_cluster_file_field_out_of_range_is_refused_by_name(capsys, tmp_path, change, message):
     """Every field of a cluster file checked as an option is: a string, NaN, inf or a negative time where a

@@ -2,7 +2,9 @@
 
 :class:`Cluster` holds what a prediction needs and nothing else: peak FLOP/s
 per dtype (dense, no sparsity), the fraction of it large matmuls achieve
-(``efficiency``, an assumption a preset states), device memory and its
+(``efficiency``, an assumption a preset states; a cluster file may give a
+ramp measured on the device instead, ``matmul``: the fraction by a matmul's
+size, from ``bench/matmul.py``), device memory and its
 bandwidth, devices per node, and the bandwidth and latency of a link inside a
 node (NVLink) and between nodes (one NIC per device). Bandwidths are per
 direction, in Gb/s as everywhere in paralab's cost model.
@@ -15,6 +17,7 @@ measured (``calibrate.py``).
 """
 from __future__ import annotations
 
+import bisect
 import difflib
 import json
 import math
@@ -48,6 +51,9 @@ class Cluster:
     elementwise: bool = True  # time a gpt block's elementwise kernels at memory_gbs beside the matmuls at their
     #                           rate (workload.block_elementwise); False where the rate was measured on a whole
     #                           block, which holds them (this-machine)
+    matmul: tuple | None = None  # measured on the device (bench/matmul.py): ((FLOPs of one matmul, fraction of the
+    #                              dense peak it reached), ...), ascending; a gpt's weight matmuls are timed at
+    #                              the fraction their size reaches (matmul_efficiency); None: all at efficiency
 
     def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
         """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on
@@ -76,6 +82,21 @@ class Cluster:
 
     def peak(self, dtype: str) -> float:
         return self.peak_tflops[dtype] * 1e12
+
+    def matmul_efficiency(self, flops: float) -> float:
+        """The fraction of the peak a matmul of ``flops`` reaches: ``efficiency`` without a measured ramp
+        (``matmul``), else the ramp's, interpolated linearly in log FLOPs between its points and held at
+        its first and last beyond them (no extrapolation past what was measured)."""
+        pts = self.matmul
+        if not pts:
+            return self.efficiency
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        if flops >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([f for f, _ in pts], flops)
+        (f0, e0), (f1, e1) = pts[i - 1], pts[i]
+        return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
 
     def link(self, span_devices: int) -> tuple[float, float]:
         """(Gb/s, latency s) of a group of consecutive devices spanning ``span_devices`` ranks: inside a
@@ -200,6 +221,15 @@ def load_cluster(path: str) -> Cluster:
             check_number(path, k, data[k], rule)
     if not isinstance(data.get("elementwise", True), bool):
         raise UsageError(f"--cluster {path}: elementwise must be true or false (got {data['elementwise']!r})")
+    ramp = data.get("matmul")
+    if ramp is not None:
+        if not (isinstance(ramp, list) and ramp and all(isinstance(pt, list) and len(pt) == 2 and number(pt[0])
+                                                        and pt[0] > 0 and number(pt[1]) and 0 < pt[1] <= 1
+                                                        for pt in ramp)
+                and all(a[0] < b[0] for a, b in zip(ramp, ramp[1:]))):
+            raise UsageError(f"--cluster {path}: matmul must be [[FLOPs, fraction of the peak], ...], FLOPs positive "
+                             "and ascending, each fraction in (0, 1] (bench/matmul.py prints it for a device)")
+        data["matmul"] = tuple((float(f), float(e)) for f, e in ramp)
     coll = data.get("collectives")
     if coll is not None and not (isinstance(coll, dict) and all(isinstance(by, dict) and all(
             isinstance(pts, list) and pts and all(isinstance(pt, list) and len(pt) == 2 and all(

@@ -3,7 +3,9 @@
 Per step on the busiest device (all times in seconds):
 
 - **compute**: each stage's forward of one microbatch is its units' FLOPs
-  x b / tp at the cluster's achievable rate, plus, on a preset or a cluster
+  x b / tp at the cluster's achievable rate (where a cluster file gives a
+  matmul ramp measured on the device, each weight matmul at the fraction of
+  the peak its size reached: :func:`arithmetic_seconds`), plus, on a preset or a cluster
   file, the bytes its blocks' elementwise kernels move at the device's
   memory bandwidth (``workload.block_elementwise``: LayerNorms, residual
   adds, the MLP's activation, eager attention's softmax and dropout; a
@@ -183,9 +185,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     bandwidth = cluster.memory_gbs * 1e9  # the elementwise kernels' bytes move at it (0: in the measured rate)
     for lo, hi in stages:
         moved, scores = work.elementwise_bytes(lo, hi, t, C, lay.sp, e) if cluster.elementwise else (0.0, 0.0)
-        f = b * work.rank_flops(lo, hi, t, C) / rate + b * moved / bandwidth + overhead * (hi - lo)
+        flops = b * work.rank_flops(lo, hi, t, C)
+        arithmetic = arithmetic_seconds(work, cluster, lo, hi, t, C, b, flops, rate, setting.dtype)
+        f = arithmetic + b * moved / bandwidth + overhead * (hi - lo)
         again = {"full": moved, "selective": scores}.get(lay.recompute, 0.0)
-        extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) / rate + b * again / bandwidth
+        per_flop = arithmetic / flops if lay.recompute == "full" and flops else 1 / rate  # full: the forward again
+        extra = work.recompute_flops(lo, hi, b, lay.recompute) / (t * C) * per_flop + b * again / bandwidth
         blocks = work.blocks_in(lo, hi)
         comm = 0.0
         if t > 1:
@@ -331,6 +336,19 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                       mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
                       ep_comm=ep_comm,
                       memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
+
+
+def arithmetic_seconds(work: Workload, cluster: Cluster, lo: int, hi: int, t: int, C: int, b: int, flops: float,
+                       rate: float, dtype: str) -> float:
+    """Seconds of a stage's ``flops`` of one microbatch's forward on a rank: all at ``rate`` (the cluster's
+    one efficiency), or, where the cluster has a measured matmul ramp, each weight matmul
+    (``Workload.matmuls``) at the fraction of the peak its size reaches and the rest at ``rate``."""
+    if not cluster.matmul:
+        return flops / rate
+    calls = work.matmuls(lo, hi, t, C, b)
+    named = sum(f * n for f, n in calls)
+    peak = cluster.peak(dtype)
+    return (flops - named) / rate + sum(f * n / (peak * cluster.matmul_efficiency(f)) for f, n in calls)
 
 
 @lru_cache(maxsize=2 ** 16)

@@ -137,6 +137,28 @@ class Workload:
         return (sum(u.forward_flops - u.moe_flops for u in units) / t + sum(u.moe_flops for u in units)) / C
 
     @_per_range
+    def matmuls(self, lo: int, hi: int, t: int, C: int, b: int) -> tuple[tuple[float, int], ...]:
+        """The weight matmuls of units ``lo..hi-1``' forward on one of ``t`` tp and ``C`` cp ranks, for a
+        microbatch of ``b`` (``m = b s / C`` tokens): ``(FLOPs of one, how many)``. A gpt block's query, key
+        and value projection (``2 m h (h + 2 kv) / t``), its output projection (``2 m h^2 / t``) and, dense,
+        its MLP's matrices (``2 m h F / t`` each: SwiGLU's gate and up as one); the head's output layer
+        (``2 m h V / t``). What they leave out of :meth:`rank_flops` (attention's scores, a mixture of
+        experts' layer, LayerNorms, a CNN) is timed at the cluster's one ``efficiency``."""
+        if self.kind != "gpt":
+            return ()
+        sh = self.shape
+        m, h, F = b * sh["context"] / C, sh["embed"], sh["ffn_hidden"]
+        kv = h * sh["kv_heads"] // sh["heads"]
+        per_block = [2 * m * h * (h + 2 * kv) / t, 2 * m * h * h / t]
+        if self.moe is None:
+            per_block += [2 * m * h * F * (2 if sh["mlp"] == "swiglu" else 1) / t, 2 * m * F * h / t]
+        blocks = self.blocks_in(lo, hi)
+        out = [(f, blocks) for f in per_block] if blocks else []
+        if hi == len(self.units):
+            out.append((2 * m * h * sh["vocab"] / t, 1))
+        return tuple(out)
+
+    @_per_range
     def held_parameters(self, lo: int, hi: int, t: int, ep: int = 1) -> tuple[float, float]:
         """(the rest, experts) of units ``lo..hi-1``'s parameters one rank holds under ``t``-way tensor and
         ``ep``-way expert parallelism: the rest split over tp (as the dense gpt's) but a MoE layer's router and
