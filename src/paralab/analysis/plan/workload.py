@@ -100,6 +100,7 @@ class Workload:
         return sum(u.parameters - u.tied_parameters for u in self.units)
 
     @property
+    @_per_range
     def tied_parameters(self) -> int:
         """The output layer's parameters that are the embedding's (0 if untied)."""
         return sum(u.tied_parameters for u in self.units)
@@ -110,6 +111,7 @@ class Workload:
         return 0 if lo == 0 else sum(u.tied_parameters for u in self.units[lo:hi])
 
     @property
+    @_per_range
     def moe(self) -> dict | None:
         """A mixture of experts' shape (experts, top_k, expert_hidden, capacity_factor, shared_experts), None if
         dense."""
@@ -210,6 +212,7 @@ class Workload:
         blocks = self.blocks_in(lo, hi)
         return blocks * (rest + scores), blocks * scores
 
+    @_per_range
     def model_flops_per_sample(self) -> float:
         """Training FLOPs of one sample without recomputation: forward and twice it backward."""
         return 3 * sum(u.forward_flops for u in self.units)
