@@ -457,7 +457,7 @@ def memory_by_rank(run: Run) -> dict[int, dict]:
         det = run.details.get(str(rank))
         det = det if isinstance(det, dict) else {}
         mem = det.get("memory")
-        if mem is None and isinstance(det.get("data_parallel"), dict):  # a pipeline stage's ZeRO flavour's ledger
+        if mem is None and isinstance(det.get("data_parallel"), dict):  # a stage flavour's ledger (old records)
             mem = det["data_parallel"].get("memory")
         parts: dict[str, tuple[float, bool]] = {}
         predicted = predicted_peak = None
