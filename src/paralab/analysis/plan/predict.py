@@ -183,7 +183,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     cp_block = cp_exposed(work, lay, b, e, cp_link, cluster, rate, split) if C > 1 else 0.0
     ep_block = ep_exposed(work, lay, b, e, cluster, cluster.link(t * lay.ep), split) if lay.ep > 1 else 0.0
     bandwidth = cluster.memory_gbs * 1e9  # the elementwise kernels' bytes move at it (0: in the measured rate)
-    for lo, hi in stages:
+    def stage_times(lo: int, hi: int) -> tuple[float, float, float, float, float]:
+        """Units ``lo..hi-1``' forward and backward of one microbatch, and their tp, cp and ep communication."""
         moved, scores = work.elementwise_bytes(lo, hi, t, C, lay.sp, e) if cluster.elementwise else (0.0, 0.0)
         flops = b * work.rank_flops(lo, hi, t, C)
         arithmetic = arithmetic_seconds(work, cluster, lo, hi, t, C, b, flops, rate, setting.dtype)
@@ -198,11 +199,19 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             comm = (work.tp_collectives(blocks) + 2 * ends + (2 * blocks if lay.recompute == "full" else 0)) * per
             if lay.sp:  # replicated parameters applied to a rank's tokens only: their gradients summed
                 comm += replicated_sums(work, lo, hi, cluster, t, tp_link, e)
-        cp = blocks * cp_block
-        ep = blocks * ep_block
+        cp, ep = blocks * cp_block, blocks * ep_block
+        return f, (2 * f + extra) * (1 + REWALK if split else 1), comm + cp + ep, cp, ep
+
+    # a gpt's blocks are alike: stages with the same ends and as many blocks are the same work, timed once
+    alike: dict[tuple, tuple] = {}
+    for lo, hi in stages:
+        kind = (lo == 0, hi == len(work.units), hi - lo) if work.kind == "gpt" else (lo, hi)
+        if kind not in alike:
+            alike[kind] = stage_times(lo, hi)
+        f, back, comm, cp, ep = alike[kind]
         fwd.append(f)
-        bwd.append((2 * f + extra) * (1 + REWALK if split else 1))
-        tpc.append(comm + cp + ep)
+        bwd.append(back)
+        tpc.append(comm)
         cpc.append(cp)
         epc.append(ep)
     ranks = stage_of_rank(lay)
