@@ -226,9 +226,14 @@ def write_report(plan: dict, out: Path) -> Path:
     return out / "report.html"
 
 
+def _given_shape(args) -> ShapeOptions:
+    """The shape options as given, unchecked (each read by its declared name)."""
+    return ShapeOptions(**{f.name: getattr(args, f.name) for f in option_fields(ShapeOptions)})
+
+
 def _shape(args) -> ShapeOptions:
     """The gpt's shape options, checked against the heads (exit 2 saying what to change)."""
-    shape = ShapeOptions(**{f.name: getattr(args, f.name) for f in option_fields(ShapeOptions)})
+    shape = _given_shape(args)
     if shape.shared_experts and not args.experts:
         raise UsageError(f"--shared-experts {shape.shared_experts} are a mixture of experts' (every token runs them "
                          "beside its routed experts): give --experts E --top-k K too, or drop --shared-experts")
@@ -272,7 +277,7 @@ def _workload(args):
                              f"{SHAPE_FLAGS}, or use --activations published (a cluster preset or file takes it by "
                              "default)")
         return work
-    if ShapeOptions(**{f.name: getattr(args, f.name) for f in option_fields(ShapeOptions)}) != ShapeOptions():
+    if _given_shape(args) != ShapeOptions():
         raise UsageError(f"{SHAPE_FLAGS} shape a gpt; --model {args.model} has none: use --model gpt or leave them "
                          "out")
     if args.ep not in (None, 1):
