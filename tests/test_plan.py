@@ -579,6 +579,18 @@ def test_a_named_layout_is_evaluated_fitting_or_not_and_placed(capsys):
     assert "--layout names every dimension" in refused(capsys, *shape, "--layout", "dp16 m1xb2", "--tp", "2")
 
 
+def test_a_layout_for_other_workers_is_refused_before_this_machine_is_measured(capsys, tmp_path):
+    """The layout's words and its product are checked first: no calibration runs (and none is cached) for a
+    layout that cannot be evaluated."""
+    cache = tmp_path / "calibration.json"
+    err = refused(capsys, "--workers", "8", "--cluster", "this-machine", "--calibration", str(cache),
+                  "--layout", "dp8 tp3")
+    assert "dp x cp x tp x pp = 24, not the 8 workers" in err and "change the layout's degrees" in err
+    assert "is not a word of a layout" in refused(capsys, "--workers", "8", "--cluster", "this-machine",
+                                                   "--calibration", str(cache), "--layout", "dp8 tq2")
+    assert not cache.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["mixtral", "llama"])
 def test_the_pages_other_examples_give_the_first_row_they_print(capsys, example):

@@ -143,6 +143,8 @@ def run(args) -> int:
     if args.report and Path(args.report).exists():
         raise UsageError(f"--report {args.report} already exists; name a new directory (or remove it)")
     work = _workload(args)
+    if args.layout is not None:  # its words and its devices, before a cluster is measured or read
+        _layout_problem(args.layout, args.workers)
     cluster, where = _cluster(args, PRESETS)
     precision = args.precision or ("mixed" if "bf16" in cluster.peak_tflops else "fp32")
     setting = Setting(args.global_batch, precision, args.optimizer)
@@ -286,6 +288,16 @@ def _workload(args):
     if args.tp not in (None, 1):
         raise UsageError(f"--tp {args.tp}: tensor parallelism is planned for the gpt only; leave out --tp")
     return cnn_workload(args.model, args.width)
+
+
+def _layout_problem(text: str, workers: int) -> None:
+    from ..analysis.plan.layouts import Layout, devices_problem
+    try:
+        problem = devices_problem(Layout.parse(text), workers)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if problem:
+        raise UsageError(f"--layout {text!r}: {problem}: change the layout's degrees or --workers")
 
 
 def _cluster(args, presets):

@@ -58,6 +58,11 @@ class Layout:
     replicate: int = 1       # HSDP: dp split into replicate groups x dp / replicate shard groups (fsdp)
     ep: int = 1              # expert parallelism: a MoE's experts split over ep of the dp replicas (ep divides dp)
 
+    @property
+    def devices(self) -> int:
+        """The devices the layout lays out on: dp x cp x tp x pp (ep and hsdp split dp, virtual stages pp)."""
+        return self.dp * self.cp * self.tp * self.pp
+
     def label(self) -> str:
         parts = [f"dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")]
         if self.cp > 1:
@@ -286,6 +291,14 @@ def _schedules(work: Workload, pp: int, fixed: dict) -> list[tuple[str | None, i
         else:
             out.append((name, 1))
     return out
+
+
+def devices_problem(layout: Layout, workers: int) -> str | None:
+    """Why ``layout`` cannot run on ``workers`` devices by its product alone (None if it can): checked before
+    anything is measured or searched."""
+    if layout.devices == workers:
+        return None
+    return f"dp x cp x tp x pp = {layout.devices}, not the {workers} workers"
 
 
 def why_none(work: Workload, workers: int, global_batch: int, devices_per_node: int, fixed: dict) -> str:

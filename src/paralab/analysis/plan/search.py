@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .layouts import Layout, enumerate_layouts, why_none
+from .layouts import Layout, devices_problem, enumerate_layouts, why_none
 from .predict import Prediction, Setting, predict
 from .workload import Workload
 
@@ -167,11 +167,10 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
     pins = layout.pins()
     if layout not in enumerate_layouts(work, workers, setting.global_batch, cluster.devices_per_node, fixed=pins):
         per_replica = setting.global_batch / layout.dp
-        cut = layout.dp * layout.cp * layout.tp * layout.pp
-        why = (f"dp x cp x tp x pp = {cut}, not the {workers} workers" if cut != workers else
-               f"m x b = {layout.microbatches * layout.microbatch}, not the replica's batch (global batch / dp = "
-               f"{per_replica:g})" if layout.microbatches * layout.microbatch != per_replica else
-               why_none(work, workers, setting.global_batch, cluster.devices_per_node, pins))
+        why = devices_problem(layout, workers) or (
+            f"m x b = {layout.microbatches * layout.microbatch}, not the replica's batch (global batch / dp = "
+            f"{per_replica:g})" if layout.microbatches * layout.microbatch != per_replica else
+            why_none(work, workers, setting.global_batch, cluster.devices_per_node, pins))
         raise NoLayout(f"layout {layout.label()}: not one the planner lists for this model: {why}")
     x = predict(work, layout, cluster, setting)
     try:
