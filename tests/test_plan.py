@@ -229,6 +229,22 @@ def test_bad_input_exits_2(capsys, tmp_path):
     assert "--workers is required" in refused(capsys, "--cluster", "h100-sxm")
     assert "--global-batch must be positive" in refused(capsys, "--workers", "2", "--global-batch", "0",
                                                         "--cluster", "h100-sxm")
+    assert "--microbatch 3 divides no replica's batch" in refused(capsys, "--workers", "8", "--global-batch", "8",
+                                                                  "--microbatch", "3", "--cluster", "h100-sxm")
+
+
+def test_a_plan_read_by_head_ends_without_a_traceback():
+    """`paralab plan ... | head -2`: the reader closes the pipe early; the command ends as a shell's SIGPIPE
+    does (141), with nothing on stderr. (The JSON of 200 rows, 0.2 MB, outgrows a pipe's buffer: its write
+    meets the closed pipe.)"""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "paralab", "plan", "--workers", "8", "--global-batch", "8",
+                             "--cluster", "h100-sxm", "--top", "200", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
 
 
 GOOD_CLUSTER = dict(peak_tflops={"bf16": 312}, memory_gb=80, memory_gbs=2039, devices_per_node=8, intra_gbps=2400,

@@ -26,6 +26,8 @@ def main() -> int:
             code = exit_code(exc)
             if not isinstance(exc.code, (int, type(None))):
                 print(exc.code, file=sys.stderr)
+        except BrokenPipeError:  # the reader stopped reading (`paralab plan ... | head`): nothing more to say
+            code = 128 + 13  # as a shell reports a command ended by SIGPIPE
         leave(code)
     return code
 

@@ -318,6 +318,10 @@ def why_none(work: Workload, workers: int, global_batch: int, devices_per_node: 
             return f"--pp {pp}: {problem}"
     if fixed.get("dp") and workers % fixed["dp"]:
         return f"--dp {fixed['dp']} must divide the {workers} workers"
+    b = fixed.get("microbatch")
+    if b and not any(global_batch % dp == 0 and (global_batch // dp) % b == 0 for dp in divisors(workers)):
+        return (f"--microbatch {b} divides no replica's batch (global batch {global_batch} / dp, dp dividing the "
+                f"{workers} workers): change --microbatch or --global-batch")
     if fixed.get("ep"):
         return (f"--ep {fixed['ep']} must divide the data-parallel replicas (workers / (tp x pp)) of some layout "
                 f"that divides the global batch {global_batch}: change --ep, --workers, --tp or --pp")
