@@ -379,6 +379,8 @@ def _become(request: dict, fds: list[int], added: dict, command) -> None:
         code = command()
     except SystemExit as exc:
         code = exit_code(exc)
+    except BrokenPipeError:  # as a cold command would (front.py): the reader stopped reading
+        code = 128 + 13
     except BaseException:  # noqa: BLE001 - as a cold command would: the traceback, exit 1
         import traceback
         traceback.print_exc()
