@@ -57,6 +57,16 @@ def test_a_served_command_is_a_cold_one_and_the_server_refuses_what_it_would_cha
         assert bad.returncode == 2 and "paralab: error:" in bad.stderr and not (tmp_path / "bad").exists()
         assert log_lines(folder)[-1].endswith("exited 2")
 
+        # a reader that stops early (`| head`): the served command ends as the cold one, 141 and no traceback
+        head = subprocess.Popen([sys.executable, "-m", "paralab", "plan", "--workers", "8", "--global-batch", "8",
+                                 "--cluster", "h100-sxm", "--top", "200", "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=served_env(folder))
+        head.stdout.readline()
+        head.stdout.close()
+        err = head.stderr.read().decode()
+        assert head.wait(timeout=120) == 141 and "Traceback" not in err, err
+        assert log_lines(folder)[-1].endswith("exited 141"), log_lines(folder)[-1]
+
         # an environment variable torch reads while it loads, set otherwise: refused, so it runs cold
         other = paralab(folder, *args, "--out", str(tmp_path / "other"), OMP_NUM_THREADS="1")
         assert other.returncode == 0 and "refused `paralab train ddp" in log_lines(folder)[-1]
