@@ -112,3 +112,25 @@ def test_the_compare_reports_check_column_names_what_failed():
     assert check_text(failed) == "FAIL loss (2.6e+00)"
     older = {"check": {"result": "PASS", "max_weight_dev": 1e-6, "max_output_dev": 2e-5}}  # before losses were
     assert check_text(older) == "PASS (2e-05)" and check_text(None) == "-"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_chunked_deviation_is_the_whole_tensors(monkeypatch, dtype):
+    """check/reference.py compares a chunk at a time (no model-sized float64 temporaries): the same max |m - r|
+    as the whole tensors in float64, wherever the worst element falls against the chunks, and NaN kept."""
+    from paralab.check import reference
+    monkeypatch.setattr(reference, "CHUNK", 7)
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(5, 11, generator=g).to(dtype)
+    for at in (0, 6, 7, 54):  # a chunk's first and last elements, the tensor's last
+        r = m.clone()
+        r.view(-1)[at] += 0.5
+        r.view(-1)[3] -= 0.25
+        whole = float((m.double() - r.double()).abs().max())
+        assert reference.max_abs_diff(m, r) == whole > 0
+    assert reference.max_abs_diff(m, m.clone()) == 0.0
+    nan = m.clone()
+    nan.view(-1)[40] = float("nan")
+    assert reference.max_abs_diff(m, nan) != reference.max_abs_diff(m, nan)
+    worst = reference.compare_tensors("weights", {"w": m}, {"w": nan}, 1e-5)
+    assert worst.max_abs == float("inf") and not worst.ok

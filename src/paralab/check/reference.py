@@ -189,6 +189,24 @@ def worst(comparisons: list[Comparison]) -> Comparison:
     return max(comparisons, key=lambda c: (not c.ok, c.max_abs / c.atol if c.atol else c.max_abs))
 
 
+#: elements compared at a time: whole-tensor float64 temporaries (four of a tensor's size each comparison) are
+#: fresh pages the kernel must zero every time; chunks this size are reused from the heap
+CHUNK = 1 << 20
+
+
+def max_abs_diff(m: torch.Tensor, r: torch.Tensor) -> float:
+    """max |m - r| over two tensors of one shape, in float64 (exact for float32 and float64 values), a chunk at a
+    time; NaN where either holds one."""
+    m, r = m.reshape(-1), r.reshape(-1)
+    worst = 0.0
+    for i in range(0, r.numel(), CHUNK):
+        dev = float((m[i:i + CHUNK].double() - r[i:i + CHUNK].double()).abs().max())
+        if dev != dev:
+            return dev
+        worst = max(worst, dev)
+    return worst
+
+
 def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
                     atol: float, step: int | None = None) -> Comparison:
     missing = set(ref) ^ set(mine)
@@ -202,7 +220,7 @@ def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, tor
         if not r.is_floating_point():
             dev = float((m.long() - r.long()).abs().max()) if r.numel() else 0.0
         else:
-            dev = float((m.double() - r.double()).abs().max()) if r.numel() else 0.0
+            dev = max_abs_diff(m, r)
         if dev != dev:  # NaN
             dev = float("inf")
         if dev > worst or worst_name == "-":
@@ -214,10 +232,10 @@ def _deviation(m, r) -> float:
     """|m - r| at most, for two tensors (or numbers, or Nones) of one optimizer state entry."""
     if m is None or r is None:
         return 0.0 if m is None and r is None else float("inf")
-    m, r = (torch.as_tensor(v).detach().cpu().double() for v in (m, r))
+    m, r = (torch.as_tensor(v).detach().cpu() for v in (m, r))
     if m.shape != r.shape:
         return float("inf")
-    dev = float((m - r).abs().max()) if r.numel() else 0.0
+    dev = max_abs_diff(m, r)
     return float("inf") if dev != dev else dev
 
 
