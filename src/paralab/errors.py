@@ -5,6 +5,13 @@ exits with code 2 before any worker starts or any run directory exists.
 """
 
 
+import signal
+
+#: the exit code of a command whose reader closed the pipe (`paralab plan ... | head`), as a shell reports one
+#: ended by SIGPIPE
+BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 class UsageError(Exception):
     """Bad input; the message says what to change."""
 

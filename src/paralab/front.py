@@ -15,7 +15,7 @@ def command_line() -> int:
 
 
 def main() -> int:
-    from .errors import exit_code
+    from .errors import BROKEN_PIPE, exit_code
     from .run.serve import delegate
     code = delegate(sys.argv[1:])
     if code is None:  # no server, or one that cannot run this command as a cold process would
@@ -27,7 +27,7 @@ def main() -> int:
             if not isinstance(exc.code, (int, type(None))):
                 print(exc.code, file=sys.stderr)
         except BrokenPipeError:  # the reader stopped reading (`paralab plan ... | head`): nothing more to say
-            code = 128 + 13  # as a shell reports a command ended by SIGPIPE
+            code = BROKEN_PIPE
         leave(code)
     return code
 

@@ -207,6 +207,22 @@ def max_abs_diff(m: torch.Tensor, r: torch.Tensor) -> float:
     return worst
 
 
+def bits_deviation(mine: list[torch.Tensor], theirs: torch.Tensor) -> float:
+    """How far ``mine`` (flat tensors) lie from ``theirs``, their bytes laid end to end (another rank's copy):
+    0.0 where every bit agrees, else the largest |difference| as numbers (inf where a NaN differs)."""
+    dev, at = 0.0, 0
+    for t in mine:
+        size = t.numel() * t.element_size()
+        other, at = theirs[at:at + size], at + size
+        if torch.equal(t.view(torch.uint8), other):  # this tensor's bits agree (a NaN in both places too)
+            continue
+        d = max_abs_diff(t, other.clone().view(t.dtype))  # a fresh storage: aligned for the dtype
+        if d != d:  # NaN
+            return float("inf")
+        dev = max(dev, d)
+    return dev
+
+
 def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
                     atol: float, step: int | None = None) -> Comparison:
     missing = set(ref) ^ set(mine)

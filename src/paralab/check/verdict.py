@@ -32,7 +32,7 @@ from ..data.loader import to_device
 from ..strategies.compression import reference_for
 from ..training import documents
 from . import kept
-from .reference import (ADAMS, TOLERANCES, Comparison, compare_optimizer, compare_tensors, max_abs_diff,
+from .reference import (ADAMS, TOLERANCES, Comparison, bits_deviation, compare_optimizer, compare_tensors,
                         optimizer_state, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
@@ -208,20 +208,9 @@ class Check:
         mine = [whole[k].detach().contiguous().reshape(-1) for k, v in whole.items() if v.is_floating_point()]
         if not mine:
             return Comparison("replicas", 0.0, "bit-identical to rank 0", 0.0, step)
-        flat = torch.cat([t.view(torch.uint8) for t in mine])  # the weights' bits, whatever their dtypes
-        root = flat.clone()
+        root = torch.cat([t.view(torch.uint8) for t in mine])  # the weights' bits, whatever their dtypes
         self.comm.broadcast(root, 0, name="check_replicas")
-        dev, at = 0.0, 0
-        if not torch.equal(flat, root):  # by how much: each tensor against rank 0's, as numbers
-            for t in mine:
-                size = t.numel() * t.element_size()
-                theirs = root[at:at + size].clone().view(t.dtype)  # a fresh storage: aligned for the dtype
-                at += size
-                dev = max(dev, max_abs_diff(t, theirs))
-                if dev != dev:  # NaN
-                    dev = float("inf")
-                    break
-        return Comparison("replicas", dev, "bit-identical to rank 0", 0.0, step)
+        return Comparison("replicas", bits_deviation(mine, root), "bit-identical to rank 0", 0.0, step)
 
     def optimizer_comparison(self, states: list[dict], ref: kept.Snapshot, step: int) -> Comparison:
         """Every rank's saved state, put together by the strategy's own ``portable``, against the reference."""

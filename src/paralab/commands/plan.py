@@ -143,14 +143,13 @@ def run(args) -> int:
     if args.report and Path(args.report).exists():
         raise UsageError(f"--report {args.report} already exists; name a new directory (or remove it)")
     work = _workload(args)
-    if args.layout is not None:  # its words and its devices, before a cluster is measured or read
-        _layout_problem(args.layout, args.workers)
+    layout = _layout(args.layout, args.workers) if args.layout is not None else None  # before any cluster
     cluster, where = _cluster(args, PRESETS)
     precision = args.precision or ("mixed" if "bf16" in cluster.peak_tflops else "fp32")
     setting = Setting(args.global_batch, precision, args.optimizer)
     fixed = {k: getattr(args, k) for k in PINS if getattr(args, k) is not None}
-    if args.layout is not None:
-        return evaluate_one(args, work, cluster, where, setting, fixed)
+    if layout is not None:
+        return evaluate_one(args, work, cluster, where, setting, fixed, layout)
     bar = Progress(1, "plan", enabled=sys.stderr.isatty())  # a 1,024-device search takes tens of seconds
 
     def progress(done: int, total: int) -> None:
@@ -178,16 +177,16 @@ def run(args) -> int:
     return 0
 
 
-def evaluate_one(args, work, cluster, where: str, setting, fixed: dict) -> int:
+def evaluate_one(args, work, cluster, where: str, setting, fixed: dict, layout) -> int:
     """``--layout``: that layout's row (fitting or not), whether it fits and by how much, its place in the search,
     and its command."""
-    from ..analysis.plan import Layout, NoLayout, evaluate
+    from ..analysis.plan import NoLayout, evaluate
     if fixed or args.report:
         given = ", ".join("--" + k.replace("_", "-") for k in fixed) or "--report"
         raise UsageError(f"--layout names every dimension of one layout; {given} would pin or report a search: drop "
                          "one of them")
     try:
-        got = evaluate(work, cluster, setting, args.workers, Layout.parse(args.layout))
+        got = evaluate(work, cluster, setting, args.workers, layout)
     except (NoLayout, ValueError) as exc:
         raise UsageError(str(exc)) from None
     x, usable = got.prediction, cluster.memory_gb * 1e9 * cluster.usable_fraction
@@ -290,14 +289,17 @@ def _workload(args):
     return cnn_workload(args.model, args.width)
 
 
-def _layout_problem(text: str, workers: int) -> None:
+def _layout(text: str, workers: int):
+    """``--layout`` parsed, its words and its devices checked before a cluster is read or measured."""
     from ..analysis.plan.layouts import Layout, devices_problem
     try:
-        problem = devices_problem(Layout.parse(text), workers)
+        layout = Layout.parse(text)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    problem = devices_problem(layout, workers)
     if problem:
         raise UsageError(f"--layout {text!r}: {problem}: change the layout's degrees or --workers")
+    return layout
 
 
 def _cluster(args, presets):

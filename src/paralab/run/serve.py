@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import exit_code
+from ..errors import BROKEN_PIPE, exit_code
 
 #: what the server imports before it listens (torch only: paralab's own modules load fresh per command)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
@@ -380,7 +380,7 @@ def _become(request: dict, fds: list[int], added: dict, command) -> None:
     except SystemExit as exc:
         code = exit_code(exc)
     except BrokenPipeError:  # as a cold command would (front.py): the reader stopped reading
-        code = 128 + 13
+        code = BROKEN_PIPE
     except BaseException:  # noqa: BLE001 - as a cold command would: the traceback, exit 1
         import traceback
         traceback.print_exc()
