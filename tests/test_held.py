@@ -149,14 +149,16 @@ def _held(paralab, *args, model=GPT) -> dict:
 
 
 @pytest.mark.parametrize("schedule", [("1f1b", "--microbatches", "8", "--partition", "3,3"),
-                                      ("interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "2")])
+                                      ("interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "2",
+                                       "--partition", "2,1,1,2")])
 def test_zero1_under_a_pipeline_is_measured_with_its_flat_gradient_copy(paralab, schedule):
     """The pipeline's ZeRO-1 flavour flattens each unit's gradient into a copy to reduce-scatter while the
     stage's gradients are all still held: its ledger sees the copy, the walk does not. Interleaved, a
     rank's two stages are two flavours, each with its ledger: the gradients of the one still waiting are
     held (and counted) while the other reduces. With both, each rank's model states are the planner's
     for its stages (the walk alone was 15-18 % under; the two ledgers counting gradients only from each
-    flavour's reduction, 10 %)."""
+    flavour's reduction, 10 %). The cut is pinned: a balanced one is timed, and differs between machines (one
+    with a layer fewer on rank 0 left the embedding's shard, 80 KiB, over 2 % of the rest)."""
     for rank, h in _held(paralab, "fsdp", "--workers", "4", "--zero-stage", "1", "--pp", "2", "--schedule",
                          *schedule, model=GPT[:2] + COURSE_GPT + GPT[10:]).items():
         assert h["ledger"]["ledgers"] == (2 if schedule[0] == "interleaved-1f1b" else 1)
