@@ -2,9 +2,10 @@
 
 :class:`Cluster` holds what a prediction needs and nothing else: peak FLOP/s
 per dtype (dense, no sparsity), the fraction of it large matmuls achieve
-(``efficiency``, an assumption a preset states; a cluster file may give a
-ramp measured on the device instead, ``matmul``: the fraction by a matmul's
-size, from ``bench/matmul.py``), device memory and its
+(``efficiency``, an assumption a preset states), a ramp by a matmul's size
+(``matmul``: measured on the device by ``bench/matmul.py`` in a cluster
+file; derived from published GEMM figures for the Hopper presets,
+:func:`gemm_ramp`), device memory and its
 bandwidth, devices per node, and the bandwidth and latency of a link inside a
 node (NVLink) and between nodes (one NIC per device). Bandwidths are per
 direction, in Gb/s as everywhere in paralab's cost model.
@@ -21,6 +22,7 @@ import bisect
 import difflib
 import json
 import math
+import statistics
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -51,9 +53,10 @@ class Cluster:
     elementwise: bool = True  # time a gpt block's elementwise kernels at memory_gbs beside the matmuls at their
     #                           rate (workload.block_elementwise); False where the rate was measured on a whole
     #                           block, which holds them (this-machine)
-    matmul: tuple | None = None  # measured on the device (bench/matmul.py): ((FLOPs of one matmul, fraction of the
-    #                              dense peak it reached), ...), ascending; a gpt's weight matmuls are timed at
-    #                              the fraction their size reaches (matmul_efficiency); None: all at efficiency
+    matmul: tuple | None = None  # ((FLOPs of one 16-bit matmul, fraction of the dense peak it reached), ...),
+    #                              ascending (bench/matmul.py measures it; gemm_ramp derives it from published
+    #                              figures); a gpt's weight matmuls are timed at the fraction their size reaches
+    #                              (matmul_efficiency); None: all at efficiency
 
     def collective(self, op: str, size: float, n: int, link: tuple[float, float], calls: int = 1) -> float:
         """Seconds of ``calls`` calls of ``op`` moving ``size`` bytes in all over a group of ``n`` ranks on
@@ -117,6 +120,39 @@ _EFFICIENCY = ("efficiency 0.6 of the dense peak for the matmuls is an assumptio
                "bandwidth beside them; 20 us of fixed cost per unit forward of a microbatch (kernel launches) is "
                "assumed too")
 
+
+
+def gemm_ramp(gemms, peak_tflops: float, ceiling: float) -> tuple:
+    """A preset's ``matmul`` ramp from published GEMM figures, ``gemms`` = ((m, n, k, achieved TFLOP/s), ...):
+    for each size (``2 m n k`` FLOPs) the median fraction of ``peak_tflops`` its GEMMs reached, ascending,
+    until the line through them reaches ``ceiling`` (the one efficiency a run's large matmuls are given,
+    where it stops). A matmul is then timed at the smaller of ``ceiling`` and what a GEMM of its size
+    reached: a run sustains no more than ``ceiling`` on its large matmuls, and no small one beats the table."""
+    sizes: dict[float, list[float]] = {}
+    for m, n, k, tflops in gemms:
+        sizes.setdefault(2.0 * m * n * k, []).append(tflops / peak_tflops)
+    points = sorted((f, statistics.median(v)) for f, v in sizes.items())
+    ramp = []
+    for (f0, e0), (f1, e1) in zip(points, points[1:] + [(math.inf, math.inf)]):
+        if e0 >= ceiling:
+            break
+        ramp.append((f0, e0))
+        if e1 >= ceiling and f1 < math.inf:  # where the line in log FLOPs crosses the ceiling
+            ramp.append((math.exp(math.log(f0) + (ceiling - e0) / (e1 - e0) * math.log(f1 / f0)), ceiling))
+    return tuple(ramp)
+
+
+#: ``gemm_ramp`` of the OpenXLA authors' sm_90 bf16 GEMM table (docs/data/xla-sm90-bf16-gemm.csv: 125 single
+#: GEMMs, m, n, k from 256 to 4096) at the H100's 989.4 TFLOP/s and the presets' 0.6, rounded to 4 digits
+#: (tests/test_plan_matmul.py derives it again from the file)
+HOPPER_GEMMS = ((3.355e7, 0.0065), (6.711e7, 0.0116), (1.342e8, 0.0221), (2.684e8, 0.0418), (5.369e8, 0.0791),
+                (1.074e9, 0.1396), (2.147e9, 0.2195), (4.295e9, 0.3443), (8.59e9, 0.4751), (1.453e10, 0.6))
+_HOPPER_RAMP = ("a gpt's weight matmuls at the smaller of the efficiency and what a bf16 GEMM of their size "
+                "reached on an sm_90 GPU (the median over its sizes of the OpenXLA authors' published table, "
+                "xla/service/gpu/model/matmul_interpolator_data.h, kDefaultMatmulPTable \"sm_90\"; "
+                "docs/data/xla-sm90-bf16-gemm.csv): 0.0065 of the peak at 34 MFLOP, 0.22 at 2.1 GFLOP, "
+                "0.48 at 8.6 GFLOP, the efficiency from 14.5 GFLOP up")
+
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
     Cluster("a100-sxm", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
             intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
@@ -132,13 +168,13 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
                    "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s = 450 GB/s each way), "
                    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet; NVIDIA DGX "
                    "H100 datasheet (8 GPUs, 8 ConnectX-7 400 Gb/s InfiniBand/Ethernet: one per GPU); "
-                   f"{_LATENCY}; {_EFFICIENCY}"),
+                   f"{_LATENCY}; {_EFFICIENCY}; {_HOPPER_RAMP}", matmul=HOPPER_GEMMS),
     Cluster("h200", {"fp32": 67.0, "bf16": 989.4, "fp16": 989.4}, 141, 4800, 8,
             intra_gbps=3600, intra_latency_us=5, inter_gbps=400, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: the H100's compute, FP32 67 TFLOPS, "
                    "BF16/FP16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s), "
                    "https://www.nvidia.com/en-us/data-center/h200/; NVIDIA DGX H200 datasheet (8 GPUs, "
-                   "8 ConnectX-7 400 Gb/s); " f"{_LATENCY}; {_EFFICIENCY}"),
+                   "8 ConnectX-7 400 Gb/s); " f"{_LATENCY}; {_EFFICIENCY}; {_HOPPER_RAMP}", matmul=HOPPER_GEMMS),
     Cluster("cpu", {"fp32": 0.08}, 4, 20, 2,
             intra_gbps=40, intra_latency_us=20, inter_gbps=10, inter_latency_us=50, efficiency=0.5,
             unit_overhead_us=50,
@@ -162,7 +198,8 @@ PRESETS["h800"] = replace(
     source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5: the H100 SXM's compute, FP32 67 TFLOPS, "
            "BF16/FP16 989 TFLOPS dense, 80 GB HBM3 at 3.35 TB/s, NVLink 400 GB/s = 200 GB/s each way), "
            "https://www.nvidia.cn/data-center/h800/; 8 GPUs a node with a 400 Gb/s NIC each, as DGX H100 "
-           f"(DeepSeek-V3's report, arXiv 2412.19437, describes its H800 nodes so); {_LATENCY}; {_EFFICIENCY}")
+           f"(DeepSeek-V3's report, arXiv 2412.19437, describes its H800 nodes so); {_LATENCY}; {_EFFICIENCY}; "
+           f"{_HOPPER_RAMP}")
 
 #: the fields a cluster file must give (``name`` defaults to the file's stem; the others have defaults)
 REQUIRED = tuple(f.name for f in fields(Cluster) if f.default is MISSING and f.name != "name")

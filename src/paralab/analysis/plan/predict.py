@@ -350,9 +350,10 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
 def arithmetic_seconds(work: Workload, cluster: Cluster, lo: int, hi: int, t: int, C: int, b: int, flops: float,
                        rate: float, dtype: str) -> float:
     """Seconds of a stage's ``flops`` of one microbatch's forward on a rank: all at ``rate`` (the cluster's
-    one efficiency), or, where the cluster has a measured matmul ramp, each weight matmul
-    (``Workload.matmuls``) at the fraction of the peak its size reaches and the rest at ``rate``."""
-    if not cluster.matmul:
+    one efficiency), or, where the cluster has a matmul ramp (16-bit, as it was measured or published) and
+    the run's matmuls are 16-bit, each weight matmul (``Workload.matmuls``) at the fraction of the peak its
+    size reaches and the rest at ``rate``."""
+    if not cluster.matmul or dtype not in ("bf16", "fp16"):
         return flops / rate
     calls = work.matmuls(lo, hi, t, C, b)
     named = sum(f * n for f, n in calls)
