@@ -627,3 +627,34 @@ def test_the_pages_other_examples_give_the_first_row_they_print(capsys, example)
     out = capsys.readouterr().out
     first = re.search(r"^ ?1  (\S.*?)\s{2,}\S+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", out, re.M)
     assert first.groups() == (layout, mfu), out
+
+
+@pytest.mark.slow
+def test_the_llama_paragraphs_pinned_layouts_give_what_it_says(capsys):
+    """docs/plan.md's Llama 3 paragraph: the published layout pinned with 4 virtual stages, 2, and on plain
+    1F1B, each predicted with the MFU the page prints, none fitting, with the activations it says; and the
+    published 400 TFLOP/s per GPU is the page's share of the H100's dense peak."""
+    import re
+    import shlex
+    from pathlib import Path
+    page = (Path(__file__).resolve().parent.parent / "docs" / "plan.md").read_text()
+    flat = " ".join(page.replace("\\\n", " ").split())
+    command = shlex.split(re.search(r"(paralab plan --model gpt --layers 126 .*?--top 5)", flat).group(1))[1:]
+    command = command[:command.index("--top")]
+    said = re.search(r"Pinned with 4 virtual stages, `--layout \"([^\"]+)\"`, the planner predicts ([\d.]+) % "
+                     r"\(2 virtual stages ([\d.]+) %, plain 1F1B ([\d.]+) %", flat)
+    interleaved, v4, v2, plain = said.groups()
+    one_f_one_b = re.search(r"on plain 1F1B \(`--layout \"([^\"]+)\"`", flat).group(1)
+    activations = re.search(r"keeps ([\d.]+) GB of activations .*?\), interleaved ([\d.]+) GB", flat).groups()
+    assert f"{400 / 989.4:.1%}" == "40.4%" and "400 TFLOP/s per GPU, 40.4 % of the dense peak" in flat
+    for layout, mfu, kept in ((interleaved, v4, activations[1]), (interleaved.replace(" v4 ", " v2 "), v2, None),
+                              (one_f_one_b, plain, activations[0])):
+        assert main(command + ["--layout", layout]) == 0
+        out = capsys.readouterr().out
+        row = re.search(r"^1  (\S.*?)\s{2,}\S+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", out, re.M)
+        assert row.groups() == (layout, mfu), out
+        needs = re.search(r"does not fit: needs [\d.]+ GB per device \(model states [\d.]+ GB, activations "
+                          r"([\d.]+) GB\)", out)
+        assert needs, out
+        if kept:  # as the page rounds it
+            assert round(float(needs.group(1)), len(kept.partition(".")[2])) == float(kept), (kept, needs.group(1))
