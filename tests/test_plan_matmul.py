@@ -127,7 +127,7 @@ def test_gemm_ramp_is_the_median_per_size_cut_at_the_ceiling():
 
 def test_on_an_h100_large_matmuls_keep_the_efficiency_and_small_ones_slow_down():
     """The GPT-3 175B's weight matmuls at tp 8 are all over 14.5 GFLOP: its prediction is the one-efficiency
-    one to the last digit. A 1.3B model at tp 8 has matmuls of 1 to 4 GFLOP: slower, by its own matmuls.
+    one to the last digit. A 1.3B model at tp 8 has a block's matmuls of 2.1 to 8.6 GFLOP: slower, by its own matmuls.
     An fp32 plan does not use a 16-bit ramp."""
     h100 = PRESETS["h100-sxm"]
     flat = dataclasses.replace(h100, matmul=None)

@@ -369,8 +369,8 @@ def show(plan, where: str, command: str) -> None:
     print(f"{plan.work.describe()}; global batch {s.global_batch}, {s.precision} precision, {s.optimizer}")
     print(f"cluster {c.name}" + ("" if where in c.source else f" ({where})") + f": {plan.workers} devices, {c.devices_per_node} per node, "
           f"{c.peak_tflops[s.dtype]:.4g} TFLOP/s peak {s.dtype} x efficiency {c.efficiency:.3g}"
-          + (f" (the gpt's weight matmuls: a ramp, {min(e for _, e in c.matmul):.3g} to "
-             f"{max(e for _, e in c.matmul):.3g} by size)" if c.matmul and s.dtype in ("bf16", "fp16") else "") + f", {c.memory_gb:.4g} GB "
+          + (f" (the gpt's weight matmuls: a ramp, {min(e for _, e in c.ramp(s.dtype)):.3g} to "
+             f"{max(e for _, e in c.ramp(s.dtype)):.3g} by size)" if c.ramp(s.dtype) else "") + f", {c.memory_gb:.4g} GB "
           f"({c.usable_fraction:g} usable), links {c.intra_gbps:.4g} Gb/s in a node, {c.inter_gbps:.4g} Gb/s between")
     print(f"  source: {c.source}")
     print(f"{plan.considered} layouts divide the model and the workers, {plan.fitting} fit in memory; the fastest "

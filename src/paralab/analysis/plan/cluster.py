@@ -86,6 +86,11 @@ class Cluster:
     def peak(self, dtype: str) -> float:
         return self.peak_tflops[dtype] * 1e12
 
+    def ramp(self, dtype: str) -> tuple | None:
+        """The matmul ramp a plan in ``dtype`` uses: the cluster's, 16-bit as it was measured or published,
+        for a 16-bit plan; None (every matmul at ``efficiency``) otherwise."""
+        return self.matmul if dtype in ("bf16", "fp16") else None
+
     def matmul_efficiency(self, flops: float) -> float:
         """The fraction of the peak a matmul of ``flops`` reaches: ``efficiency`` without a measured ramp
         (``matmul``), else the ramp's, interpolated linearly in log FLOPs between its points and held at
@@ -121,7 +126,6 @@ _EFFICIENCY = ("efficiency 0.6 of the dense peak for the matmuls is an assumptio
                "assumed too")
 
 
-
 def gemm_ramp(gemms, peak_tflops: float, ceiling: float) -> tuple:
     """A preset's ``matmul`` ramp from published GEMM figures, ``gemms`` = ((m, n, k, achieved TFLOP/s), ...):
     for each size (``2 m n k`` FLOPs) the median fraction of ``peak_tflops`` its GEMMs reached, ascending,
@@ -131,14 +135,15 @@ def gemm_ramp(gemms, peak_tflops: float, ceiling: float) -> tuple:
     sizes: dict[float, list[float]] = {}
     for m, n, k, tflops in gemms:
         sizes.setdefault(2.0 * m * n * k, []).append(tflops / peak_tflops)
-    points = sorted((f, statistics.median(v)) for f, v in sizes.items())
-    ramp = []
-    for (f0, e0), (f1, e1) in zip(points, points[1:] + [(math.inf, math.inf)]):
-        if e0 >= ceiling:
-            break
-        ramp.append((f0, e0))
-        if e1 >= ceiling and f1 < math.inf:  # where the line in log FLOPs crosses the ceiling
-            ramp.append((math.exp(math.log(f0) + (ceiling - e0) / (e1 - e0) * math.log(f1 / f0)), ceiling))
+    ramp: list[tuple[float, float]] = []
+    for f, e in sorted((f, statistics.median(v)) for f, v in sizes.items()):
+        if e < ceiling:
+            ramp.append((f, e))
+            continue
+        if ramp:  # where the line in log FLOPs from the last size below the ceiling reaches it
+            f0, e0 = ramp[-1]
+            ramp.append((math.exp(math.log(f0) + (ceiling - e0) / (e - e0) * math.log(f / f0)), ceiling))
+        break
     return tuple(ramp)
 
 

@@ -353,7 +353,7 @@ def arithmetic_seconds(work: Workload, cluster: Cluster, lo: int, hi: int, t: in
     one efficiency), or, where the cluster has a matmul ramp (16-bit, as it was measured or published) and
     the run's matmuls are 16-bit, each weight matmul (``Workload.matmuls``) at the fraction of the peak its
     size reaches and the rest at ``rate``."""
-    if not cluster.matmul or dtype not in ("bf16", "fp16"):
+    if not cluster.ramp(dtype):
         return flops / rate
     calls = work.matmuls(lo, hi, t, C, b)
     named = sum(f * n for f, n in calls)
