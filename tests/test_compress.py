@@ -2,6 +2,7 @@
 reference that applies the same compression, torch-ddp's PyTorch hooks, and the refusals."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -146,7 +147,7 @@ def test_torch_ddp_runs_pytorchs_hooks_on_gloo(paralab):
     r = paralab("train", "torch-ddp", "--workers", "2", "--num-batches", "4", "--compress", "powersgd",
                 "--powersgd-start-iter", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.summary["final_loss"] == r.summary["final_loss"]      # (finite: PowerSGD ran, nothing diverged)
+    assert math.isfinite(r.summary["final_loss"]), r.summary     # PowerSGD ran, nothing diverged (NaN or inf)
 
 
 def test_train_help_lists_the_compression_options():

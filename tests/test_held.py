@@ -145,7 +145,10 @@ def _held(paralab, *args, model=GPT) -> dict:
     assert res.returncode == 0, res.stderr
     from paralab.analysis.runs import load_run
     details = load_run(res.out).details  # with the planner's prediction beside what was measured
-    return {int(r): d["held"] for r, d in details.items()}
+    held = {int(r): d["held"] for r, d in details.items()}
+    world = int(args[args.index("--workers") + 1])
+    assert sorted(held) == list(range(world)), f"held records of ranks {sorted(held)}, not of all {world}"
+    return held
 
 
 @pytest.mark.parametrize("schedule", [("1f1b", "--microbatches", "8", "--partition", "3,3"),
