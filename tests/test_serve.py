@@ -167,22 +167,50 @@ def test_a_served_run_lives_as_long_as_its_client_and_stop_ends_what_it_serves(t
     assert paralab(folder, "serve", "--status").returncode == 1
 
 
-def test_a_silent_connection_holds_up_no_served_command(tmp_path):
+def test_slow_silent_and_malformed_connections_hold_up_nothing_and_stop_returns_when_the_server_is_gone(tmp_path):
+    """A connection that says nothing, one that sends its request a byte at a time and one that sends a byte
+    more than its request: another client's command is served at once meanwhile; the malformed one is
+    dropped and starts nothing; `--stop` returns once the server's process is gone."""
     import socket as sockets
+    import threading
     folder = tmp_path / "xdg"
     folder.mkdir(mode=0o700)
     assert paralab(folder, "serve", "--idle", "5").returncode == 0
-    silent = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    where = str(folder / f"paralab-serve-{os.getuid()}" / "serve.sock")
+    pid = int(paralab(folder, "serve", "--status").stdout.split("(pid ")[1].split(",")[0])
+    silent, slow, malformed = (sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) for _ in range(3))
+    trickled = threading.Event()
+
+    def trickle():  # a valid-looking request, a byte every 20 ms (about 2 s for its first 100 bytes)
+        try:
+            for byte in json.dumps({"argv": ["calc", "--help"], "cwd": "/", "env": {}}).encode():
+                slow.send(bytes([byte]))
+                time.sleep(0.02)
+        except OSError:  # dropped by the server after REQUEST_SECONDS: what it should do
+            pass
+        trickled.set()
     try:
-        silent.connect(str(folder / f"paralab-serve-{os.getuid()}" / "serve.sock"))  # and says nothing
+        silent.connect(where)  # and says nothing
+        slow.connect(where)
+        feeder = threading.Thread(target=trickle, daemon=True)
+        feeder.start()
+        malformed.connect(where)
+        malformed.sendall(json.dumps({"argv": ["calc", "--help"], "cwd": "/", "env": {}}).encode() + b"\nX")
+        malformed.settimeout(10)
+        assert malformed.recv(1) == b""  # dropped at once: no reply, closed
         r = paralab(folder, "calc", "--help")
         assert r.returncode == 0 and "usage: paralab calc" in r.stdout
+        assert not trickled.is_set()  # served while the slow one was still sending
         assert log_lines(folder)[-1].endswith("exited 0")  # served, not run cold after a timeout
+        assert sum("exited" in line for line in log_lines(folder)) == 1  # the malformed one started nothing
         silent.setblocking(False)
         try:
             assert silent.recv(1) != b""  # not closed yet: the command did not wait for it to be dropped
         except BlockingIOError:
             pass
     finally:
-        silent.close()
-        paralab(folder, "serve", "--stop")
+        for conn in (silent, slow, malformed):
+            conn.close()
+        stop = paralab(folder, "serve", "--stop")
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

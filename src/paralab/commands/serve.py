@@ -49,6 +49,18 @@ def answering(path) -> bool:
         probe.close()
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (the server, which is not this process's child: it is reaped by
+    init once it has gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def commands(running: dict) -> str:
     return "; ".join(f"pid {pid}: paralab {' '.join(argv)}" for pid, argv in running.items())
 
@@ -77,10 +89,14 @@ def run(args) -> int:
         if answer is None:
             print("paralab serve: not running")
             return 0
-        deadline = time.monotonic() + 30
-        while answering(path) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # the server ends its commands (SIGTERM, then SIGKILL) before it goes
+        while alive(answer["pid"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         ending = answer.get("ending") or {}
+        if alive(answer["pid"]):
+            print(f"paralab serve: asked to stop, but pid {answer['pid']} still runs after 30 s; see "
+                  f"{where / 'serve.log'}", file=sys.stderr)
+            return 1
         print(f"paralab serve: stopped (pid {answer['pid']})"
               + (f"; ended the {len(ending)} command(s) it served: {commands(ending)}" if ending else ""))
         return 0

@@ -159,6 +159,25 @@ REQUEST_SECONDS = 10.0
 GRACE_SECONDS = 2.0
 
 
+#: the most bytes a request may take (the command line, directory and environment: a few KiB); more is dropped
+REQUEST_BYTES = 1 << 20
+
+
+class Pending:
+    """A connection whose request has not all come yet: the bytes and descriptors so far, and since when. It
+    is read only when readable and never waited on, so a client that sends a byte at a time holds up
+    nothing; it has :data:`REQUEST_SECONDS` to finish, or it is dropped."""
+
+    def __init__(self, since: float):
+        self.since, self.data, self.fds = since, b"", []
+
+    def drop(self, conn: socket.socket) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        conn.close()
+
+
 class Served:
     """A running command: its client's connection (the command lives as long as it), its command line."""
 
@@ -185,10 +204,11 @@ def serve(idle_seconds: float, command) -> None:
     each forked child runs once it has become the client's command (the command line's ``main``).
 
     One server per user: it holds ``serve.lock`` (flock) while it lives; a second one exits at once. Every
-    connection is read when it is ready (a silent one is dropped after :data:`REQUEST_SECONDS` and holds up
-    no other); a command's client connection is watched while it runs: when the client goes (killed,
-    ``kill -9`` included), the command and every process it started are ended within
-    :data:`GRACE_SECONDS` or so. ``paralab serve --stop`` and ``--status`` talk to it through the socket."""
+    connection is read when it is ready and never waited on: a request not whole within
+    :data:`REQUEST_SECONDS` (silent, or sent a byte at a time) is dropped and holds up no other, and a
+    malformed or over-long one is dropped at once and starts nothing (:func:`_read`); a command's client
+    connection is watched while it runs: when the client goes (killed, ``kill -9`` included) or sends
+    anything more, the command and every process it started are ended within :data:`GRACE_SECONDS` or so. ``paralab serve --stop`` and ``--status`` talk to it through the socket."""
     import fcntl
     import importlib
     where = folder(create=True)
@@ -218,7 +238,7 @@ def serve(idle_seconds: float, command) -> None:
     leaving = None  # "stop" (--stop: the commands served end too) or "stale" (they go on to their ends)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children: dict[int, Served] = {}            # running commands, by pid
-    pending: dict[socket.socket, float] = {}    # connections whose request has not come yet, since when
+    pending: dict[socket.socket, Pending] = {}  # connections whose request has not all come yet
     last = time.monotonic()
     try:
         while leaving is None and (children or pending or time.monotonic() - last < idle_seconds):
@@ -229,13 +249,20 @@ def serve(idle_seconds: float, command) -> None:
             for conn in ready:
                 if conn is listener:
                     accepted, _ = listener.accept()
-                    pending[accepted] = now
+                    if _peer_uid(accepted) != os.getuid():  # only this user's commands
+                        accepted.close()
+                        continue
+                    accepted.setblocking(False)
+                    pending[accepted] = Pending(now)
                     last = now
                 elif conn in pending:
-                    del pending[conn]
-                    request = _read(conn)
-                    if request is None:
+                    request = _read(conn, pending[conn])
+                    if request is None:  # not whole yet
                         continue
+                    del pending[conn]
+                    if request is False:  # malformed, over-long, or closed early: dropped, nothing started
+                        continue
+                    conn.setblocking(True)
                     if request.get("control") == "status":
                         _reply(conn, {"pid": os.getpid(), "since": started,
                                       "running": {str(pid): c.argv for pid, c in children.items()}}, close=True)
@@ -251,16 +278,15 @@ def serve(idle_seconds: float, command) -> None:
                                       [listener, conn, *pending, *(c.conn for c in children.values())])
                         if taken:
                             children[taken[0]] = Served(conn, taken[1])
-                else:  # a running command's client: readable means it went away (it sends nothing more)
-                    pid = next(p for p, c in children.items() if c.conn is conn)
-                    if _gone(conn):
-                        print(f"pid {pid}: its client went away: ending `paralab {' '.join(children[pid].argv)}`",
-                              flush=True)
-                        children[pid].end(pid, now)
-            for conn, since in list(pending.items()):  # silent too long: dropped, the others not held up
-                if now - since > REQUEST_SECONDS:
+                else:  # a running command's client: readable means it went away, or broke the protocol (a
+                    pid = next(p for p, c in children.items() if c.conn is conn)  # client sends nothing more)
+                    why = _gone(conn)
+                    print(f"pid {pid}: {why}: ending `paralab {' '.join(children[pid].argv)}`", flush=True)
+                    children[pid].end(pid, now)
+            for conn, p in list(pending.items()):  # not whole in time: dropped, the others not held up
+                if now - p.since > REQUEST_SECONDS:
                     del pending[conn]
-                    conn.close()
+                    p.drop(conn)
             _escalate(children, now)
     finally:
         try:
@@ -269,8 +295,8 @@ def serve(idle_seconds: float, command) -> None:
         except OSError:
             pass
         listener.close()
-        for conn in pending:
-            conn.close()
+        for conn, p in pending.items():
+            p.drop(conn)
         now = time.monotonic()
         for pid, child in children.items() if leaving == "stop" else ():  # --stop: every command served ends with it
             print(f"pid {pid}: the server stops: ending `paralab {' '.join(child.argv)}`", flush=True)
@@ -282,14 +308,17 @@ def serve(idle_seconds: float, command) -> None:
         os.close(lock)
 
 
-def _gone(conn: socket.socket) -> bool:
-    """Whether the client at the other end of ``conn`` has gone (its end closed: it sends nothing else)."""
+def _gone(conn: socket.socket) -> str:
+    """Why a running command's client connection became readable: the client went away (its end closed), or
+    it sent something after its request (no client of paralab's does: the command is ended all the same, so
+    that a connection that keeps sending cannot keep the server busy). Reads what is there."""
     try:
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return "its client went away" if conn.recv(4096, socket.MSG_DONTWAIT) == b"" else \
+            "its client sent more than its request"
     except BlockingIOError:
-        return False
+        return "its client sent more than its request"
     except OSError:
-        return True
+        return "its client went away"
 
 
 def _escalate(children: dict, now: float) -> None:
@@ -308,32 +337,37 @@ def _reply(conn: socket.socket, message: dict, close: bool = False) -> None:
         conn.close()
 
 
-def _read(conn: socket.socket) -> dict | None:
-    """One request from a connection that is readable: its JSON (and the descriptors it carried, under
-    ``"fds"``); None (closed) where it is not this user's, not JSON, or not whole within a short wait."""
+def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    if struct.unpack("3i", creds)[1] != os.getuid():
-        conn.close()
-        return None
-    fds = []
+    return struct.unpack("3i", creds)[1]
+
+
+def _read(conn: socket.socket, pending: Pending):
+    """What a readable pending connection has sent so far: its request (JSON, one line, with the descriptors
+    it carried under ``"fds"``) once whole; None while it is not (nothing waits for the rest); False, the
+    connection dropped, where it is not JSON, not one line (bytes after its newline), over
+    :data:`REQUEST_BYTES`, carries more than three descriptors, or closed before its end."""
     try:
-        conn.settimeout(1.0)  # the client sends its request in one message: it is here, or nearly
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        while not data.endswith(b"\n"):
-            more = conn.recv(1 << 20)
-            if not more:
-                raise ValueError("cut short")
-            data += more
-        request = json.loads(data)
-        conn.settimeout(None)
+        data, fds, _, _ = socket.recv_fds(conn, REQUEST_BYTES, 3, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        data, fds = b"", []
+    pending.fds += fds
+    pending.data += data
+    end = pending.data.find(b"\n")
+    if data and end < 0 and len(pending.data) <= REQUEST_BYTES and len(pending.fds) <= 3:
+        return None
+    try:
+        if end < 0 or end != len(pending.data) - 1 or len(pending.data) > REQUEST_BYTES or len(pending.fds) > 3:
+            raise ValueError("not one whole request")
+        request = json.loads(pending.data)
         if not isinstance(request, dict):
             raise ValueError("not a request")
-    except (OSError, ValueError):
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        return None
-    request["fds"] = fds
+    except ValueError:
+        pending.drop(conn)
+        return False
+    request["fds"], pending.fds = pending.fds, []
     return request
 
 
