@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import FAST, run_paralab
 
 
@@ -56,3 +57,63 @@ def test_out_naming_a_file_is_refused_before_start(tmp_path):
     r = run_paralab("train", "single", *FAST, "--num-batches", "1", "--out", str(target), fast=False)
     assert r.returncode == 2 and "is a file: name a folder" in r.stderr
     assert target.read_text() == "mine"
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, theirs, ...), whatever session each leads."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                state, ppid = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids) -> list[int]:
+    return [p for p in pids if os.path.exists(f"/proc/{p}") and " Z " not in open(f"/proc/{p}/stat").read()]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_killed_compare_ends_its_runs_and_leaves_its_folder_in_sight(tmp_path, how):
+    """compare's runs live in sessions of their own (so it can stop one and its ranks): a compare killed
+    (kill -9 too) takes its run and the run's ranks with it within seconds; what it wrote is in its report
+    folder, never a hidden one; while it runs, a second compare into that folder is refused, naming it."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "paralab", "compare", "--strategies", "ddp", "--workers", "2", "--width", "0.125",
+           "--no-check", "--out", str(out), "--train-args=--dataset synthetic --synthetic-size 256 --batch-size 16 "
+           "--num-batches 100000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "PARALAB_SERVE": "off"})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("runs/*/oplog")) and time.monotonic() < deadline:  # the run's ranks train
+            time.sleep(0.2)
+        below = _descendants(p.pid)
+        assert len(below) >= 4, below  # the forkserver, the run, its two ranks
+        second = run_paralab("compare", "--strategies", "single", "--out", str(out))
+        assert second.returncode == 2 and f"--out {out} is in use" in second.stderr, second.stderr
+        p.send_signal(how)
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while _alive(below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(below) == []
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in _alive(_descendants(p.pid)):
+            os.kill(pid, signal.SIGKILL)
+    assert [e.name for e in tmp_path.iterdir()] == ["report"]  # nothing hidden beside it
+    assert list(out.glob("logs/*.log"))  # the run's output, where the report said it would be
+    if how == signal.SIGTERM:
+        assert "compare: stopped" in p.stderr.read()

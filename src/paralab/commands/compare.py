@@ -61,11 +61,13 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 from .. import options
+from ..run import folder
 from ..options import finite_float
 from ..run.config import ALL_OPTION_CLASSES, RunConfig, train_command
 from ..errors import UsageError
@@ -369,6 +371,7 @@ def run(a) -> int:
     runs, left_out = plan(a)
     out = Path(a.out or Path("reports") / time.strftime("compare-%Y%m%d-%H%M%S"))
     if out.exists():
+        folder.refuse_if_held(out, "--out")
         raise UsageError(f"{out} already exists; pass another --out (or remove it)")
     for note in left_out:
         print(f"compare: leaving out {note}", file=sys.stderr)
@@ -378,11 +381,10 @@ def run(a) -> int:
         return 0
 
     display = StatusLine(verbose=a.verbose)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    # the report's folder, held while it is written (a second compare into it is refused) and written as the
+    # runs finish: a compare stopped half-way leaves its finished runs there, never in a hidden folder
+    held = folder.claim_new(out, "compare")
+    signal.signal(signal.SIGTERM, terminated)  # `kill`: stopped as Ctrl-C stops it (its run too)
     started = time.time()
     print(f"compare: {len(runs)} runs -> {out}", file=sys.stderr)
     entries = []
@@ -395,8 +397,8 @@ def run(a) -> int:
             eta = f", ~{elapsed / i * (len(runs) - i):.0f}s left" if i else ""
             variant = f" {r['compress']}" if r.get("compress", "none") != "none" else ""
             prefix = f"[{i + 1}/{len(runs)}{eta}] {r['strategy']} w{r['workers']}{variant}"
-            res = runner.run(sharing_references(cfg, tmp, a.share_references), tmp / "runs" / r["name"], display.follow(prefix),
-                             log=tmp / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
+            res = runner.run(sharing_references(cfg, out, a.share_references), out / "runs" / r["name"], display.follow(prefix),
+                             log=out / "logs" / f"{r['name']}.log", timeout=a.run_timeout,
                              on_output=display.passthrough)
             r.update(seconds=res.seconds, returncode=res.returncode, log=f"logs/{r['name']}.log",
                      run_dir=f"runs/{r['name']}" if res.ok else None)
@@ -416,20 +418,27 @@ def run(a) -> int:
         print("compare: drawing figures and writing the report", file=sys.stderr)
         from ..report.page import build_compare_report
         # the runs are over: the figures are drawn on up to 4 cores, in children of the runs' forkserver
-        build_compare_report(tmp, entries, left_out, canonical_command(a), vars(a), wall, final_dir=out,
+        build_compare_report(out, entries, left_out, canonical_command(a), vars(a), wall,
                              figure_processes=min(4, os.cpu_count() or 1))
-        shutil.rmtree(tmp / CHECK_CACHE, ignore_errors=True)
+        shutil.rmtree(out / CHECK_CACHE, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"compare: stopped; nothing written to {out}", file=sys.stderr)
+        shutil.rmtree(out / CHECK_CACHE, ignore_errors=True)
+        done = sum(1 for r in entries if r.get("run_dir"))
+        print(f"compare: stopped; {done} finished run(s) kept in {out}/runs (no report)", file=sys.stderr)
         raise
-    os.replace(tmp, out)
+    finally:
+        held.release()
     failed = [r for r in entries if r["status"] == "failed"]
     bad_checks = [r for r in entries if r["status"] == "ok" and r.get("returncode") not in (0, None)]
     print(f"compare: {len(entries) - len(failed)}/{len(entries)} runs finished in {time.time() - started:.0f}s; "
           f"report: {out / 'report.html'}", file=sys.stderr)
     _print_table(out)
     return 1 if failed or bad_checks else 0
+
+
+def terminated(signum, _frame):
+    """SIGTERM: unwound as Ctrl-C is (the run going is stopped, what finished is kept), exit 128 + 15."""
+    raise SystemExit(128 + signum)
 
 
 def _print_table(out: Path) -> None:

@@ -35,18 +35,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 from .. import options
+from ..run import folder
 from ..options import finite_float
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
-from .compare import (CHECK_CACHE, changed_fields, config_overrides, cores_per_worker, parse_int_list,
+from .compare import (CHECK_CACHE, terminated, changed_fields, config_overrides, cores_per_worker, parse_int_list,
                       sharing_references, train_command)
 
 HELP = "HPML Lab 4 studies: batch-size sweep, weak vs strong scaling, compute vs communication"
@@ -140,6 +141,7 @@ class Sweep:
         self.kind = kind
         self.out = Path(a.out or Path("reports") / time.strftime(f"sweep-{kind}-%Y%m%d-%H%M%S"))
         if self.out.exists():
+            folder.refuse_if_held(self.out, "--out")
             raise UsageError(f"{self.out} already exists; pass another --out (or remove it)")
         if a.epoch_samples < 0:
             raise UsageError("--epoch-samples must be positive (or 0 for the whole training split)")
@@ -150,7 +152,7 @@ class Sweep:
         self.display = StatusLine(verbose=a.verbose)
         self.pinned = None
         self.entries: list[dict] = []
-        self.tmp: Path | None = None
+        self.held = None  # the report's folder, held while the sweep writes it (run/folder.py)
 
     def base(self) -> RunConfig:
         """What every run of the sweep shares: the data and model options, then --train-args."""
@@ -174,18 +176,18 @@ class Sweep:
         return cfg
 
     def start(self) -> None:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        """Hold the report's folder and write into it as runs finish: a sweep stopped half-way leaves its
+        finished runs there (never in a hidden folder); a second command into it is refused. SIGTERM stops
+        it as Ctrl-C does."""
+        self.held = folder.claim_new(self.out, "sweep")
+        signal.signal(signal.SIGTERM, terminated)
 
     def run(self, name: str, cfg: RunConfig, index: str) -> dict:
         from ..run import runner
         from ..analysis.runs import load_run
-        run_dir = self.tmp / "runs" / name
+        run_dir = self.out / "runs" / name
         prefix = f"[{index}] {name}"
-        res = runner.run(sharing_references(cfg, self.tmp), run_dir, self.display.follow(prefix), log=self.tmp / "logs" / f"{name}.log",
+        res = runner.run(sharing_references(cfg, self.out), run_dir, self.display.follow(prefix), log=self.out / "logs" / f"{name}.log",
                          timeout=self.a.run_timeout, on_output=self.display.passthrough)
         entry = {"name": name, "config": changed_fields(cfg), "seconds": res.seconds, "returncode": res.returncode,
                  "command": train_command(cfg, self.out / "runs" / name), "log": f"logs/{name}.log"}
@@ -203,17 +205,19 @@ class Sweep:
         return entry
 
     def finish(self, report, data: dict) -> Path:
-        page, md = report.write(self.tmp)
+        page, md = report.write(self.out)
         data["entries"] = [{k: v for k, v in e.items() if k != "run"} for e in self.entries]
-        (self.tmp / "sweep.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-        shutil.rmtree(self.tmp / CHECK_CACHE, ignore_errors=True)
-        os.replace(self.tmp, self.out)
+        (self.out / "sweep.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        shutil.rmtree(self.out / CHECK_CACHE, ignore_errors=True)
+        self.held.release()
         return self.out
 
     def abort(self) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            print(f"sweep: stopped; nothing written to {self.out}", file=sys.stderr)
+        if self.held is not None:
+            shutil.rmtree(self.out / CHECK_CACHE, ignore_errors=True)
+            done = sum(1 for e in self.entries if e["status"] == "ok")
+            print(f"sweep: stopped; {done} finished run(s) kept in {self.out}/runs (no report)", file=sys.stderr)
+            self.held.release()
 
 
 def run(a) -> int:
@@ -292,7 +296,7 @@ def sweep_batch_size(a) -> int:
         ok = [e for e in sw.entries if e["status"] == "ok"]
         if ok:
             from ..report.plots import plot_epoch_time
-            fig = plot_epoch_time([(int(e["name"][1:]), e["epoch"]) for e in ok], sw.tmp / "epoch_time.png")
+            fig = plot_epoch_time([(int(e["name"][1:]), e["epoch"]) for e in ok], sw.out / "epoch_time.png")
             sec.figure(fig, "epoch_time.png", "Second-epoch time vs per-device batch size.")
         rep.section("Commands").code("\n".join(e["command"] for e in sw.entries))
         out = sw.finish(rep, {"kind": "batch-size", "headers": headers, "rows": rows, "epoch_samples": samples})
@@ -406,7 +410,7 @@ def sweep_scaling(a) -> int:
                 print(cap2)
                 print(text_table(headers2, rows2))
                 print()
-        fig = _plot_speedup(sw.tmp / "speedup.png", results, modes, sizes, workers, strategy)
+        fig = _plot_speedup(sw.out / "speedup.png", results, modes, sizes, workers, strategy)
         if fig:
             rep.section("Speedup").figure(fig, "speedup.png", "Speedup over 1 worker; dashed: ideal (N).")
         failed = [e for e in sw.entries if e["status"] != "ok"]

@@ -12,7 +12,12 @@ run's records gone, a checkpoint of one strategy's rank 0 and another's rank
   goes when that process ends, however it ends: there is no stale lock file;
 - a folder that holds a finished run is reused only by ``--resume`` (which
   continues it) or ``--overwrite`` (which clears it first);
-- ``--out`` naming a file is refused before start (``RunConfig.validate``).
+- ``--out`` naming a file is refused before start (``RunConfig.validate``);
+- ``compare`` and ``sweep`` hold their report folder the same way (:func:`claim_new`) and write into it
+  as they go, so a report killed half-way leaves its finished runs in plain sight, and a second
+  command into a folder in use is refused;
+- a ``--resume`` source that a live run holds is refused (:func:`refuse_if_held`): its newest
+  checkpoint may be one being written.
 """
 from __future__ import annotations
 
@@ -55,6 +60,36 @@ def claim(folder: Path) -> Claim:
         raise UsageError(f"--out {folder} is in use by a run that is still going ({holder(folder)}); wait for it "
                          "to end, or pass another --out") from None
     return Claim(folder, fd, created)
+
+
+def claim_new(folder: Path, what: str) -> Claim:
+    """Hold ``folder`` for a command's report (``what``: the command), made here: UsageError where it is in
+    use or already holds anything."""
+    folder = Path(folder)
+    if folder.exists():
+        refuse_if_held(folder, "--out")
+        raise UsageError(f"{folder} already exists; pass another --out (or remove it)")
+    try:
+        return claim(folder)
+    except OSError as exc:
+        raise UsageError(f"--out {folder}: cannot make the folder ({exc.strerror})") from None
+
+
+def refuse_if_held(folder: Path, flag: str) -> None:
+    """UsageError where a live process holds ``folder`` (``flag``: the option that named it). Asked with a
+    lock of its own, let go at once: this process's own hold (a run resumed into its own folder) would
+    refuse itself, so ask only of a folder this process does not hold."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"{flag} {folder} is in use by a run that is still going ({holder(folder)}); wait for "
+                         "it to end") from None
+    finally:
+        os.close(fd)
 
 
 def holder(folder: Path) -> str:

@@ -44,7 +44,8 @@ from ..progress import emit
 from .config import RunConfig
 from .failures import GroupNotFormed, describe, is_peer_loss, resume_hint
 from .hangs import explain_hang
-from .local import die_with_parent, run_local
+from .local import run_local
+from .warm import die_with_parent
 from .rendezvous import choose_gloo_interface, free_port, pin, slurm_place, tcp_url, under_torchrun
 
 def launch(cfg: RunConfig, run_dir: str, on_end=None) -> int:

@@ -14,7 +14,6 @@ group again from the last checkpoint (``restart.py``).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import traceback
@@ -27,23 +26,11 @@ from .config import RunConfig
 from .failures import Ending, describe, explain, resume_hint
 from .hangs import explain_hang
 from .rendezvous import loopback_interface, pin
-from .warm import rank_context
+from .warm import die_with_parent, rank_context
 
 GRACE_S = 2.0  # after a failure: how long the other ranks get to exit (and say why) before SIGTERM
 KILL_S = 5.0   # after SIGTERM: how long before SIGKILL
 POLL_S = 0.2   # once a rank has ended: how often the launcher reads the others' reports
-
-
-def die_with_parent(parent: int) -> None:
-    """Linux: have the kernel SIGKILL this process when the launcher dies, however it dies."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before the call above took effect
-        os._exit(1)
 
 
 def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str, parent: int | None,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 
@@ -118,6 +119,20 @@ def rank_context(cfg):
     return forkserver(), "forkserver"
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent ``parent`` dies, however it dies (SIGKILL
+    included). A rank asks it of its launcher, a run of the forkserver it was forked from (which ends when
+    the process that started the run ends), so killing ``compare`` ends its run and the run's ranks."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call above took effect
+        os._exit(1)
+
+
 # ---------------------------------------------------------------------------- whole runs (the runner)
 def start(target, args: tuple, *, output: str, env: dict, cwd: str, errors: str | None = None):
     """Start ``target(*args)`` in a child of this process's preloaded forkserver; return the Process.
@@ -125,7 +140,8 @@ def start(target, args: tuple, *, output: str, env: dict, cwd: str, errors: str 
     The child leads a session of its own (so it and every rank it starts can be stopped together:
     ``os.killpg(process.pid, ...)``), works in ``cwd`` with environment ``env``, and writes its
     standard output to the file ``output``, its standard error to ``errors`` (default: ``output``).
-    Its exit code is ``target``'s return value.
+    Its exit code is ``target``'s return value. It dies with the forkserver, which ends when this process
+    ends: a killed caller leaves no run training.
     """
     process = forkserver().Process(target=_child, args=(target, args, output, errors or output, dict(env), cwd),
                                    daemon=False)
@@ -146,8 +162,10 @@ class Fresh:
     def __init__(self, argv, stdin: bytes, *, output: str, env: dict, cwd: str):
         import subprocess
         with open(output, "ab") as out:
+            parent = os.getpid()
             self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                           env=env, cwd=cwd, start_new_session=True)
+                                           env=env, cwd=cwd, start_new_session=True,
+                                           preexec_fn=lambda: die_with_parent(parent))
         self.pid = self._popen.pid
         self.sentinel = os.pidfd_open(self.pid)
         try:
@@ -172,6 +190,16 @@ class Fresh:
 
 
 def _child(target, args, output, errors, env, cwd) -> None:
+    # Die with the forkserver, and let it end when the process that asked for this run ends. multiprocessing
+    # hands every child the write end of the forkserver's "alive" pipe (so that a child can be a client too),
+    # and the server ends only at that pipe's end of file: a run that kept it would keep the server, and so
+    # itself, alive after its caller was killed. A run that needs a forkserver of its own starts one.
+    from multiprocessing import forkserver as server
+    alive = server._forkserver._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        server._forkserver._forkserver_alive_fd = None
+    die_with_parent(os.getppid())
     mark_fresh()  # forked from a server that has only imported
     os.setsid()
     os.chdir(cwd)

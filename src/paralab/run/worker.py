@@ -27,7 +27,7 @@ from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
 from .failures import GroupNotFormed, group_not_formed, resume_hint
-from .rendezvous import bound_store, loopback_interface, on_gpu
+from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, dropout, model_shape
