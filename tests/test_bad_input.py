@@ -51,8 +51,19 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--clip-grad", "0"], "--clip-grad must be positive"),
     (["single", "--clip-grad=-1"], "--clip-grad must be positive"),
     # the reference (the whole model, in one process, on every rank) cannot fit: refused before any rank starts
-    (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "64", "--embed", "8192",
-      "--heads", "64", "--check"], "the reference alone holds at least"),
+    # (600M parameters: 4.5 GiB of fp64 weights fit; two references, 27 GiB, not in this project's 24 GiB machines)
+    (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "12", "--embed", "2048",
+      "--heads", "16", "--check"], "the reference alone holds at least"),
+    # a model whose weights alone cannot be held (each rank builds it whole), or cannot even be counted
+    (["single", "--width", "1e9"], "has a layer too large for torch to count; lower --width"),
+    (["single", "--width", "5000"], "GiB of weights in fp32: more than the memory this machine has available"),
+    (["single", "--model", "gpt", "--embed", "100000000", "--heads", "1"], "lower --embed, --layers, --context"),
+    # a seed past what the data's generators can add to; an empty --resume (it started from scratch)
+    (["single", "--seed", "100000000000000000000000"], "--seed must be at most 4294967295"),
+    (["single", "--seed", "-1"], "--seed must be at least 0"),
+    (["single", "--resume", ""], "--resume takes the run directory whose checkpoint to continue from"),
+    # a batch larger than the data: each step would use fewer samples than the records said
+    (["single", "--synthetic-size", "100", "--batch-size", "128"], "the global batch of 128 is more than the 100"),
 ])
 def test_refused(capsys, tmp_path, argv, message):
     defaults = [x for flag, value in zip(FAST[::2], FAST[1::2]) if flag not in argv for x in (flag, value)]
@@ -228,3 +239,34 @@ def test_a_config_made_in_a_program_refuses_a_non_finite_float():
     for name in ("momentum", "weight_decay", "lr", "timeout"):
         with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} must be a finite number"):
             RunConfig(**{name: float("nan")}).validate()
+
+
+@pytest.mark.parametrize("where,code", [("/proc/paralab-x", 2), ("/sys/paralab-x", 4)])
+def test_an_out_that_cannot_be_made_is_refused_without_a_traceback(capsys, where, code):
+    """A path that cannot be (under /proc: exit 2) or one the system does not permit (/sys: exit 4, as a write
+    refused while running)."""
+    assert main(["train", "single", *FAST, "--out", where]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(f"paralab: error: --out {where}: cannot write it") and "Traceback" not in err
+
+
+def test_export_and_plot_refuse_what_they_cannot_write_or_read(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "single", *FAST, "--no-progress", "--eval-batches", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), "-o", "/sys/paralab-model.pt"]) == 4
+    assert "-o /sys/paralab-model.pt: cannot write it" in capsys.readouterr().err
+    assert main(["export", str(run), "-o", "/proc/paralab-x/model.pt"]) == 2
+    capsys.readouterr()
+    with open(run / "steps.jsonl", "a") as f:
+        f.write('{"rank": 0, "st\n')  # a record cut short
+    assert main(["plot", "timeline", str(run)]) == 2
+    assert f"{run / 'steps.jsonl'}, line 2: a damaged record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategies", ["", " , "])
+def test_compare_with_no_strategy_named_is_refused(capsys, tmp_path, strategies):
+    """An empty --strategies used to run the whole matrix."""
+    assert main(["compare", "--strategies", strategies, "--out", str(tmp_path / "r")]) == 2
+    assert "names no strategy" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

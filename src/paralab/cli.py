@@ -9,7 +9,7 @@ from pathlib import Path
 from .commands import COMMANDS
 from .run import folder
 from .run.config import RunConfig
-from .errors import UsageError
+from .errors import CANNOT_WRITE, CannotWrite, UsageError
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as exc:
+    except UsageError as exc:  # bad input (2), or a write the system refused (CannotWrite: 4)
         print(f"paralab: error: {exc}", file=sys.stderr)
-        return 2
+        return CANNOT_WRITE if isinstance(exc, CannotWrite) else 2
     except KeyboardInterrupt:
         print("paralab: interrupted", file=sys.stderr)
         return 130

@@ -209,10 +209,23 @@ def _says_uncounted(details) -> bool:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none where it is missing); UsageError naming the file and the line
+    where one is not a JSON object (a damaged or hand-edited record)."""
     if not path.exists():
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise UsageError(f"{path}, line {number}: a damaged record ({exc})") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{path}, line {number}: a damaged record (not a JSON object)")
+            rows.append(row)
+    return rows
 
 
 def is_run_dir(path: Path) -> bool:

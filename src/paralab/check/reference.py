@@ -148,11 +148,9 @@ ADAMS = ("adam", "adamw")
 def reference_bytes(cfg) -> tuple[int, int]:
     """(the model's parameters, the bytes the reference holds at least): its weights, their gradients and the
     optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
-    activations come on top. The model is built on the meta device: nothing is allocated."""
-    from ..models import build_model, model_shape
-    with torch.device("meta"):
-        model = build_model(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
-    parameters = sum(p.numel() for p in model.parameters())
+    activations come on top. Nothing is allocated (``models.parameters_of``)."""
+    from ..models import model_shape, parameters_of
+    parameters = parameters_of(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
     return parameters, parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
 

@@ -239,8 +239,11 @@ def plan(a) -> tuple[list[dict], list[str]]:
 
     names = strategy_names()
     files = list(getattr(a, "strategy_file", None) or [])
-    if a.strategies or files:
+    if a.strategies is not None or files:
         wanted = [s.strip() for s in (a.strategies or "").split(",") if s.strip()] + files
+        if not wanted:
+            raise UsageError(f"--strategies {a.strategies!r} names no strategy; name some (e.g. single,ddp), or "
+                             "leave it out for every one")
         a.strategies, a.strategy_file = ",".join(wanted), []  # one list from here on (the report's command too)
         for s in wanted:
             get_strategy(s)  # unknown name: UsageError listing the registered ones

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, write_refused
 
 HELP = "write a run's model as one plain state_dict, put together from any strategy's checkpoint"
 
@@ -141,7 +141,10 @@ def run(args) -> int:
     except (ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
         print(f"paralab: error: {run_dir}'s checkpoint could not be put together: {exc}", file=sys.stderr)
         return 1
-    write(tensors, output)
+    try:
+        write(tensors, output)
+    except OSError as exc:  # no permission, a full disk (exit 4); a path that cannot be (2)
+        raise write_refused(f"-o {output}", exc) from None
     what = "starting weights" if args.init else f"weights at step {facts['step']}"
     print(f"paralab: exported {facts['strategy']}'s {what} ({facts['layout']}, {facts['world']} rank file(s)): "
           f"{len(tensors)} tensors, {facts['parameters']:,} parameters -> {output}")

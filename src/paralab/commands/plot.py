@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, write_refused
 
 HELP = ("plot throughput | split-time | timeline | scaling | memory | deviation | moe-load | grad-norm from run "
         "directories")
@@ -85,6 +85,8 @@ def run(args) -> int:
         tmp.replace(out)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # a folder this user cannot write (exit 4), a full disk (4)
+        raise write_refused(f"-o {out}", exc) from None
     finally:
         if tmp.exists():
             tmp.unlink()

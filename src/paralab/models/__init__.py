@@ -85,5 +85,29 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def parameters_of(name: str, **kw) -> int | None:
+    """How many parameters ``build_model(name, **kw)`` would have, without allocating them: the model is built
+    on the meta device with its in-place initialisers skipped (they compute nothing there, and the first
+    ``normal_`` on the meta device costs over a second of imports). None where a tensor's size overflows
+    (``--width 1e9``)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class SkipInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name, target = getattr(func, "__name__", ""), args[0] if args else kwargs.get("tensor")
+            if name.endswith("_") and not name.endswith("__") and getattr(target, "is_meta", False):
+                return target  # normal_, uniform_, zero_, fill_ ... of a meta tensor: nothing to compute
+            return func(*args, **kwargs)
+    try:
+        with torch.device("meta"), SkipInit():
+            return count_parameters(build_model(name, **kw))
+    except RuntimeError as exc:
+        if "overflow" in str(exc):
+            return None
+        raise
+
+
 __all__ = ["DEFAULT_NORM", "GPTOptions", "MoEOptions", "MODALITY", "MODELS", "ModelOptions", "NORMS", "model_shape", "VGG_CONFIGS",
-           "build_model", "count_parameters"]
+           "build_model", "count_parameters", "parameters_of"]

@@ -57,7 +57,8 @@ class OptimizerOptions:
     lr: float = option(0.1, "learning rate", positive=True)
     momentum: float = option(0.9, "SGD momentum", minimum=0)
     weight_decay: float = option(1e-4, "weight decay: L2 in the gradient (sgd, adam), decoupled (adamw)", minimum=0)
-    seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation")
+    seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation (0 to 2^32 - 1: the data's "
+                          "generators add and multiply it within torch's 64-bit seeds)", minimum=0, maximum=2 ** 32 - 1)
     precision: str | None = option(None, "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and "
                                          "--check reference in float64: exact checks at real hyper-parameters). "
                                          "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
@@ -250,6 +251,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError(f"--dropout drops the gpt's residual branches; --model {self.model} has none: use "
                              "--model gpt, or drop --dropout")
         check_moe(self, MODALITY[self.model])
+        check_model_fits(self)
         if self.recompute != "none" and self.experts:  # activation recomputation (training/recompute.py)
             raise UsageError(f"--recompute {self.recompute} with --experts: a mixture of experts records its "
                              "routing and load-balancing loss in each forward, which a recompute would repeat; "
@@ -308,15 +310,14 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             check_packing(self, named_cls)
         check_dataset(self.dataset, Path(self.data_dir) if self.data_dir else None, model=self.model,
                       context=self.context)
-        if self.drop_last:
-            from ..data import train_size
-            n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size,
-                           model=self.model, context=self.context, packing=self.packing,
-                           doc_length=self.doc_length)
-            batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
-            if n < batch:
-                raise UsageError(f"--drop-last: the {n} training samples make no full global batch of {batch}; "
-                                 "lower the batch size or drop --drop-last")
+        from ..data import train_size
+        n = train_size(self.dataset, Path(self.data_dir) if self.data_dir else None, self.synthetic_size,
+                       model=self.model, context=self.context, packing=self.packing, doc_length=self.doc_length)
+        batch = self.batch_size if self.per_worker_batch is None else self.per_worker_batch * shape.dp
+        if n < batch:  # every step would take the whole split, fewer samples than the batch the records state
+            raise UsageError(f"the global batch of {batch} is more than the {n} training samples"
+                             + (" (--synthetic-size)" if n == self.synthetic_size else "")
+                             + ": every step would use fewer than it says; lower the batch size")
         if self.lr_schedule == "cosine" or self.min_lr:
             check_schedule(self, shape.dp)
         if self.check:
@@ -335,8 +336,14 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if not self.checkpoint_every:
                 raise UsageError("--max-restarts starts the ranks again from the last checkpoint: add "
                                  "--checkpoint-every K (a checkpoint every K steps; at most K steps are lost)")
+        if self.resume is not None and not self.resume.strip():
+            raise UsageError("--resume takes the run directory whose checkpoint to continue from (got an empty "
+                             "name)")
         if self.resume:
             from .checkpoint import check_resumable
+            from .folder import refuse_if_held
+            if not self.out or Path(self.out).resolve() != Path(self.resume).resolve():  # (the same: its claim asks)
+                refuse_if_held(Path(self.resume), "--resume")  # its newest checkpoint may be one being written
             check_resumable(Path(self.resume), self)
         return self
 
@@ -419,6 +426,24 @@ def check_schedule(cfg: RunConfig, replicas: int) -> None:
     if cfg.min_lr >= target:
         raise UsageError(f"--min-lr {cfg.min_lr:g} is the floor the cosine decays to: it must be below the rate "
                          f"({target:g}); lower it")
+
+
+def check_model_fits(cfg: RunConfig) -> None:
+    """The model's weights alone must fit in this machine's available memory (each rank builds the whole model
+    before a strategy splits it): refused before start, naming the options that size it, where they cannot
+    (``--width 1e9``), or where a tensor's size is past what torch can count."""
+    from ..models import MODALITY, model_shape, parameters_of
+    sizing = "--width" if MODALITY[cfg.model] == "image" else "--embed, --layers, --context or --experts"
+    parameters = parameters_of(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
+    if parameters is None:
+        raise UsageError(f"{cfg.model} at this size has a layer too large for torch to count; lower {sizing}")
+    available = available_memory()
+    weights = parameters * (8 if cfg.precision == "fp64" else 4)
+    if available is not None and weights > available:
+        gib = 2 ** 30
+        raise UsageError(f"{cfg.model} at this size has {parameters:,} parameters, {weights / gib:.1f} GiB of weights "
+                         f"in {cfg.precision}: more than the memory this machine has available "
+                         f"({available / gib:.1f} GiB); lower {sizing}")
 
 
 def check_reference_fits(cfg: RunConfig) -> None:

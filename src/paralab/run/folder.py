@@ -21,12 +21,13 @@ run's records gone, a checkpoint of one strategy's rank 0 and another's rank
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, write_refused
 
 
 class Claim:
@@ -51,8 +52,15 @@ def claim(folder: Path) -> Claim:
     """Hold ``folder`` (made if missing) for this run; UsageError if another run holds it."""
     folder = Path(folder)
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as exc:  # under /proc (2), /sys or no permission (4)
+        raise write_refused(f"--out {folder}", exc) from None
+    if not writable:
+        os.close(fd)
+        raise write_refused(f"--out {folder}", PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -69,10 +77,7 @@ def claim_new(folder: Path, what: str) -> Claim:
     if folder.exists():
         refuse_if_held(folder, "--out")
         raise UsageError(f"{folder} already exists; pass another --out (or remove it)")
-    try:
-        return claim(folder)
-    except OSError as exc:
-        raise UsageError(f"--out {folder}: cannot make the folder ({exc.strerror})") from None
+    return claim(folder)
 
 
 def refuse_if_held(folder: Path, flag: str) -> None:
