@@ -29,6 +29,12 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path)
         assert f"--out {out} is in use by a run that is still going (pid {first.pid}:" in second.stderr
         assert "--num-batches 100000" in second.stderr  # its command line
         assert not (out / "summary.json").exists() and not (out / "checkpoint").exists()  # nothing of the second
+        # nor may a run resume from it: its newest checkpoint may be one being written
+        third = run_paralab("train", "ddp", "--workers", "2", *FAST, "--num-batches", "2", "--resume", str(out),
+                            "--out", str(tmp_path / "other"), fast=False)
+        assert third.returncode == 2, third.stderr[-2000:]
+        assert f"--resume {out} is in use by a run that is still going (pid {first.pid}:" in third.stderr
+        assert not (tmp_path / "other").exists()
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -117,3 +123,15 @@ def test_a_killed_compare_ends_its_runs_and_leaves_its_folder_in_sight(tmp_path,
     assert list(out.glob("logs/*.log"))  # the run's output, where the report said it would be
     if how == signal.SIGTERM:
         assert "compare: stopped" in p.stderr.read()
+
+
+def test_a_resume_starts_every_rank_from_the_newest_generation_whose_files_are_all_there(tmp_path):
+    """Picked once (rank 0's choice is every rank's): a newer generation missing a rank's file is passed over."""
+    from conftest import commit_generation
+    from paralab.run import checkpoint, generations
+    for step in (2, 4, 6):
+        commit_generation(tmp_path, step, {"strategy": "ddp"}, {0: {"step": step}, 1: {"step": step}}, world=2)
+    commit_generation(tmp_path, 8, {"strategy": "ddp"}, {0: {"step": 8}}, world=2)  # rank 1's file absent
+    assert generations.newest(tmp_path).step == 8
+    assert checkpoint.chosen_step(tmp_path) == 6
+    assert checkpoint.load(tmp_path, 1, at=6)["step"] == 6

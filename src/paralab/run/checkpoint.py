@@ -87,10 +87,11 @@ def save(run_dir: Path, rank: int, step: int, cfg, state: dict, comm, tag: str |
                       written=written)
 
 
-def load(run_dir: Path, rank: int, tag: str | None = None) -> dict:
-    """Rank ``rank``'s state in the newest committed generation, checked against its manifest (UsageError
-    naming the file otherwise); ``weights_only``: the file's bytes cannot run code."""
-    gen = generations.newest(run_dir, tag)
+def load(run_dir: Path, rank: int, tag: str | None = None, at: int | None = None) -> dict:
+    """Rank ``rank``'s state in the newest committed generation (``at``: step ``at``'s, as every rank was told),
+    checked against its manifest (UsageError naming the file otherwise); ``weights_only``: the file's bytes
+    cannot run code."""
+    gen = generations.newest(run_dir, tag, at)
     if gen is None:
         raise UsageError(f"{run_dir} has no committed checkpoint")
     return torch.load(gen.verify(rank), map_location="cpu", weights_only=True)
@@ -110,6 +111,13 @@ def torn_note(run_dir: Path) -> str | None:
     return (f"{', '.join(p.name for p in torn)} in {Path(run_dir) / 'checkpoint'} "
             f"{'is' if len(torn) == 1 else 'are'} incomplete (a rank stopped while saving): ignored; "
             + (f"the newest complete checkpoint is step {last.step}'s" if last else "no complete checkpoint"))
+
+
+def chosen_step(run_dir: Path) -> int | None:
+    """The step of the generation a resume from ``run_dir`` starts from: the newest committed one whose files
+    are all here (``generations.newest_whole``); asked once, by rank 0, and handed to every rank."""
+    gen = generations.newest_whole(run_dir)
+    return None if gen is None else gen.step
 
 
 def resumable_step(run_dir: Path, cfg, ranks=None) -> int | None:
@@ -140,10 +148,10 @@ def layout_only(saved: dict, cfg) -> bool:
     return bool(diffs) and all(k in LAYOUT_KEYS for k in diffs)
 
 
-def another_layout(run_dir: Path, cfg, rank: int | None = None) -> bool:
-    """Whether ``run_dir``'s newest committed checkpoint is this run in another layout (else: the same
-    layout, or none)."""
-    gen = generations.newest(run_dir)
+def another_layout(run_dir: Path, cfg, rank: int | None = None, at: int | None = None) -> bool:
+    """Whether ``run_dir``'s newest committed checkpoint (``at``: step ``at``'s) is this run in another layout
+    (else: the same layout, or none)."""
+    gen = generations.newest(run_dir, at=at)
     return gen is not None and layout_only(gen.identity, cfg)
 
 
@@ -164,10 +172,10 @@ def describe(ident: dict) -> str:
     return f"{what} on {ident['world']} rank(s)" + (f", {' x '.join(dims)}" if dims else "")
 
 
-def read_all(run_dir: Path, tag: str | None = None) -> list[dict]:
-    """Every rank's file of ``run_dir``'s newest committed checkpoint (weights_only), each checked against the
-    manifest; UsageError naming what is missing or does not match."""
-    gen = generations.newest(run_dir, tag)
+def read_all(run_dir: Path, tag: str | None = None, at: int | None = None) -> list[dict]:
+    """Every rank's file of ``run_dir``'s newest committed checkpoint (``at``: step ``at``'s; weights_only),
+    each checked against the manifest; UsageError naming what is missing or does not match."""
+    gen = generations.newest(run_dir, tag, at)
     if gen is None:
         torn = torn_note(run_dir) if not tag else None
         raise UsageError(f"{run_dir} has no complete checkpoint" + (f" ({torn})" if torn else "")
@@ -187,13 +195,13 @@ def read_all(run_dir: Path, tag: str | None = None) -> list[dict]:
     return files
 
 
-def read_portable(run_dir: Path, cfg, model):
+def read_portable(run_dir: Path, cfg, model, at: int | None = None):
     """``run_dir``'s checkpoint, of another layout, in no layout: (Portable, step, the run's mean loss
     per step before it, its identity). ``model``: this run's model, freshly built (its names and
     shapes are what the checkpoint must fill). UsageError if the old layout cannot be made portable
     or does not fit the model."""
     from ..strategies import plan
-    files = read_all(run_dir)
+    files = read_all(run_dir, at=at)
     saved = files[0]["identity"]
     old = saved_config(cfg, saved)
     try:

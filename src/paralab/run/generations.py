@@ -119,12 +119,23 @@ def committed(run_dir: Path) -> list[Generation]:
     return [g for g in map(read_manifest, _steps(run_dir)) if g is not None]
 
 
-def newest(run_dir: Path, tag: str | None = None) -> Generation | None:
-    """The newest committed generation (with ``tag``: the tagged one, if committed)."""
-    if tag:
-        return read_manifest(folder_for(run_dir, 0, tag))
+def newest(run_dir: Path, tag: str | None = None, at: int | None = None) -> Generation | None:
+    """The newest committed generation (with ``tag``: the tagged one; with ``at``: step ``at``'s), if
+    committed."""
+    if tag or at is not None:
+        return read_manifest(folder_for(run_dir, at or 0, tag))
     found = committed(run_dir)
     return found[-1] if found else None
+
+
+def newest_whole(run_dir: Path) -> Generation | None:
+    """The newest committed generation whose every file is here (at the size its manifest says): what a resume
+    starts from. One process picks it and tells the ranks (a rank that looked for itself could see a newer
+    generation committed meanwhile, and start from another step than its peers)."""
+    for gen in reversed(committed(run_dir)):
+        if all(gen.present(rank) for rank in range(gen.world)):
+            return gen
+    return None
 
 
 def torn(run_dir: Path) -> list[Path]:

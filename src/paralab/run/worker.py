@@ -457,8 +457,13 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
     starting weights saved with --save-init). Says what the data order does where batches are uneven."""
     start_step, losses = 0, []
     resume = cfg.resume or restarted_from(cfg, rank, s)
-    if resume and checkpoint.another_layout(Path(resume), cfg, rank):  # resharded: every old rank's file
-        portable, start_step, losses, saved = checkpoint.read_portable(Path(resume), cfg, s.model_fn())
+    # the generation to start from, picked once and handed to every rank (each picking the newest for itself
+    # could start them from different steps, were one committed meanwhile)
+    at = s.comm.broadcast_object(checkpoint.chosen_step(Path(resume)) if rank == 0 else None) if resume else None
+    if resume and at is None:  # (every rank: the same broadcast)
+        raise RuntimeError(f"--resume: {resume} holds no committed checkpoint whose files are all there")
+    if resume and checkpoint.another_layout(Path(resume), cfg, rank, at=at):  # resharded: every old rank's file
+        portable, start_step, losses, saved = checkpoint.read_portable(Path(resume), cfg, s.model_fn(), at=at)
         s.strategy.load_portable(portable)
         say(f"paralab: the checkpoint is {checkpoint.describe(saved)}; this run is "
             f"{checkpoint.describe(checkpoint.identity(cfg))}: resharded")
@@ -472,7 +477,7 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
         torn = checkpoint.torn_note(Path(resume))
         if torn:
             say(f"paralab: {torn}")
-        saved = checkpoint.load(Path(resume), rank)
+        saved = checkpoint.load(Path(resume), rank, at=at)
         s.strategy.load_state_dict(saved["state"])
         start_step, losses = saved["step"], checkpoint.losses(saved)
         if start_step >= s.total_steps and not checkpoint.finishing(Path(resume), cfg, start_step, s.total_steps):
