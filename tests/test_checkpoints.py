@@ -89,6 +89,24 @@ def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume(tmp_path):
     assert again.returncode == 2 and "already trained 4 steps" in again.stderr
 
 
+def test_a_finished_run_extended_in_its_own_folder_keeps_its_records_and_appends(tmp_path):
+    """`--resume RUN --out RUN` with more steps: the first run's step records stay as they were (they used to be
+    replaced by the new steps' alone), the new steps follow them as the next attempt, and the weights and the
+    losses are those of one run trained for all the steps."""
+    whole = train(*RUN, "--num-batches", "5", out=tmp_path / "whole")
+    first = train(*RUN, "--num-batches", "3", out=tmp_path / "run")
+    before = first.rows("steps.jsonl")
+    extended = train(*RUN, "--num-batches", "5", "--resume", str(first.out), out=first.out)
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    rows = {(r["step"], r["rank"]): r for r in extended.rows("steps.jsonl")}
+    assert sorted(rows) == [(step, rank) for step in range(5) for rank in (0, 1)]  # each exactly once
+    assert all(rows[(r["step"], r["rank"])] == r for r in before)  # the first run's rows, unchanged
+    assert {rows[(step, 0)]["attempt"] for step in (3, 4)} == {2}
+    assert [rows[(step, 0)]["loss"] for step in range(5)] == [r["loss"] for r in whole.rows("steps.jsonl")
+                                                              if r["rank"] == 0]
+    assert extended.summary["test_loss"] == whole.summary["test_loss"]
+
+
 @pytest.mark.parametrize("damage", ["edited", "truncated"])
 def test_a_checkpoint_changed_since_its_commit_is_refused_naming_the_file(tmp_path, damage):
     r = train(*RUN, "--num-batches", "2", out=tmp_path / "a")

@@ -106,6 +106,25 @@ def journal_read(run_dir: Path, rank: int, before: int) -> tuple[list[dict], lis
     return rows, spans
 
 
+def carried(run_dir: Path, rank: int, before: int) -> tuple[list[dict], list[dict]]:
+    """This rank's rows and spans of steps ``0 .. before - 1`` that a run started again in its own folder
+    carries: the journal's (:func:`journal_read`), and for steps the journal no longer holds, those the run
+    wrote when it finished (``steps.jsonl``, ``spans.jsonl``: a finished run extended with more steps keeps
+    its earlier records, appended to, never rewritten)."""
+    rows, spans = journal_read(run_dir, rank, before)
+    have = {r["step"] for r in rows}
+    try:
+        written = [r for r in map(json.loads, (Path(run_dir) / "steps.jsonl").read_text().splitlines())
+                   if r.get("rank") == rank and r["step"] < before and r["step"] not in have]
+        wanted = {(r["step"], r.get("attempt", 1)) for r in written}
+        written_spans = [s for s in map(json.loads, (Path(run_dir) / "spans.jsonl").read_text().splitlines())
+                         if s.get("rank") == rank and (s.get("step"), s.get("attempt", 1)) in wanted]
+    except (OSError, ValueError, KeyError, TypeError):  # none written, or not readable: the journal's alone
+        return rows, spans
+    rows = sorted([*rows, *({**r, "attempt": r.get("attempt", 1)} for r in written)], key=lambda r: r["step"])
+    return rows, [*spans, *({**s, "attempt": s.get("attempt", 1)} for s in written_spans)]
+
+
 def end_to_end(rows: list[dict], spans: list[dict]) -> tuple[list[dict], list[dict]]:
     """Every rank's ``rows`` and ``spans`` (each with its ``attempt``; an attempt's ranks share one clock)
     shifted so that each attempt begins where the one before it ended: one timeline for the run."""

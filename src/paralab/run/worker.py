@@ -226,7 +226,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
     attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     carried: tuple[list, list] = ([], [])  # a run started again from its own checkpoint: its earlier records
     if cfg.resume and Path(cfg.resume).resolve() == Path(run_dir).resolve() or attempt > 1:
-        carried = records.journal_read(run_dir, rank, start_step)
+        carried = records.carried(run_dir, rank, start_step)
     record_attempt = max([attempt] + [r["attempt"] + 1 for r in carried[0]])  # what this start's rows say
     covered = {r["step"] for r in carried[0]}
     earlier = [pair for pair in losses if pair[0] not in covered]  # the rest: summary's losses_before_resume
