@@ -118,6 +118,42 @@ def test_a_rank_that_keeps_dying_uses_the_restarts_up(paralab):
     assert not (r.out / "summary.json").exists() and not r.left_running()
 
 
+@pytest.mark.parametrize("restarts", ["0", "2"])
+def test_a_finished_run_is_finished_whatever_ends_a_rank_after_its_records(paralab, restarts):
+    """A rank killed once the records are written (summary.json last): no restart, no traceback, no resume
+    command, exit 0; the records are the run's, every step once (two pointless restarts and exit 1 before)."""
+    r = paralab("train", "ddp", "--workers", "2", "--num-batches", "3", "--checkpoint-every", "1", "--max-restarts",
+                restarts, env={"PARALAB_FAULT": "1:3:done"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "rank 1 killed by signal SIGKILL after the run's records were written: the run is finished" in r.stderr
+    assert "restart" not in r.stderr.replace("nothing was lost or restarted", "") and "Traceback" not in r.stderr
+    assert "--resume" not in r.stderr
+    assert sorted((row["step"], row["rank"]) for row in r.rows("steps.jsonl")) == [(s, k) for s in range(3)
+                                                                                  for k in (0, 1)]
+    assert not r.left_running()
+
+
+def test_records_that_cannot_be_written_stop_every_rank_with_exit_4_and_resume_writes_them(paralab, tmp_path):
+    """The run's records fail to write (here: a folder in the way of steps.jsonl's temporary file; a full disk
+    or a read-only folder alike): one line, exit 4, no traceback, no half-written file, the journals kept; once
+    the way is clear, `--resume RUN --out RUN` trains nothing and writes every step's records."""
+    out = tmp_path / "run"
+    (out / "steps.jsonl.tmp").mkdir(parents=True)
+    args = ("train", "ddp", "--workers", "2", "--num-batches", "3", "--checkpoint-every", "1")
+    r = paralab(*args, out=out)
+    assert r.returncode == 4, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "could not write the run's records" in line]
+    assert len(lines) == 1 and f"--resume {out} --out {out}" in lines[0] and "Traceback" not in r.stderr
+    assert not (out / "summary.json").exists() and not (out / "steps.jsonl").exists()
+    assert (out / "records").is_dir()  # the journals, kept
+    (out / "steps.jsonl.tmp").rmdir()
+    again = paralab(*args, "--resume", str(out), out=out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sorted((row["step"], row["rank"]) for row in again.rows("steps.jsonl")) == [(s, k) for s in range(3)
+                                                                                      for k in (0, 1)]
+    assert (out / "eval.txt").exists() and (out / "trace.json").exists() and not (out / "records").exists()
+
+
 def test_an_orderly_failure_is_not_restarted(paralab):
     """A loss that diverged is a verdict on the settings, not a crash: reported once, never run again."""
     r = paralab("train", "ddp", "--workers", "2", "--num-batches", "6", "--checkpoint-every", "1",

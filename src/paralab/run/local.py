@@ -13,11 +13,13 @@ group again from the last checkpoint (``restart.py``).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
 from multiprocessing.connection import wait
+from pathlib import Path
 
 from ..errors import exit_code
 from ..progress import emit
@@ -100,6 +102,7 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
     an :class:`Ending` or None, the furthest step a rank reported being in). ``final``: no restart
     follows, so a failure is explained with the command that resumes."""
     world = cfg.workers
+    started = time.time()
     ctx, cfg.started_by = rank_context(cfg)  # fork from here once warm, where safe (warm.py)
     reports = ctx.SimpleQueue()
     parent = None if cfg.started_by == "forkserver" else os.getpid()
@@ -153,6 +156,13 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         return max((e.code for e in endings.values() if e.code is not None), default=0), None, reached
 
     cause, lines = explained
+    summary = finished_since(run_dir, started)
+    if summary is not None:  # a finished run is finished: nothing to restart, nothing to resume
+        print(f"paralab: rank {cause.rank} {cause.what()} after the run's records were written: the run is "
+              f"finished ({Path(run_dir) / 'summary.json'}); nothing was lost or restarted", file=sys.stderr,
+              flush=True)
+        failed_check = (summary.get("check") or {}).get("result") == "FAIL"
+        return (1 if failed_check or summary.get("error") else 0), None, reached
     lines += explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"})
     print("\n".join(lines), file=sys.stderr, flush=True)
     if not final:
@@ -169,6 +179,18 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
                        if e is not cause and e.kind != "ok"],
          resume=hint[0] if hint else None)
     return 1, cause, reached
+
+
+def finished_since(run_dir, since: float) -> dict | None:
+    """The run's ``summary.json`` if this start of the group wrote it (rank 0 writes it last, once every
+    rank's records are in): the run is finished whatever happens to a rank after it. None otherwise."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        if path.stat().st_mtime < since:  # an earlier run's, in a folder being extended
+            return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _stop(procs) -> None:

@@ -154,17 +154,24 @@ def environment(world: int, backend: str, device: torch.device) -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    _replace(path, lambda f: f.write(json.dumps(obj, indent=2, default=str) + "\n"))
 
 
 def write_jsonl(path: Path, rows) -> None:
+    _replace(path, lambda f: f.writelines(json.dumps(row, default=str) + "\n" for row in rows))
+
+
+def _replace(path: Path, write) -> None:
+    """``path`` written whole or not at all: to a temporary name renamed into place, removed if the write
+    fails (a full disk leaves no half file behind)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -311,9 +318,36 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     rows = list(carried[0]) + list(step_rows)
     spans = list(carried[1]) + [s | {"attempt": attempt} for s in recorder.dump()]
     gathered = comm.gather_objects((rows, spans, extra, list(earlier)))
-    journal_path(run_dir, comm.rank).unlink(missing_ok=True)  # the records are in what rank 0 writes now
-    if not is_main:
-        return
+    failed = None
+    if is_main:
+        try:
+            _write_records(run_dir, cfg, strategy, gathered, parameters=parameters, world=world, backend=backend,
+                           device=device, dataset=dataset, evaluation=evaluation, check=check, error=error,
+                           global_batch=global_batch)
+        except OSError as exc:  # a full disk, a folder made read-only: every rank stops alike (exit 4)
+            failed = f"{getattr(exc, 'filename', None) or run_dir}: {exc.strerror or exc}"
+    failed = comm.broadcast_object(failed)
+    if failed is not None:  # the journals stay: `--resume RUN --out RUN` writes the records again
+        raise RecordsNotWritten(f"could not write the run's records ({failed}); every checkpoint and journal is "
+                                f"kept: once there is room, `--resume {run_dir} --out {run_dir}` writes them")
+    # the records are written, summary.json last: only now may the journals go
+    journal_path(run_dir, comm.rank).unlink(missing_ok=True)
+    comm.all_gather_objects(None)  # every rank's journal gone (on this host) before its folder is removed
+    if is_main:
+        try:
+            (run_dir / JOURNAL).rmdir()
+        except OSError:
+            pass
+
+
+class RecordsNotWritten(RuntimeError):
+    """Rank 0 could not write the run's records (a full disk, no permission): every rank stops with exit 4."""
+
+
+def _write_records(run_dir: Path, cfg, strategy, gathered, *, parameters, world, backend, device, dataset,
+                   evaluation, check, error, global_batch) -> None:
+    """Rank 0: the run directory's files from every rank's gathered records, ``summary.json`` written last (a
+    run is finished once it is there: a run stopped before it is finished by ``--resume``)."""
     steps, spans = end_to_end([r for rows, *_ in gathered for r in rows], [s for _, ss, *_ in gathered for s in ss])
     steps = sorted(steps, key=lambda r: (r["step"], r["rank"]))
     spans = sorted(spans, key=lambda s: (s["t0"], s["rank"]))
@@ -350,11 +384,7 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
                                                          "gating": cfg.gating,
                                                          "capacity_factor": cfg.capacity_factor, "ep": cfg.ep,
                                                          "load": moe_analysis.load(steps)}
-    write_json(run_dir / "summary.json", summary)
     if evaluation is not None:
-        (run_dir / "eval.txt").write_text(format_report(evaluation))
+        _replace(run_dir / "eval.txt", lambda f: f.write(format_report(evaluation)))
     write_json(run_dir / "trace.json", chrome_trace(spans, world))
-    try:
-        (run_dir / JOURNAL).rmdir()  # every rank has removed its journal (on this host)
-    except OSError:
-        pass
+    write_json(run_dir / "summary.json", summary)  # last: what says the run is finished
