@@ -658,3 +658,13 @@ def test_the_llama_paragraphs_pinned_layouts_give_what_it_says(capsys):
         assert needs, out
         if kept:  # as the page rounds it
             assert round(float(needs.group(1)), len(kept.partition(".")[2])) == float(kept), (kept, needs.group(1))
+
+
+def test_a_calibration_file_that_is_not_one_is_refused_not_replaced(capsys, tmp_path):
+    """--calibration FILE naming a file of the user's: refused before anything is measured, the file kept."""
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    err = refused(capsys, "--workers", "2", "--cluster", "this-machine", "--calibration", str(notes))
+    assert "is not a calibration file paralab wrote" in err and notes.read_text() == '{"mine": 1}\n'
+    assert "is not a calibration file" in refused(capsys, "--workers", "2", "--cluster", "this-machine",
+                                                  "--calibration", str(tmp_path))

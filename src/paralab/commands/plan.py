@@ -307,7 +307,11 @@ def _cluster(args, presets):
     if args.cluster in presets:
         return presets[args.cluster], "preset"
     if args.cluster == "this-machine":
-        from ..analysis.plan.calibrate import calibration, this_machine
+        from ..analysis.plan.calibrate import calibration, is_calibration, this_machine
+        given = Path(args.calibration) if args.calibration else None
+        if given is not None and (given.is_dir() or given.exists() and not is_calibration(given)):
+            raise UsageError(f"--calibration {given} is not a calibration file paralab wrote, and measuring would "
+                             "replace it: name a new file (or one `paralab plan --cluster this-machine` wrote)")
         dtype = "bf16" if args.precision == "mixed" else "fp32"
         cal, where = calibration(dtype, Path(args.calibration) if args.calibration else None, args.recalibrate,
                                  progress=not args.json, workers=args.workers)

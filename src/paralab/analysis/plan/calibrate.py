@@ -318,6 +318,17 @@ def _memory_bytes() -> int:
         return 8 * 10 ** 9
 
 
+def is_calibration(path: Path) -> bool:
+    """Whether the file ``path`` is a calibration this module wrote (JSON: dtype -> measurements, each with
+    the time it was measured), which a new measurement may replace."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and bool(data) and all(isinstance(v, dict) and "measured_at" in v
+                                                         for v in data.values())
+
+
 def calibration(dtype: str, cache: Path | None = None, again: bool = False, progress: bool = True,
                 workers: int | None = None) -> tuple[dict, str]:
     """(the measurements, where they came from): the cache if it holds this dtype, else measured and cached;
