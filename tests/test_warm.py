@@ -121,21 +121,23 @@ def test_ctrl_c_or_sigterm_ends_the_forked_ranks_too(tmp_path, how):
     import time
     from conftest import FAST, session_processes
     cmd = [sys.executable, "-m", "paralab", "train", "ddp", "--workers", "2", *FAST, "--num-batches", "100000",
-           "--log-every", "1", "--out", str(tmp_path / "run")]
+           "--log-every", "1", "--checkpoint-every", "2", "--out", str(tmp_path / "run")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        for line in p.stdout:  # the ranks are training
-            if line.startswith("step"):
+        for line in p.stdout:  # the ranks are training, past their first checkpoint
+            if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 3:
                 break
         assert len(session_processes(p.pid)) >= 3  # the launcher and its two forked ranks
         if how == "ctrl-c":
             os.killpg(p.pid, signal.SIGINT)
         else:
             p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=60)
+        _, err = p.communicate(timeout=60)
         assert p.returncode != 0
+        if how == "ctrl-c":  # what was committed, and the command that continues from it
+            assert "is complete" in err and f"--resume {tmp_path / 'run'}" in err, err
         deadline = time.monotonic() + 30
         while session_processes(p.pid) and time.monotonic() < deadline:
             time.sleep(0.2)

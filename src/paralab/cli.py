@@ -55,6 +55,12 @@ def cmd_train(args) -> int:
             if held is not None:
                 folder.clear(run_dir)
         return launch(cfg, str(run_dir), on_end=held.release if held is not None else None)
+    except KeyboardInterrupt:  # Ctrl-C: what was committed, and the command that continues from it
+        from .run.failures import resume_hint
+        hint = resume_hint(cfg, run_dir)
+        if hint:
+            print("\n".join(hint[1]), file=sys.stderr, flush=True)
+        raise
     finally:
         if held is not None:
             held.release()
