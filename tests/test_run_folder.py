@@ -135,3 +135,18 @@ def test_a_resume_starts_every_rank_from_the_newest_generation_whose_files_are_a
     assert generations.newest(tmp_path).step == 8
     assert checkpoint.chosen_step(tmp_path) == 6
     assert checkpoint.load(tmp_path, 1, at=6)["step"] == 6
+
+
+def test_a_save_not_yet_committed_is_called_in_progress_while_its_run_is_going(tmp_path):
+    """export or a resume reading a folder: a generation without its manifest is a save in progress while a live
+    run holds the folder, and a save that stopped half way once none does."""
+    from conftest import commit_generation
+    from paralab.run import checkpoint, folder, generations
+    commit_generation(tmp_path, 2, {"strategy": "ddp"}, {0: {"step": 2}}, world=1)
+    generations.folder_for(tmp_path, 4).mkdir()  # rank files being written, no manifest yet
+    hold = folder.claim(tmp_path)
+    try:
+        assert "(a save in progress: the run is still going)" in checkpoint.torn_note(tmp_path)
+    finally:
+        hold.release()
+    assert "(a rank stopped while saving)" in checkpoint.torn_note(tmp_path)

@@ -102,14 +102,19 @@ def losses(saved: dict) -> list:
     return json.loads(saved.get("losses") or "[]")
 
 
-def torn_note(run_dir: Path) -> str | None:
-    """One line about saves that stopped half way (newer than the newest committed one), or None."""
+def torn_note(run_dir: Path, ours: bool = False) -> str | None:
+    """One line about saves not committed (newer than the newest committed one), or None: a save in progress
+    where a live run holds the folder, else one that stopped half way. ``ours``: this run holds it (a run
+    resumed into its own folder: its saves are not in progress)."""
     torn = generations.torn(run_dir)
     if not torn:
         return None
     last = generations.newest(run_dir)
+    from .folder import held
+    live = not ours and held(Path(run_dir))
+    why = "a save in progress: the run is still going" if live else "a rank stopped while saving"
     return (f"{', '.join(p.name for p in torn)} in {Path(run_dir) / 'checkpoint'} "
-            f"{'is' if len(torn) == 1 else 'are'} incomplete (a rank stopped while saving): ignored; "
+            f"{'is' if len(torn) == 1 else 'are'} incomplete ({why}): ignored; "
             + (f"the newest complete checkpoint is step {last.step}'s" if last else "no complete checkpoint"))
 
 

@@ -80,21 +80,27 @@ def claim_new(folder: Path, what: str) -> Claim:
     return claim(folder)
 
 
-def refuse_if_held(folder: Path, flag: str) -> None:
-    """UsageError where a live process holds ``folder`` (``flag``: the option that named it). Asked with a
-    lock of its own, let go at once: this process's own hold (a run resumed into its own folder) would
-    refuse itself, so ask only of a folder this process does not hold."""
+def held(folder: Path) -> bool:
+    """Whether a live process holds ``folder`` (a run still going). Asked with a lock of its own, let go at
+    once: this process's own hold would count too, so ask only of a folder this process does not hold."""
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
-        return
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
     except BlockingIOError:
-        raise UsageError(f"{flag} {folder} is in use by a run that is still going ({holder(folder)}); wait for "
-                         "it to end") from None
+        return True
     finally:
         os.close(fd)
+
+
+def refuse_if_held(folder: Path, flag: str) -> None:
+    """UsageError where a live process holds ``folder`` (``flag``: the option that named it)."""
+    if held(folder):
+        raise UsageError(f"{flag} {folder} is in use by a run that is still going ({holder(folder)}); wait for "
+                         "it to end")
 
 
 def holder(folder: Path) -> str:

@@ -482,7 +482,7 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {resume} at step {start_step}")
     elif resume:
-        torn = checkpoint.torn_note(Path(resume))
+        torn = checkpoint.torn_note(Path(resume), ours=True)  # (a source another run holds was refused)
         if torn:
             say(f"paralab: {torn}")
         saved = checkpoint.load(Path(resume), rank, at=at)
