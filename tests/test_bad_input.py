@@ -59,9 +59,11 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--width", "5000"], "GiB of weights in fp32: more than the memory this machine has available"),
     (["single", "--model", "gpt", "--embed", "100000000", "--heads", "1"], "lower --embed, --layers, --context"),
     # a seed past what the data's generators can add to; an empty --resume (it started from scratch)
-    (["single", "--seed", "100000000000000000000000"], "--seed must be at most 4294967295"),
+    (["single", "--seed", "100000000000000000000000"], "is past the largest number an option takes"),
+    (["single", "--seed", "4294967296"], "--seed must be at most 4294967295"),
     (["single", "--seed", "-1"], "--seed must be at least 0"),
-    (["single", "--resume", ""], "--resume takes the run directory whose checkpoint to continue from"),
+    (["single", "--resume", ""], "--resume takes a value, not an empty one"),
+    (["--strategy-file", ""], "--strategy-file takes a Python file"),
     # a batch larger than the data: each step would use fewer samples than the records said
     (["single", "--synthetic-size", "100", "--batch-size", "128"], "the global batch of 128 is more than the 100"),
 ])

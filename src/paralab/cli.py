@@ -28,6 +28,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_train(args) -> int:
     from .run.launch import launch
     from .run.rendezvous import under_slurm, under_torchrun
+    if args.strategy_file is not None and not args.strategy_file.strip():
+        raise UsageError("--strategy-file takes a Python file, PATH.py or PATH.py:CLASS (got an empty name)")
     if args.strategy and args.strategy_file:
         raise UsageError(f"name the strategy once: {args.strategy!r} or --strategy-file {args.strategy_file}")
     if args.strategy_file:

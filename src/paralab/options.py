@@ -19,8 +19,9 @@ all bases of ``RunConfig``, so a config's attributes stay flat (``cfg.lr``,
   Any command can take some of them (``only=``) with its own defaults
   (``defaults=``): ``paralab compare`` runs width 0.25 by default;
 - the checks of single values (:func:`check`, exit 2 naming the flag):
-  ``choices``, ``minimum``/``maximum``/``above``, ``positive``, and a float
-  is finite (no option means NaN or infinity); ``None`` always passes
+  ``choices``, ``minimum``/``maximum``/``above``, ``positive``, a float
+  is finite (no option means NaN or infinity) and a text is not empty
+  (none means "nothing": leave the option out); ``None`` always passes
   (an option whose default is None, e.g. ``--num-batches``, is optional);
 - a command line that gives a config back (:func:`to_argv`: the options that
   differ from their default; ``RunConfig.from_argv`` reads it) and which
@@ -78,6 +79,22 @@ def finite_float(text: str) -> float:
     return value
 
 
+#: the largest whole number an option takes: what fits in 64 bits (torch's sizes and seeds); past it a value would
+#: fail deep inside torch with an overflow instead of being refused
+INT_LIMIT = 2 ** 63 - 1
+
+
+def integer(text: str) -> int:
+    """A whole number within 64 bits: what an integer option or argument reads (argparse ``type=``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if abs(value) > INT_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r} is past the largest number an option takes (2^63 - 1)")
+    return value
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -116,7 +133,7 @@ def add_flags(parser, *classes, only=None, defaults=None, suppress: bool = False
                                 help=f"{text} (default {'on' if default else 'off'})", **kw)
         else:
             shown = "" if default is None else " (default %(default)s)"
-            kind = finite_float if meta["type"] is float else meta["type"]
+            kind = {float: finite_float, int: integer}.get(meta["type"], meta["type"])
             parser.add_argument(flag(name), type=kind, metavar=meta["metavar"], help=text + shown, **kw)
 
 
@@ -128,6 +145,9 @@ def check(obj, cls) -> None:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag(f.name)} must be a finite number (got {value})")
+        if isinstance(value, str) and not value.strip():  # `--out ""` was the current folder, `--resume ""` none
+            raise UsageError(f"{flag(f.name)} takes a value, not an empty one (leave the option out for its "
+                             "default)")
         if meta["choices"] and value not in meta["choices"] and not (meta.get("also") and meta["also"](value)):
             allowed = ", ".join(map(str, meta["choices"]))
             if meta["noun"]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..models import GPTOptions, ModelOptions, MoEOptions
-from ..options import add_flags, finite_float, flag
+from ..options import add_flags, finite_float, flag, integer
 
 HELP = "the cost model with the arithmetic shown: memory, allreduce, bubble, comm, run"
 
@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
                                    "HSDP and recomputation (docs/plan.md).")
     q.add_argument("run", nargs="?", metavar="RUN", help="a finished run directory (then no other option)")
     _size_options(q, bytes_option=False, required=False)
-    q.add_argument("--workers", type=int, help="data-parallel workers N")
+    q.add_argument("--workers", type=integer, help="data-parallel workers N")
     q.add_argument("--optimizer", default="sgd-momentum", help="sgd | sgd-momentum | adam (default %(default)s)")
     q.add_argument("--precision", default="fp32",
                    help="fp32 | mixed (fp16/bf16 parameters and gradients, fp32 optimizer state and master "
@@ -79,10 +79,10 @@ def add_arguments(p) -> None:
     q.add_argument("--offload", metavar="optimizer",
                    help="optimizer: the optimizer state (and any fp32 gradients) on the host (ZeRO-Offload): "
                         "prints the device's bytes (parameters and gradients) and the host's")
-    q.add_argument("--mp", type=int, default=1,
+    q.add_argument("--mp", type=integer, default=1,
                    help="model-parallel degree M (tensor or pipeline): each device holds Psi/M parameters before "
                         "the data-parallel sharding over --workers N (N x M devices; default %(default)s)")
-    q.add_argument("--replicate", type=int, default=1,
+    q.add_argument("--replicate", type=integer, default=1,
                    help="HSDP: the N workers as R replica groups of N/R, each sharding the model states over its "
                         "N/R (ZeRO stages then divide by N/R, not N; default %(default)s: plain sharding)")
     q.add_argument("--json", action="store_true", help="print JSON instead of the arithmetic")
@@ -93,10 +93,10 @@ def add_arguments(p) -> None:
                                    "2(N-1)/N x S/B + 2(N-1) x latency, and gather/scatter through a root.")
     _size_options(q, bytes_option=True)
     q.add_argument("--precision", default="fp32", help="gradient precision: fp32 | fp16 | bf16 (default %(default)s)")
-    q.add_argument("--workers", type=int, required=True, help="workers N")
+    q.add_argument("--workers", type=integer, required=True, help="workers N")
     q.add_argument("--bandwidth", type=finite_float, required=True, help="link bandwidth B in Gb/s (gigabits per second)")
     q.add_argument("--latency", type=finite_float, default=0.0, help="per-message latency in microseconds (default 0)")
-    q.add_argument("--messages", type=int, default=1,
+    q.add_argument("--messages", type=integer, default=1,
                    help="separate all-reduce calls (one per tensor or bucket), each paying the latency")
     q.add_argument("--per-tensor", action="store_true",
                    help="with --model: one call per parameter tensor (as the allreduce strategy does)")
@@ -105,7 +105,7 @@ def add_arguments(p) -> None:
     q = sub.add_parser("bubble", help="pipeline bubble and microbatches alive (GPipe, 1F1B)",
                        description="Idle fraction of a p-stage pipeline with m microbatches, (p-1)/(m+p-1), "
                                    "and the microbatches each stage keeps alive under GPipe and 1F1B.")
-    q.add_argument("--stages", "--workers", dest="stages", type=int, required=True, help="pipeline stages p")
+    q.add_argument("--stages", "--workers", dest="stages", type=integer, required=True, help="pipeline stages p")
     q.add_argument("--microbatches", default="4", help="m, or a comma list such as 1,2,4,8 (default %(default)s)")
     q.add_argument("--forward-ms", type=finite_float,
                    help="T_F: one stage's forward of one microbatch (ms; with --schedule, one rank's over all its "
@@ -119,7 +119,7 @@ def add_arguments(p) -> None:
                         "whole takes T_B = T_I + T_W")
     q.add_argument("--schedule", help="one schedule's bubble and peak activation memory, with its source: "
                                       "gpipe | 1f1b | zb-h1 | zb-h2 | interleaved-1f1b (default: GPipe and 1F1B)")
-    q.add_argument("--virtual-stages", type=int, default=None,
+    q.add_argument("--virtual-stages", type=integer, default=None,
                    help="interleaved-1f1b: stages per rank v (default 2)")
     q.set_defaults(calc=calc_bubble)
 
@@ -133,10 +133,10 @@ def add_arguments(p) -> None:
                                    "run, the collectives it recorded per step beside the prediction, and its MFU.")
     q.add_argument("run", nargs="?", help="a run directory of --model gpt with --tp (optional)")
     add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
-    q.add_argument("--vocab", type=int, default=256,
+    q.add_argument("--vocab", type=integer, default=256,
                    help="vocabulary V (default %(default)s: paralab's byte tokens; 50257 for GPT-2/GPT-3)")
-    q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
-    q.add_argument("--tp", type=int, default=2)
+    q.add_argument("--batch-size", type=integer, default=8, help="sequences per microbatch b")
+    q.add_argument("--tp", type=integer, default=2)
     q.add_argument("--sequence-parallel", action="store_true")
     q.add_argument("--peak-tflops", type=finite_float,
                    help="peak FLOP/s for MFU (default with RUN: this machine's measured fp32 matmul rate per "
@@ -151,9 +151,9 @@ def add_arguments(p) -> None:
                                    "measured attention time.")
     q.add_argument("run", nargs="?", help="a run directory of --model gpt with --cp (optional)")
     add_flags(q, GPTOptions, only=("--layers", "--embed", "--heads", "--context"))
-    q.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch b")
-    q.add_argument("--cp", type=int, default=2)
-    q.add_argument("--tp", type=int, default=1)
+    q.add_argument("--batch-size", type=integer, default=8, help="sequences per microbatch b")
+    q.add_argument("--cp", type=integer, default=2)
+    q.add_argument("--tp", type=integer, default=1)
     q.add_argument("--cp-method", default="ring", choices=("ring", "all-to-all"))
     q.add_argument("--precision", default="fp32", choices=("fp32", "fp64"))
     q.set_defaults(calc=calc_cp)
@@ -168,8 +168,8 @@ def add_arguments(p) -> None:
     add_flags(q, GPTOptions, only=("--layers", "--embed", "--context"))
     add_flags(q, MoEOptions, only=("--experts", "--top-k", "--expert-hidden", "--capacity-factor"),
               defaults=dict(experts=8))
-    q.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default %(default)s)")
-    q.add_argument("--tokens", type=int, default=2048, help="tokens per rank and forward (default %(default)s)")
+    q.add_argument("--ep", type=integer, default=2, help="expert-parallel ranks (default %(default)s)")
+    q.add_argument("--tokens", type=integer, default=2048, help="tokens per rank and forward (default %(default)s)")
     q.add_argument("--precision", default="fp32", choices=("fp32", "fp64"))
     q.add_argument("--optimizer", default="sgd-momentum", choices=("sgd", "sgd-momentum", "adam"))
     q.set_defaults(calc=calc_moe)
@@ -178,9 +178,9 @@ def add_arguments(p) -> None:
                        description="Cut the model as `paralab train model|pipeline` would and count the "
                                    "activations sent forward and gradients sent back at each boundary.")
     add_flags(q, ModelOptions, only=("--model", "--width", "--norm"))
-    q.add_argument("--workers", type=int, required=True, help="stages (one per worker)")
-    q.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
-    q.add_argument("--microbatches", type=int, default=1, help="microbatches per step (messages, not bytes)")
+    q.add_argument("--workers", type=integer, required=True, help="stages (one per worker)")
+    q.add_argument("--batch-size", type=integer, default=256, help="global batch (default %(default)s)")
+    q.add_argument("--microbatches", type=integer, default=1, help="microbatches per step (messages, not bytes)")
     q.add_argument("--partition", default="params",
                    help="balanced (measures unit times here) | params | counts such as 2,3,8 "
                         "(default %(default)s: deterministic; a run's own cut is in its summary)")

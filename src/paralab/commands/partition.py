@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UsageError
 from ..models import DEFAULT_NORM, MODELS, ModelOptions, build_model, count_parameters
-from ..options import add_flags
+from ..options import add_flags, integer
 from ..strategies.pipeline.partition import analyze_partition, measure_unit_times, parse_spec, partition_model, sample_batch
 
 HELP = "split a model into pipeline stages; show parameters, time shares and boundary tensors"
@@ -25,12 +25,12 @@ HELP = "split a model into pipeline stages; show parameters, time shares and bou
 
 def add_arguments(p) -> None:
     add_flags(p, ModelOptions, only=("--model",))
-    p.add_argument("--workers", type=int, default=2, help="number of stages (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch crossing the boundaries (default %(default)s)")
-    p.add_argument("--microbatches", type=int, default=1, help="also show per-microbatch sizes")
+    p.add_argument("--workers", type=integer, default=2, help="number of stages (default %(default)s)")
+    p.add_argument("--batch-size", type=integer, default=32, help="batch crossing the boundaries (default %(default)s)")
+    p.add_argument("--microbatches", type=integer, default=1, help="also show per-microbatch sizes")
     add_flags(p, ModelOptions, only=("--width", "--norm"))
     p.add_argument("--partition", default="balanced", help="balanced | params | counts such as 2,3,8")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per unit (default %(default)s)")
+    p.add_argument("--repeats", type=integer, default=3, help="timed repetitions per unit (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -46,6 +46,10 @@ def shape_str(shape) -> str:
     return "x".join(str(d) for d in shape)
 
 
+#: the most timed repetitions per unit --repeats takes (the median of a few is what is shown)
+MAX_REPEATS = 1000
+
+
 def run(args) -> int:
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
@@ -58,6 +62,17 @@ def run(args) -> int:
         raise UsageError("--norm must be batch or none")
     if args.batch_size % args.microbatches:
         raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
+    if args.repeats > MAX_REPEATS:
+        raise UsageError(f"--repeats {args.repeats}: at most {MAX_REPEATS} timed repetitions per unit")
+    from ..models import parameters_of
+    from ..run.config import available_memory
+    parameters, room = parameters_of(args.model, width=args.width, norm=args.norm), available_memory()
+    # the model's weights, and a microbatch's input and its first activation (64 channels at width 1) in fp32
+    need = None if parameters is None else 4 * (parameters + args.batch_size // args.microbatches * 3 * 32 * 32
+                                                * (1 + 64 / 3 * max(args.width, 1)))
+    if need is None or room is not None and need > room:
+        raise UsageError(f"{args.model} at --width {args.width:g} with --batch-size {args.batch_size} needs more "
+                         "memory than this machine has available: lower them")
     torch.manual_seed(0)
     model = build_model(args.model, width=args.width, norm=args.norm)
     spec = parse_spec(args.partition, args.workers, len(model))

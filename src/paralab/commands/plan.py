@@ -38,7 +38,7 @@ from pathlib import Path
 from ..analysis.memory import OPTIMIZERS
 from ..errors import UsageError
 from ..models import MODELS, GPTOptions, ModelOptions, MoEOptions
-from ..options import add_flags, check, flag, name_of, option, option_fields
+from ..options import add_flags, check, flag, name_of, option, option_fields, integer
 from ..progress import Progress
 from ..strategies.pipeline.schedules import SCHEDULES
 
@@ -48,7 +48,7 @@ HELP = "choose a layout: every dp/ZeRO/tp/pp/schedule/recompute layout that fits
 @dataclass
 class PlanOptions:
     """plan: the workers, the batch, the cluster, what to pin, how to print"""
-    workers: int = option(None, "devices (workers) to lay the model out on", type=int, positive=True)
+    workers: int = option(None, "devices (workers) to lay the model out on", type=integer, positive=True)
     global_batch: int = option(32, "samples (sequences or images) per step over all replicas", positive=True)
     vocab: int = option(256, "gpt vocabulary V (256: paralab's byte tokens; 50257 for GPT-2/GPT-3)", positive=True)
     cluster: str = option("this-machine", "a preset (a100-sxm, a100-40gb, h100-sxm, h800, h200, cpu), this-machine (measured and "
@@ -57,17 +57,17 @@ class PlanOptions:
                                   "state; default: mixed where the cluster has a bf16 peak, else fp32)", type=str,
                             choices=("fp32", "mixed"))
     optimizer: str = option("adam", "optimizer whose state the memory model counts", choices=OPTIMIZERS)
-    tp: int = option(None, "pin the tensor-parallel degree", type=int, positive=True)
-    pp: int = option(None, "pin the pipeline stages", type=int, positive=True)
-    dp: int = option(None, "pin the data-parallel degree", type=int, positive=True)
-    zero: int = option(None, "pin the ZeRO stage (0 = ddp)", type=int, choices=(0, 1, 2, 3))
+    tp: int = option(None, "pin the tensor-parallel degree", type=integer, positive=True)
+    pp: int = option(None, "pin the pipeline stages", type=integer, positive=True)
+    dp: int = option(None, "pin the data-parallel degree", type=integer, positive=True)
+    zero: int = option(None, "pin the ZeRO stage (0 = ddp)", type=integer, choices=(0, 1, 2, 3))
     schedule: str = option(None, "pin the pipeline schedule", type=str, choices=SCHEDULES)
-    microbatch: int = option(None, "pin the samples per microbatch", type=int, positive=True)
-    cp: int = option(None, "pin context parallelism (the gpt's sequence split over this many ranks)", type=int,
+    microbatch: int = option(None, "pin the samples per microbatch", type=integer, positive=True)
+    cp: int = option(None, "pin context parallelism (the gpt's sequence split over this many ranks)", type=integer,
                      positive=True)
     cp_method: str = option(None, "pin the context-parallel method", type=str, choices=("ring", "all-to-all"))
     ep: int = option(None, "pin expert parallelism (a mixture of experts, --experts: its experts split over this "
-                           "many of the data-parallel replicas; it divides dp and the experts)", type=int,
+                           "many of the data-parallel replicas; it divides dp and the experts)", type=integer,
                      positive=True)
     recompute: str = option(None, "pin recomputation (planned from formulas only)", type=str,
                             choices=("none", "selective", "full"))
@@ -92,9 +92,9 @@ class PlanOptions:
 class ShapeOptions:
     """plan: the gpt's shape beyond what paralab's gpt builds (the planner counts it; `paralab train` builds the
     default of each: a GELU MLP of 4 x --embed, as many key/value heads as heads)"""
-    ffn_hidden: int = option(None, "the MLP's hidden width F (default 4 x --embed)", type=int, positive=True)
+    ffn_hidden: int = option(None, "the MLP's hidden width F (default 4 x --embed)", type=integer, positive=True)
     kv_heads: int = option(None, "key/value heads G (grouped-query attention: --heads divisible by it; 1: "
-                                 "multi-query; default --heads)", type=int, positive=True)
+                                 "multi-query; default --heads)", type=integer, positive=True)
     mlp: str = option("gelu", "gelu (two h x F matrices) or swiglu (three: gate, up, down; Llama's)",
                       choices=("gelu", "swiglu"))
     attention: str = option("eager", "what attention keeps for backward: eager (the s x s scores, softmax and "

@@ -34,6 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError, write_refused
+from ..options import integer
 
 HELP = ("plot throughput | split-time | timeline | scaling | memory | deviation | moe-load | grad-norm from run "
         "directories")
@@ -45,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("kind", choices=KINDS, metavar="KIND", help=" | ".join(KINDS))
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories written by `paralab train`")
     p.add_argument("-o", "--output", help="PNG file to write (without it: print the table)")
-    p.add_argument("--step", type=int, help="timeline: which step (default: the last one)")
+    p.add_argument("--step", type=integer, help="timeline: which step (default: the last one)")
     p.add_argument("--no-ideal", dest="ideal", action="store_false",
                    help="timeline: leave out the ideal schedule panel")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from .. import options
 from ..run import folder
-from ..options import finite_float
+from ..options import finite_float, integer
 from ..run.config import ALL_OPTION_CLASSES, RunConfig
 from ..errors import UsageError
 from .compare import (CHECK_CACHE, terminated, changed_fields, config_overrides, cores_per_worker, parse_int_list,
@@ -67,11 +67,11 @@ def add_arguments(p) -> None:
                        description="Per-device batch sizes growing by --factor from --start until a run runs "
                                    "out of memory or passes --max; second-epoch time without data loading.")
     q.add_argument("--strategy", help="strategy (default: the single-process baseline, single)")
-    q.add_argument("--workers", type=int, default=1, help="workers (default %(default)s)")
+    q.add_argument("--workers", type=integer, default=1, help="workers (default %(default)s)")
     q.add_argument("--sizes", help="explicit per-device batch sizes, e.g. 32,128,512 (instead of --start/--factor)")
-    q.add_argument("--start", type=int, default=32, help="first per-device batch (default %(default)s)")
-    q.add_argument("--factor", type=int, default=4, help="growth factor (default %(default)s)")
-    q.add_argument("--max", type=int, default=2048, help="largest per-device batch to try (default %(default)s)")
+    q.add_argument("--start", type=integer, default=32, help="first per-device batch (default %(default)s)")
+    q.add_argument("--factor", type=integer, default=4, help="growth factor (default %(default)s)")
+    q.add_argument("--max", type=integer, default=2048, help="largest per-device batch to try (default %(default)s)")
     _common(q)
 
     q = sub.add_parser("scaling", help="weak vs strong scaling, compute vs communication (HPML Q2-Q3)",
@@ -89,7 +89,7 @@ def add_arguments(p) -> None:
 
 
 def _common(q) -> None:
-    q.add_argument("--epoch-samples", type=int, default=2048,
+    q.add_argument("--epoch-samples", type=integer, default=2048,
                    help="samples per epoch (default %(default)s; 0 = the whole training split)")
     options.add_flags(q, *ALL_OPTION_CLASSES, only=("--model", "--width", "--dataset", "--data-dir", "--lr",
                                                     "--lr-scaling", "--warmup-epochs"), defaults=DEFAULTS)

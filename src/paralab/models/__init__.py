@@ -103,8 +103,8 @@ def parameters_of(name: str, **kw) -> int | None:
     try:
         with torch.device("meta"), SkipInit():
             return count_parameters(build_model(name, **kw))
-    except RuntimeError as exc:
-        if "overflow" in str(exc):
+    except (RuntimeError, TypeError, OverflowError) as exc:  # a size past torch's 64-bit counts
+        if "overflow" in str(exc).lower():
             return None
         raise
 

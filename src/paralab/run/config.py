@@ -27,7 +27,7 @@ from .. import options
 from ..data import DataOptions
 from ..errors import UsageError
 from ..models import ModelOptions
-from ..options import option
+from ..options import integer, option
 from ..strategies.all_options import OPTION_CLASSES, StrategyOptions
 from .warm import START_METHODS
 
@@ -47,9 +47,9 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
 class OptimizerOptions:
     """optimisation"""
     batch_size: int = option(256, "global batch (split over the data-parallel replicas)", positive=True)
-    per_worker_batch: int | None = option(None, "per-worker batch instead (weak scaling)", type=int, positive=True)
+    per_worker_batch: int | None = option(None, "per-worker batch instead (weak scaling)", type=integer, positive=True)
     epochs: int = option(1, "epochs to train, unless --num-batches is given", positive=True)
-    num_batches: int | None = option(None, "train exactly this many steps instead of --epochs", type=int,
+    num_batches: int | None = option(None, "train exactly this many steps instead of --epochs", type=integer,
                                      positive=True)
     optimizer: str = option("sgd", "sgd (with --momentum); adam (torch's Adam: --weight-decay added to the gradient); "
                                    "adamw (torch's AdamW: --weight-decay decoupled from the gradient)",
@@ -91,7 +91,7 @@ class RecordOptions:
     log_every: int = option(20, "print the loss every N steps", positive=True)
     warmup: int = option(1, "first N steps left out of timing averages", minimum=0)
     eval_batches: int | None = option(None, "test batches evaluated (not given: the whole test split)",
-                                        type=int, positive=True)
+                                        type=integer, positive=True)
     eval_batch_size: int = option(500, "test evaluation batch", positive=True)
     out: str | None = option(None, "run directory (default runs/<strategy>-w<N>-<time>); one run at a time",
                              type=str)
@@ -109,7 +109,7 @@ class RecordOptions:
     save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
     check_every: int | None = option(None, "with --check: compare with the reference every N steps too (by "
                                            "default after the first and second steps and the last; summary.json "
-                                           "check.history, `paralab plot deviation`)", type=int, positive=True,
+                                           "check.history, `paralab plot deviation`)", type=integer, positive=True,
                                      metavar="N")
     check_cache: str | None = option(None, "with --check: keep the single-process reference's final weights in DIR "
                                            "and load them in a later run whose reference is the same: the same "
@@ -122,15 +122,15 @@ class RecordOptions:
 class LaunchOptions:
     """launch"""
     workers: int = option(1, "local worker processes", positive=True)
-    cores_per_worker: int | None = option(None, "pin rank r to cores [rC, rC+C)", type=int, positive=True)
-    world_size: int | None = option(None, "multi-node by hand: total ranks", type=int, positive=True)
-    rank: int | None = option(None, "multi-node by hand: this process's rank", type=int)
+    cores_per_worker: int | None = option(None, "pin rank r to cores [rC, rC+C)", type=integer, positive=True)
+    world_size: int | None = option(None, "multi-node by hand: total ranks", type=integer, positive=True)
+    rank: int | None = option(None, "multi-node by hand: this process's rank", type=integer)
     master_addr: str = option("127.0.0.1", "rank 0's address")
-    master_port: int | None = option(None, "rank 0's port (local default: a free port)", type=int, minimum=1,
+    master_port: int | None = option(None, "rank 0's port (local default: a free port)", type=integer, minimum=1,
                                      maximum=65535)
     backend: str = option("auto", "the process group's backend", choices=BACKENDS)
     device: str = option("auto", "where the model runs", choices=DEVICES)
-    timeout: float = option(60.0, "seconds before a stuck collective fails the run", positive=True)
+    timeout: float = option(60.0, "seconds before a stuck collective fails the run", positive=True, maximum=1e6)
     network: str | None = option(None, "emulate a cluster network: each local worker in its own network namespace "
                                        "on a full-duplex link of RATE (e.g. 100mbit, 1gbit, 10gbit) to one switch, "
                                        "shaped by tc; needs iproute2 and root or unprivileged user namespaces. "
@@ -336,9 +336,6 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             if not self.checkpoint_every:
                 raise UsageError("--max-restarts starts the ranks again from the last checkpoint: add "
                                  "--checkpoint-every K (a checkpoint every K steps; at most K steps are lost)")
-        if self.resume is not None and not self.resume.strip():
-            raise UsageError("--resume takes the run directory whose checkpoint to continue from (got an empty "
-                             "name)")
         if self.resume:
             from .checkpoint import check_resumable
             from .folder import refuse_if_held
@@ -438,6 +435,16 @@ def check_model_fits(cfg: RunConfig) -> None:
     if parameters is None:
         raise UsageError(f"{cfg.model} at this size has a layer too large for torch to count; lower {sizing}")
     available = available_memory()
+    from ..data.datasets import resolve_dataset
+    if resolve_dataset(cfg.dataset, Path(cfg.data_dir) if cfg.data_dir else None, cfg.model).startswith("synthetic"):
+        # each local rank generates the synthetic set: an image's noise is drawn in fp32 (12 KiB) before it is
+        # kept as bytes (3 KiB); a text window's bytes as int64 tokens, twice (inputs and targets)
+        each = 15 * 1024 if MODALITY[cfg.model] == "image" else 16 * (cfg.context + 1)
+        local = cfg.workers if cfg.world_size is None else 1
+        if available is not None and cfg.synthetic_size * each * local > available:
+            raise UsageError(f"--synthetic-size {cfg.synthetic_size}: each of the {local} local rank(s) would "
+                             f"generate {cfg.synthetic_size * each / 2 ** 30:.1f} GiB of synthetic data, more than "
+                             f"the memory this machine has available ({available / 2 ** 30:.1f} GiB); lower it")
     weights = parameters * (8 if cfg.precision == "fp64" else 4)
     if available is not None and weights > available:
         gib = 2 ** 30
