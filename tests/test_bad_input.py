@@ -59,7 +59,6 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--width", "5000"], "GiB of weights in fp32: more than the memory this machine has available"),
     (["single", "--model", "gpt", "--embed", "100000000", "--heads", "1"], "lower --embed, --layers, --context"),
     # a seed past what the data's generators can add to; an empty --resume (it started from scratch)
-    (["single", "--seed", "100000000000000000000000"], "is past the largest number an option takes"),
     (["single", "--seed", "4294967296"], "--seed must be at most 4294967295"),
     (["single", "--seed", "-1"], "--seed must be at least 0"),
     (["single", "--resume", ""], "--resume takes a value, not an empty one"),
@@ -272,3 +271,10 @@ def test_compare_with_no_strategy_named_is_refused(capsys, tmp_path, strategies)
     assert main(["compare", "--strategies", strategies, "--out", str(tmp_path / "r")]) == 2
     assert "names no strategy" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_an_integer_past_64_bits_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "single", "--seed", "100000000000000000000000"])
+    assert exit_.value.code == 2
+    assert "is past the largest number an option takes (2^63 - 1)" in capsys.readouterr().err
