@@ -7,6 +7,11 @@ seeded generator:
 - ``rank``: a random rank killed (SIGKILL) at the start of a random step;
 - ``save``: a random rank killed while it saves a random step's checkpoint,
   its own file written and the generation not yet committed (the torn save);
+- ``records``: a random rank killed while the run's records are written
+  (rank 0: its step records written, ``summary.json`` not yet; another: its
+  records sent to rank 0);
+- ``done``: a random rank killed once the records are written (a finished
+  run: nothing may restart);
 - ``launcher``: the launching process killed (SIGKILL) after a random delay,
   its ranks going with it; the run is then started again by hand with
   ``--resume``, as a user would, until it finishes.
@@ -17,7 +22,9 @@ checkpoint. For each trial: whether the run finished, the steps done twice
 (a restart's ``steps_lost``, a launcher kill's last logged step minus the step
 it resumed from: at most K = 1), bytes lost (every committed generation's
 files checked against their manifest: 0), and whether the final weights are
-bit-identical to an uninterrupted run of the same layout. Then one disk-full
+bit-identical to an uninterrupted run of the same layout, and whether its
+``steps.jsonl`` holds every (step, rank) exactly once with the uninterrupted
+run's losses. Then one disk-full
 trial on a 10 MiB tmpfs (root only): the run stops with exit 4, its last
 committed checkpoint verifies, and a resume into a folder with room finishes
 bit-identical. The table goes to stdout, the trials to bench/results/chaos.json.
@@ -47,6 +54,16 @@ STEPS, EVERY = 8, 1
 COMMON = ["--dataset", "synthetic", "--synthetic-size", "256", "--width", "0.125", "--batch-size", "24",
           "--precision", "fp64", "--num-batches", str(STEPS), "--checkpoint-every", str(EVERY),
           "--no-progress", "--log-every", "1", "--eval-batches", "1", "--eval-batch-size", "24", "--timeout", "30"]
+
+
+def losses(run: Path) -> list | None:
+    """Every (step, rank, loss) of a run's steps.jsonl, sorted (a pair twice shows up twice); None if absent."""
+    import json
+    try:
+        rows = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    except OSError:
+        return None
+    return sorted((r["step"], r["rank"], r["loss"]) for r in rows)
 
 
 def final_weights(run: Path) -> dict:
@@ -80,19 +97,21 @@ def launch(workers: int, out: Path, extra: list[str], env: dict | None = None) -
 
 def trial(n: int, rng: random.Random, scratch: Path, baselines: dict) -> dict:
     workers = rng.choice([2, 3, 4])
-    kind = rng.choice(["rank", "save", "launcher"])
+    kind = rng.choice(["rank", "save", "records", "done", "launcher"])
     out = scratch / f"trial{n}"
     if workers not in baselines:
         base = paralab_train(["ddp", "--workers", str(workers), *COMMON], scratch / f"base{workers}")
         if base.returncode != 0:
             raise RuntimeError(base.stdout[-2000:] + base.stderr[-2000:])
         baselines[workers] = final_weights(scratch / f"base{workers}")
+        baselines[("losses", workers)] = losses(scratch / f"base{workers}")
     record = {"trial": n, "workers": workers, "fault": kind, "redone": 0}
-    if kind in ("rank", "save"):
-        rank, step = rng.randrange(workers), rng.randrange(1, STEPS)
+    if kind in ("rank", "save", "records", "done"):
+        rank = rng.randrange(workers)
+        step = rng.randrange(1, STEPS) if kind in ("rank", "save") else STEPS  # records, done: after the last
         record |= {"rank": rank, "step": step}
         p = launch(workers, out, ["--max-restarts", "2"], {"PARALAB_FAULT": f"{rank}:{step}:"
-                                                            f"{'kill' if kind == 'rank' else 'save'}:1"})
+                                                            f"{'kill' if kind == 'rank' else kind}:1"})
         text, _ = p.communicate(timeout=600)
         record["exit"] = p.returncode
         summary = out / "summary.json"
@@ -128,6 +147,7 @@ def trial(n: int, rng: random.Random, scratch: Path, baselines: dict) -> dict:
         record["identical"] = all(torch.equal(mine[k], base[k]) for k in base)
     else:
         record["identical"] = False
+    record["records_whole"] = losses(out) == baselines[("losses", workers)]  # every (step, rank) once, same losses
     return record
 
 
@@ -173,21 +193,24 @@ def main(argv: list[str]) -> int:
             t = trial(n, rng, scratch, baselines)
             trials.append(t)
             print(f"trial {n:>2}: {t['workers']} ranks, {t['fault']:<8} -> finished {t['finished']}, redone "
-                  f"{t['redone']}, bytes lost {t['bytes_lost']}, identical {t['identical']}", flush=True)
+                  f"{t['redone']}, bytes lost {t['bytes_lost']}, identical {t['identical']}, records whole "
+                  f"{t['records_whole']}", flush=True)
         if 2 not in baselines:
             paralab_train(["ddp", "--workers", "2", *COMMON], scratch / "base2")
             baselines[2] = final_weights(scratch / "base2")
         full = disk_full(scratch, baselines)
     totals = {"faults": len(trials), "finished": sum(t["finished"] for t in trials),
-              "identical": sum(t["identical"] for t in trials), "max_redone": max(t["redone"] for t in trials),
+              "identical": sum(t["identical"] for t in trials), "records_whole": sum(t["records_whole"] for t in trials),
+              "max_redone": max(t["redone"] for t in trials),
               "bytes_lost": sum(t["bytes_lost"] for t in trials), "K": EVERY}
     print(f"\n{totals['faults']} faults: {totals['finished']} runs finished, {totals['identical']} bit-identical to an "
-          f"uninterrupted run, at most {totals['max_redone']} step(s) redone (K = {EVERY}), "
+          f"uninterrupted run, {totals['records_whole']} with every step's records once, at most {totals['max_redone']} step(s) redone (K = {EVERY}), "
           f"{totals['bytes_lost']} bytes lost; disk full: {full}")
     write_result(args.out, {"bench": "chaos", "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
                             "steps": STEPS, "checkpoint_every": EVERY, "totals": totals, "disk_full": full,
                             "trials": trials})
-    ok = totals["finished"] == totals["faults"] == totals["identical"] and totals["max_redone"] <= EVERY \
+    ok = totals["finished"] == totals["faults"] == totals["identical"] == totals["records_whole"] \
+        and totals["max_redone"] <= EVERY \
         and totals["bytes_lost"] == 0
     return 0 if ok else 1
 

@@ -133,6 +133,22 @@ def test_a_finished_run_is_finished_whatever_ends_a_rank_after_its_records(paral
     assert not r.left_running()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_while_the_records_are_written_is_restarted_into_the_same_records(paralab, rank):
+    """Killed half way through the records. Rank 0 (steps.jsonl written, not summary.json): the restart trains
+    nothing and writes the records again. Rank 1 (its records sent to rank 0): rank 0 writes them, so the run
+    is finished and nothing restarts. Either way every step's records are there once, an uninterrupted run's."""
+    args = ("train", "ddp", "--workers", "2", "--num-batches", "3", "--checkpoint-every", "1", "--precision", "fp64")
+    whole = paralab(*args)
+    r = paralab(*args, "--max-restarts", "1", env={"PARALAB_FAULT": f"{rank}:3:records:1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (f"paralab: restart 1/1: rank 0 killed by signal SIGKILL" if rank == 0 else
+            "rank 1 killed by signal SIGKILL after the run's records were written: the run is finished") in r.stderr
+    rows = sorted((row["step"], row["rank"], row["loss"]) for row in r.rows("steps.jsonl"))
+    assert rows == sorted((row["step"], row["rank"], row["loss"]) for row in whole.rows("steps.jsonl"))
+    assert r.summary["test_loss"] == whole.summary["test_loss"] and not (r.out / "records").exists()
+
+
 def test_records_that_cannot_be_written_stop_every_rank_with_exit_4_and_resume_writes_them(paralab, tmp_path):
     """The run's records fail to write (here: a folder in the way of steps.jsonl's temporary file; a full disk
     or a read-only folder alike): one line, exit 4, no traceback, no half-written file, the journals kept; once

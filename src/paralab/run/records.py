@@ -303,11 +303,13 @@ def derive_details(cfg, spans: list[dict], per_rank: list[dict]) -> None:
 
 def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parameters, world, backend, device,
               dataset, evaluation, check, error, global_batch, is_main, earlier=(), held=None,
-              carried=((), ())) -> None:
+              carried=((), ()), midway=None) -> None:
     """Gather every rank's records to rank 0, which writes the run directory. ``earlier``: this rank's
     [step, loss] pairs from before a resume that are not in ``carried`` (summary.json
     ``losses_before_resume``); ``carried``: the rows and spans of this run's earlier attempts
-    (:func:`journal_read`), laid before this attempt's."""
+    (:func:`journal_read`), laid before this attempt's. ``midway``: called half way through (rank 0: the
+    step records written, not yet ``summary.json``; the others: once their records are sent), a fault point
+    for the tests of what a stop while writing leaves (``PARALAB_FAULT``'s ``records``)."""
     extra = strategy.extra_summary()
     peaks = recorder.allocator_peaks()  # CUDA only; absent on CPU
     if peaks:
@@ -319,11 +321,13 @@ def write_run(run_dir: Path, cfg, comm, recorder, step_rows, strategy, *, parame
     spans = list(carried[1]) + [s | {"attempt": attempt} for s in recorder.dump()]
     gathered = comm.gather_objects((rows, spans, extra, list(earlier)))
     failed = None
+    if not is_main and midway is not None:
+        midway()
     if is_main:
         try:
             _write_records(run_dir, cfg, strategy, gathered, parameters=parameters, world=world, backend=backend,
                            device=device, dataset=dataset, evaluation=evaluation, check=check, error=error,
-                           global_batch=global_batch)
+                           global_batch=global_batch, midway=midway)
         except OSError as exc:  # a full disk, a folder made read-only: every rank stops alike (exit 4)
             failed = f"{getattr(exc, 'filename', None) or run_dir}: {exc.strerror or exc}"
     failed = comm.broadcast_object(failed)
@@ -345,7 +349,7 @@ class RecordsNotWritten(RuntimeError):
 
 
 def _write_records(run_dir: Path, cfg, strategy, gathered, *, parameters, world, backend, device, dataset,
-                   evaluation, check, error, global_batch) -> None:
+                   evaluation, check, error, global_batch, midway=None) -> None:
     """Rank 0: the run directory's files from every rank's gathered records, ``summary.json`` written last (a
     run is finished once it is there: a run stopped before it is finished by ``--resume``)."""
     steps, spans = end_to_end([r for rows, *_ in gathered for r in rows], [s for _, ss, *_ in gathered for s in ss])
@@ -364,6 +368,8 @@ def _write_records(run_dir: Path, cfg, strategy, gathered, *, parameters, world,
     write_json(run_dir / "config.json", config)
     write_jsonl(run_dir / "steps.jsonl", steps)
     write_jsonl(run_dir / "spans.jsonl", spans)
+    if midway is not None:
+        midway()
     summary = summarize(cfg, steps, spans, parameters=parameters, world=world, global_batch=global_batch,
                         evaluation=evaluation, check=check, error=error, replicas=strategy.replicas()[0],
                         extra=extras)

@@ -99,8 +99,9 @@ def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step"
     out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
     Python error, as a shell or container runtime reports a process the out-of-memory killer took);
     ``save``: SIGKILL while saving the checkpoint of step STEP, its own file written and the generation
-    not yet committed (``moment="save"``: what ``generations.write`` calls); ``done``: SIGKILL once the run's
-    records are written (STEP: the run's steps; a finished run is finished: nothing restarts); ``nan``: that
+    not yet committed (``moment="save"``: what ``generations.write`` calls); ``records``: SIGKILL while the
+    run's records are written (rank 0: its step records written, not ``summary.json``); ``done``: SIGKILL once
+    the run's records are written (STEP: the run's steps; a finished run is finished: nothing restarts); ``nan``: that
     step's loss made NaN on that rank (the non-finite guard's fault point, :func:`poisoned_steps`). ATTEMPT: only in that start
     of the group (``--max-restarts``: 1 is the first); every start if left out. Several faults:
     comma-separated.
@@ -109,15 +110,16 @@ def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step"
     for fault in spec.split(",") if spec else ():
         fault_rank, fault_step, *rest = fault.split(":")
         kind = rest[0] if rest else "raise"
-        if kind not in ("raise", "kill", "oom", "save", "done", "nan"):
-            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom, save, done or nan")
+        if kind not in ("raise", "kill", "oom", "save", "records", "done", "nan"):
+            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom, save, records, done or nan")
         if len(rest) > 1 and int(rest[1]) != attempt:
             continue
-        if kind in ("save", "done") and kind != moment or kind not in ("save", "done") and moment != "step" \
+        moments = ("save", "records", "done")  # kinds that are moments of their own; the rest fire at a step
+        if kind in moments and kind != moment or kind not in moments and moment != "step" \
                 or kind == "nan":  # nan: the loss, at the step (poisoned_steps)
             continue
         if rank == int(fault_rank) and step == int(fault_step):
-            if kind in ("kill", "save", "done"):
+            if kind in ("kill", *moments):
                 import signal
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "oom":
@@ -333,7 +335,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier,
                           parameters=s.parameters, world=world, backend=backend, device=device, dataset=s.data,
                           evaluation=result_eval, check=verdict, error=error, global_batch=s.global_batch,
-                          is_main=main, held=held_record, carried=carried)
+                          is_main=main, held=held_record, carried=carried,
+                          midway=lambda: fault_injection(rank, s.total_steps, attempt, moment="records"))
     except records.RecordsNotWritten as exc:  # every rank alike: exit 4, one line
         if main:
             print(f"paralab: {exc}", file=sys.stderr, flush=True)
