@@ -72,6 +72,24 @@ def test_a_restarted_run_equals_one_never_interrupted(paralab, layout, faults):
     assert not r.left_running()
 
 
+def test_a_rank_killed_between_its_records_and_the_commit_loses_no_step_record(paralab):
+    """Killed while saving step 4's checkpoint: its journal already holds steps 2 and 3 (a checkpoint's records
+    go to disk before its commit), the generation is not committed, so the restart resumes from step 2 and
+    steps.jsonl holds every (step, rank) once, an uninterrupted run's (they were lost when the journal came after
+    the commit and the kill fell between)."""
+    args, world = LAYOUTS["ddp"]
+    plain = paralab("train", *args, *EXACT)
+    r = paralab("train", *args, *EXACT, "--max-restarts", "1", env={"PARALAB_FAULT": "0:4:save:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    [restart] = r.summary["restarts"]
+    assert restart["resumed_from_step"] == 2 and restart["rank"] == 0
+    assert sorted((row["step"], row["rank"]) for row in r.rows("steps.jsonl")) == [(s, k) for s in range(6)
+                                                                                  for k in range(world)]
+    assert "losses_before_resume" not in r.summary  # every step's own record, none stood in for
+    assert losses(r.out) == losses(plain.out) and len(losses(plain.out)) == 6 * world
+    assert same(state(r.out, world), state(plain.out, world))
+
+
 # a learning rate that changes every step: linear scaling (0.1 x 32 / 256) reached by a warm-up over the first
 # epoch, which is 8 steps of 256 synthetic samples at a global batch of 32; 10 steps cross into the second epoch
 SCHEDULE = ["--synthetic-size", "256", "--lr-scaling", "linear", "--warmup-epochs", "1", "--num-batches", "10"]

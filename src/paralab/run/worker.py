@@ -297,21 +297,22 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if check is not None:
             check.after_step(step + 1)  # outside the step's timing (recorder.step is -1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
-            error = save_or_stop(cfg, run_dir, rank, step + 1, strategy, losses, comm, progress, attempt)
-            if error:
-                break
-            # what this rank recorded since its last checkpoint, for a start after a crash (records.py)
+            # one commit: what this rank recorded since its last checkpoint goes to its journal (on disk) before
+            # the generation's manifest is written, so a checkpoint is never committed without its records (a
+            # journal's rows past the checkpoint a start resumes from are left out: records.journal_read)
             records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
                                    recorder.dump(journaled[1]))
             journaled = (len(step_rows), len(recorder.spans))
+            error = save_or_stop(cfg, run_dir, rank, step + 1, strategy, losses, comm, progress, attempt)
+            if error:
+                break
     else:
         progress.close()
-        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
-            error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
-        if error is None and start_step < s.total_steps and cfg.checkpoint_every:
-            # the last steps' records beside the last checkpoint, so a stop before the records loses none
+        if start_step < s.total_steps and cfg.checkpoint_every:  # the last steps' records, then their commit
             records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
                                    recorder.dump(journaled[1]))
+        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
+            error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
         if error is None:  # PARALAB_FAULT=R:N (N the steps): after the last checkpoint, before the records
             fault_injection(rank, s.total_steps, attempt=attempt)
 
