@@ -16,11 +16,11 @@ Everything plots and reports need is in these files.
 A run that starts again from its own checkpoint (``--max-restarts``, torchrun's restarts, or ``--resume
 RUN`` into RUN) is one run: while it trains, each rank appends what it recorded since its last
 checkpoint to a journal (``records/rank<R>.jsonl``: one line per checkpoint, its rows and spans and the
-attempt they belong to), and the start after it takes the records of the steps before its checkpoint
+attempt they belong to, on disk before the checkpoint commits), and the start after it takes the records of the steps before its checkpoint
 from there (:func:`journal_read`). So ``steps.jsonl`` and ``spans.jsonl`` hold every step once, each with
 the attempt that ran it (``attempt``), the attempts laid end to end in time; the steps done twice are
 listed with the restarts in summary.json (``restarts[*].redone``). The journal goes once the records are
-written.
+written, ``summary.json`` last (:func:`write_run`).
 """
 from __future__ import annotations
 
