@@ -105,6 +105,16 @@ def test_a_finished_run_extended_in_its_own_folder_keeps_its_records_and_appends
     assert [rows[(step, 0)]["loss"] for step in range(5)] == [r["loss"] for r in whole.rows("steps.jsonl")
                                                               if r["rank"] == 0]
     assert extended.summary["test_loss"] == whole.summary["test_loss"]
+    # an extension stopped after its last checkpoint, before its records (the old summary.json still there): the
+    # resume trains nothing and writes them, every step once
+    stopped = train(*RUN, "--num-batches", "7", "--resume", str(first.out), out=first.out,
+                    env={"PARALAB_FAULT": "0:7:kill"})
+    assert stopped.returncode != 0 and json.loads((first.out / "summary.json").read_text())["steps"] == 5
+    finished = train(*RUN, "--num-batches", "7", "--resume", str(first.out), out=first.out)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "at step 7" in finished.stdout
+    assert sorted((r["step"], r["rank"]) for r in finished.rows("steps.jsonl")) == [(s, k) for s in range(7)
+                                                                                    for k in (0, 1)]
 
 
 @pytest.mark.parametrize("damage", ["edited", "truncated"])

@@ -258,10 +258,20 @@ def carried_notes(old, new, model) -> list[str]:
 
 def finishing(run_dir: Path, cfg, step: int, total: int | None) -> bool:
     """Whether ``--resume run_dir`` finishes a run that was stopped after committing its last step's checkpoint
-    but before writing its records (killed while it evaluated): the same folder, no summary.json, and the
-    checkpoint's step the run's last. Such a resume trains nothing: it evaluates and writes the records."""
+    but before writing its records (killed while it evaluated): the same folder, its records behind the
+    checkpoint (none, or a shorter run's: :func:`records_behind`), and the checkpoint's step the run's last. Such a resume trains nothing: it evaluates and writes the records."""
     return (total is not None and step == total and cfg.out is not None
-            and Path(cfg.out).resolve() == Path(run_dir).resolve() and not (Path(run_dir) / "summary.json").exists())
+            and Path(cfg.out).resolve() == Path(run_dir).resolve() and records_behind(Path(run_dir), step))
+
+
+def records_behind(run_dir: Path, step: int) -> bool:
+    """Whether ``run_dir``'s records (``summary.json``, written last) are missing or cover fewer steps than
+    ``step``: a run stopped before its records, or a finished run being extended that stopped before its new
+    ones."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text())["steps"]) < step
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def check_resumable(run_dir: Path, cfg) -> None:

@@ -308,10 +308,10 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
                 break
     else:
         progress.close()
-        if start_step < s.total_steps and cfg.checkpoint_every:  # the last steps' records, then their commit
+        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
+            # the last steps' records, then their commit (the checkpoint every run saves at its end)
             records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
                                    recorder.dump(journaled[1]))
-        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
             error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
         if error is None:  # PARALAB_FAULT=R:N (N the steps): after the last checkpoint, before the records
             fault_injection(rank, s.total_steps, attempt=attempt)
