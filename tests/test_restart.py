@@ -160,7 +160,7 @@ def test_a_rank_killed_while_the_records_are_written_is_restarted_into_the_same_
     whole = paralab(*args)
     r = paralab(*args, "--max-restarts", "1", env={"PARALAB_FAULT": f"{rank}:3:records:1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (f"paralab: restart 1/1: rank 0 killed by signal SIGKILL" if rank == 0 else
+    assert ("paralab: restart 1/1: rank 0 killed by signal SIGKILL" if rank == 0 else
             "rank 1 killed by signal SIGKILL after the run's records were written: the run is finished") in r.stderr
     rows = sorted((row["step"], row["rank"], row["loss"]) for row in r.rows("steps.jsonl"))
     assert rows == sorted((row["step"], row["rank"], row["loss"]) for row in whole.rows("steps.jsonl"))
