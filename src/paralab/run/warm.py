@@ -94,9 +94,10 @@ def fork_hazard(cfg) -> str | None:
 
 
 def forkserver():
-    """The forkserver context, preloaded with :data:`PRELOAD` (started by its first child)."""
+    """The forkserver context, preloaded with :data:`PRELOAD` (started by its first child); the server alone
+    also imports ``server_exit``, so that it ends at once when its caller does (and its runs with it)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD, "paralab.run.server_exit"])
     return ctx
 
 
