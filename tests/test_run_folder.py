@@ -125,15 +125,20 @@ def test_a_killed_compare_ends_its_runs_and_leaves_its_folder_in_sight(tmp_path,
         assert "compare: stopped" in p.stderr.read()
 
 
-def test_a_resume_starts_every_rank_from_the_newest_generation_whose_files_are_all_there(tmp_path):
-    """Picked once (rank 0's choice is every rank's): a newer generation missing a rank's file is passed over."""
+def test_a_resume_starts_every_rank_from_the_newest_generation_all_of_them_can_read(tmp_path):
+    """The ranks gather the steps each can read and take the newest they share: a newer generation missing a
+    rank's file is passed over (by every rank alike); a rank started by hand on its own host reads its own."""
     from conftest import commit_generation
     from paralab.run import checkpoint, generations
+    from paralab.run.config import RunConfig
+    cfg = RunConfig(strategy="ddp", workers=2)
+    ident = checkpoint.identity(cfg)
     for step in (2, 4, 6):
-        commit_generation(tmp_path, step, {"strategy": "ddp"}, {0: {"step": step}, 1: {"step": step}}, world=2)
-    commit_generation(tmp_path, 8, {"strategy": "ddp"}, {0: {"step": 8}}, world=2)  # rank 1's file absent
+        commit_generation(tmp_path, step, ident, {0: {"step": step}, 1: {"step": step}}, world=2)
+    commit_generation(tmp_path, 8, ident, {0: {"step": 8}}, world=2)  # rank 1's file absent
     assert generations.newest(tmp_path).step == 8
-    assert checkpoint.chosen_step(tmp_path) == 6
+    mine = [set(checkpoint.usable_steps(tmp_path, cfg, rank)) for rank in (0, 1)]
+    assert mine == [{2, 4, 6, 8}, {2, 4, 6}] and max(set.intersection(*mine)) == 6
     assert checkpoint.load(tmp_path, 1, at=6)["step"] == 6
 
 

@@ -118,11 +118,17 @@ def torn_note(run_dir: Path, ours: bool = False) -> str | None:
             + (f"the newest complete checkpoint is step {last.step}'s" if last else "no complete checkpoint"))
 
 
-def chosen_step(run_dir: Path) -> int | None:
-    """The step of the generation a resume from ``run_dir`` starts from: the newest committed one whose files
-    are all here (``generations.newest_whole``); asked once, by rank 0, and handed to every rank."""
-    gen = generations.newest_whole(run_dir)
-    return None if gen is None else gen.step
+def usable_steps(run_dir: Path, cfg, rank: int) -> list[int]:
+    """The steps of ``run_dir``'s committed generations that rank ``rank`` of a run with ``cfg`` can start from:
+    its own file there (ranks started by hand on other hosts keep theirs on their own), or, for a checkpoint of
+    another layout (resharded), every old rank's. The ranks gather these and take the newest step all of them
+    have (``worker.resume_or_save_init``): one generation for every rank, whatever each saw."""
+    steps = []
+    for gen in generations.committed(run_dir):
+        need = range(gen.world) if layout_only(gen.identity, cfg) else [rank]
+        if all(gen.present(r) for r in need):
+            steps.append(gen.step)
+    return steps
 
 
 def resumable_step(run_dir: Path, cfg, ranks=None) -> int | None:

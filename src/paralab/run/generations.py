@@ -128,16 +128,6 @@ def newest(run_dir: Path, tag: str | None = None, at: int | None = None) -> Gene
     return found[-1] if found else None
 
 
-def newest_whole(run_dir: Path) -> Generation | None:
-    """The newest committed generation whose every file is here (at the size its manifest says): what a resume
-    starts from. One process picks it and tells the ranks (a rank that looked for itself could see a newer
-    generation committed meanwhile, and start from another step than its peers)."""
-    for gen in reversed(committed(run_dir)):
-        if all(gen.present(rank) for rank in range(gen.world)):
-            return gen
-    return None
-
-
 def torn(run_dir: Path) -> list[Path]:
     """Generation folders newer than the newest committed one and without a manifest: saves that stopped."""
     last = newest(run_dir)

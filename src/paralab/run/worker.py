@@ -469,11 +469,14 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
     starting weights saved with --save-init). Says what the data order does where batches are uneven."""
     start_step, losses = 0, []
     resume = cfg.resume or restarted_from(cfg, rank, s)
-    # the generation to start from, picked once and handed to every rank (each picking the newest for itself
-    # could start them from different steps, were one committed meanwhile)
-    at = s.comm.broadcast_object(checkpoint.chosen_step(Path(resume)) if rank == 0 else None) if resume else None
-    if resume and at is None:  # (every rank: the same broadcast)
-        raise RuntimeError(f"--resume: {resume} holds no committed checkpoint whose files are all there")
+    # the generation to start from, agreed by every rank: the newest each of them can read (each picking the
+    # newest for itself could start them from different steps, were one committed meanwhile)
+    at = None
+    if resume:
+        usable = [set(steps) for steps in s.comm.all_gather_objects(checkpoint.usable_steps(Path(resume), cfg, rank))]
+        at = max(set.intersection(*usable), default=None)
+        if at is None:  # (every rank: the same gathered sets)
+            raise RuntimeError(f"--resume: {resume} holds no committed checkpoint that every rank can read")
     if resume and checkpoint.another_layout(Path(resume), cfg, rank, at=at):  # resharded: every old rank's file
         portable, start_step, losses, saved = checkpoint.read_portable(Path(resume), cfg, s.model_fn(), at=at)
         s.strategy.load_portable(portable)
