@@ -145,14 +145,12 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
 ADAMS = ("adam", "adamw")
 
 
-def reference_bytes(cfg) -> tuple[int, int]:
-    """(the model's parameters, the bytes the reference holds at least): its weights, their gradients and the
-    optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
-    activations come on top. Nothing is allocated (``models.parameters_of``)."""
-    from ..models import model_shape, parameters_of
-    parameters = parameters_of(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
+def reference_bytes(cfg, parameters: int) -> int:
+    """The bytes the reference of a model of ``parameters`` holds at least: its weights, their gradients and
+    the optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
+    activations come on top."""
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
-    return parameters, parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
+    return parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, dict]:

@@ -373,9 +373,7 @@ def run(a) -> int:
 
     runs, left_out = plan(a)
     out = Path(a.out or Path("reports") / time.strftime("compare-%Y%m%d-%H%M%S"))
-    if out.exists():
-        folder.refuse_if_held(out, "--out")
-        raise UsageError(f"{out} already exists; pass another --out (or remove it)")
+    folder.refuse_taken(out)  # before the plan is printed: a dry run says so too
     for note in left_out:
         print(f"compare: leaving out {note}", file=sys.stderr)
     if a.dry_run:
@@ -386,7 +384,7 @@ def run(a) -> int:
     display = StatusLine(verbose=a.verbose)
     # the report's folder, held while it is written (a second compare into it is refused) and written as the
     # runs finish: a compare stopped half-way leaves its finished runs there, never in a hidden folder
-    held = folder.claim_new(out, "compare")
+    held = folder.claim_new(out)
     signal.signal(signal.SIGTERM, terminated)  # `kill`: stopped as Ctrl-C stops it (its run too)
     started = time.time()
     print(f"compare: {len(runs)} runs -> {out}", file=sys.stderr)

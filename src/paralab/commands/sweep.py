@@ -140,9 +140,7 @@ class Sweep:
         self.a = a
         self.kind = kind
         self.out = Path(a.out or Path("reports") / time.strftime(f"sweep-{kind}-%Y%m%d-%H%M%S"))
-        if self.out.exists():
-            folder.refuse_if_held(self.out, "--out")
-            raise UsageError(f"{self.out} already exists; pass another --out (or remove it)")
+        folder.refuse_taken(self.out)
         if a.epoch_samples < 0:
             raise UsageError("--epoch-samples must be positive (or 0 for the whole training split)")
         if a.width <= 0 or a.lr <= 0 or a.run_timeout <= 0:
@@ -179,7 +177,7 @@ class Sweep:
         """Hold the report's folder and write into it as runs finish: a sweep stopped half-way leaves its
         finished runs there (never in a hidden folder); a second command into it is refused. SIGTERM stops
         it as Ctrl-C does."""
-        self.held = folder.claim_new(self.out, "sweep")
+        self.held = folder.claim_new(self.out)
         signal.signal(signal.SIGTERM, terminated)
 
     def run(self, name: str, cfg: RunConfig, index: str) -> dict:

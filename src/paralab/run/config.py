@@ -251,7 +251,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError(f"--dropout drops the gpt's residual branches; --model {self.model} has none: use "
                              "--model gpt, or drop --dropout")
         check_moe(self, MODALITY[self.model])
-        check_model_fits(self)
+        parameters = check_fits_in_memory(self)
         if self.recompute != "none" and self.experts:  # activation recomputation (training/recompute.py)
             raise UsageError(f"--recompute {self.recompute} with --experts: a mixture of experts records its "
                              "routing and load-balancing loss in each forward, which a recompute would repeat; "
@@ -321,7 +321,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.lr_schedule == "cosine" or self.min_lr:
             check_schedule(self, shape.dp)
         if self.check:
-            check_reference_fits(self)
+            check_reference_fits(self, parameters)
         if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
             from ..strategies import check_limit
             why = check_limit(self, self.world)
@@ -425,10 +425,12 @@ def check_schedule(cfg: RunConfig, replicas: int) -> None:
                          f"({target:g}); lower it")
 
 
-def check_model_fits(cfg: RunConfig) -> None:
-    """The model's weights alone must fit in this machine's available memory (each rank builds the whole model
-    before a strategy splits it): refused before start, naming the options that size it, where they cannot
-    (``--width 1e9``), or where a tensor's size is past what torch can count."""
+def check_fits_in_memory(cfg: RunConfig) -> int:
+    """The model's parameters, counted without allocating them (``models.parameters_of``). Its weights alone
+    must fit in this machine's available memory (each rank builds the whole model before a strategy splits
+    it), and so must the synthetic data each local rank generates: refused before start, naming the options
+    that size them, where they cannot (``--width 1e9``), or where a tensor's size is past what torch can
+    count."""
     from ..models import MODALITY, model_shape, parameters_of
     sizing = "--width" if MODALITY[cfg.model] == "image" else "--embed, --layers, --context or --experts"
     parameters = parameters_of(cfg.model, width=cfg.width, norm=cfg.norm, **model_shape(cfg))
@@ -451,13 +453,14 @@ def check_model_fits(cfg: RunConfig) -> None:
         raise UsageError(f"{cfg.model} at this size has {parameters:,} parameters, {weights / gib:.1f} GiB of weights "
                          f"in {cfg.precision}: more than the memory this machine has available "
                          f"({available / gib:.1f} GiB); lower {sizing}")
+    return parameters
 
 
-def check_reference_fits(cfg: RunConfig) -> None:
+def check_reference_fits(cfg: RunConfig, parameters: int) -> None:
     """--check: every rank trains the single-process reference (the whole model in one process) beside its
     part of the run; refuse before start where the local ranks' references alone cannot fit in memory."""
     from ..check.reference import reference_bytes
-    parameters, each = reference_bytes(cfg)
+    each = reference_bytes(cfg, parameters)
     local = cfg.workers if cfg.world_size is None else 1
     if cfg.device == "cuda" or cfg.backend == "nccl":
         import torch

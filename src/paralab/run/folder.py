@@ -70,14 +70,18 @@ def claim(folder: Path) -> Claim:
     return Claim(folder, fd, created)
 
 
-def claim_new(folder: Path, what: str) -> Claim:
-    """Hold ``folder`` for a command's report (``what``: the command), made here: UsageError where it is in
-    use or already holds anything."""
-    folder = Path(folder)
-    if folder.exists():
-        refuse_if_held(folder, "--out")
+def refuse_taken(folder: Path) -> None:
+    """UsageError where a command's report folder ``--out`` is in use, or exists at all (a report is never
+    written into another's folder)."""
+    if Path(folder).exists():
+        refuse_if_held(Path(folder), "--out")
         raise UsageError(f"{folder} already exists; pass another --out (or remove it)")
-    return claim(folder)
+
+
+def claim_new(folder: Path) -> Claim:
+    """Hold ``folder`` for a command's report, made here (:func:`refuse_taken` first)."""
+    refuse_taken(folder)
+    return claim(Path(folder))
 
 
 def held(folder: Path) -> bool:

@@ -162,7 +162,8 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         print(f"paralab: rank {cause.rank} {cause.what()} after the run's records were written: the run is "
               f"finished ({Path(run_dir) / 'summary.json'}); nothing was lost or restarted", file=sys.stderr,
               flush=True)
-        shutil.rmtree(Path(run_dir) / "records", ignore_errors=True)  # a journal its rank had no time to remove
+        from .records import JOURNAL
+        shutil.rmtree(Path(run_dir) / JOURNAL, ignore_errors=True)  # a journal its rank had no time to remove
         failed_check = (summary.get("check") or {}).get("result") == "FAIL"
         return (1 if failed_check or summary.get("error") else 0), None, reached
     lines += explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"})
