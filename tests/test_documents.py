@@ -30,19 +30,11 @@ from paralab.strategies.context import balance
 from paralab.strategies.context.layout import Layout
 from paralab.strategies.context.ring import ring_attention
 from paralab.strategies.context.ulysses import ulysses_attention
-from paralab.training import losses
+from paralab.training import losses, step as steps
 
 DOCS = ["--model", "gpt", "--dataset", "synthetic-docs", "--doc-length", "10", "--synthetic-size", "256",
         "--layers", "2", "--embed", "32", "--heads", "4", "--context", "16", "--batch-size", "16",
         "--eval-batches", "1", "--eval-batch-size", "16", "--num-batches", "3", "--precision", "fp64"]
-
-
-@pytest.fixture(autouse=True)
-def _no_step_left_over():
-    """The module-level step state (the loss's count, the rows' document ids) is cleared after each test."""
-    yield
-    losses.at_step(0, 0)
-    documents.at_step(None)
 
 
 # ---------------------------------------------------------------- the data
@@ -121,17 +113,16 @@ def test_any_split_weighted_by_its_elements_gives_the_global_token_mean():
     target[:3, 4:] = IGNORE     # short documents in the first rows: unequal counts
     target[6, :10] = IGNORE
     expected = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=IGNORE)
-    losses.at_step(int((target != IGNORE).sum()), target.numel())
-    pieces = [(slice(0, 2), slice(0, 12)), (slice(2, 4), slice(0, 6)), (slice(2, 4), slice(6, 12)),
-              (slice(4, 8), slice(0, 3)), (slice(4, 8), slice(3, 12))]
-    combined = sum(losses.cross_entropy(logits[r, c], target[r, c]) * target[r, c].numel() / target.numel()
-                   for r, c in pieces)
-    assert combined.item() == pytest.approx(expected.item(), rel=1e-13)
-    per_piece_means = sum(F.cross_entropy(logits[r, c].reshape(-1, 11), target[r, c].reshape(-1),
-                                          ignore_index=IGNORE) * target[r, c].numel() / target.numel()
-                          for r, c in pieces)
-    assert abs(per_piece_means.item() - expected.item()) > 1e-3  # the bug the mutant seeds
-    losses.at_step(0, 0)
+    with steps.entered(steps.Step(valid=int((target != IGNORE).sum()), elements=target.numel())):
+        pieces = [(slice(0, 2), slice(0, 12)), (slice(2, 4), slice(0, 6)), (slice(2, 4), slice(6, 12)),
+                  (slice(4, 8), slice(0, 3)), (slice(4, 8), slice(3, 12))]
+        combined = sum(losses.cross_entropy(logits[r, c], target[r, c]) * target[r, c].numel() / target.numel()
+                       for r, c in pieces)
+        assert combined.item() == pytest.approx(expected.item(), rel=1e-13)
+        per_piece_means = sum(F.cross_entropy(logits[r, c].reshape(-1, 11), target[r, c].reshape(-1),
+                                              ignore_index=IGNORE) * target[r, c].numel() / target.numel()
+                              for r, c in pieces)
+        assert abs(per_piece_means.item() - expected.item()) > 1e-3  # the bug the mutant seeds
     plain = torch.randint(0, 11, (8, 12), generator=g)  # no documents: the plain mean, bit for bit
     assert torch.equal(losses.cross_entropy(logits, plain), F.cross_entropy(logits.reshape(-1, 11), plain.reshape(-1)))
 
@@ -149,15 +140,14 @@ def test_packed_attention_is_each_document_alone():
     b, h, t, d = 3, 2, 24, 4
     q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64, generator=g) for _ in range(3))
     ids = _packed_ids(b, t, 2)
-    documents.at_step(ids)
-    out = documents.attention(q, k, v)
+    with steps.entered(steps.Step(doc_ids=ids)):
+        out = documents.attention(q, k, v)
     for row in range(b):
         for doc in ids[row].unique().tolist():
             cols = (ids[row] == doc).nonzero().flatten()
             alone = F.scaled_dot_product_attention(q[row:row + 1, :, cols], k[row:row + 1, :, cols],
                                                    v[row:row + 1, :, cols], is_causal=True)
             assert torch.allclose(out[row:row + 1, :, cols], alone, rtol=0, atol=1e-13)
-    documents.at_step(None)
     assert torch.equal(documents.attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
@@ -168,14 +158,14 @@ def _cp_case(comm, method, layout):
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4))
     ids = _packed_ids(B, T, 3)
-    documents.at_step(ids)
-    whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = documents.attention(*whole)
-    expected.backward(dout)
-    mine = [layout.take(t, comm.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    core = ring_attention if method == "ring" else ulysses_attention
-    out = core(*mine, comm=comm, layout=layout, recorder=comm.recorder)
-    out.backward(layout.take(dout, comm.rank, dim=2))
+    with steps.entered(steps.Step(doc_ids=ids)):
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = documents.attention(*whole)
+        expected.backward(dout)
+        mine = [layout.take(t, comm.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        core = ring_attention if method == "ring" else ulysses_attention
+        out = core(*mine, comm=comm, layout=layout, recorder=comm.recorder)
+        out.backward(layout.take(dout, comm.rank, dim=2))
     worst = {"out": (out - layout.take(expected, comm.rank, dim=2)).abs().max().item()}
     for name, m, w in zip("qkv", mine, whole):
         worst["d" + name] = (m.grad - layout.take(w.grad, comm.rank, dim=2)).abs().max().item()

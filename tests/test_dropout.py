@@ -11,6 +11,7 @@ import torch
 
 from paralab.models import build_model, dropout
 from paralab.models.dropout import Dropout
+from paralab.training import step as steps
 
 from conftest import run_paralab
 
@@ -22,12 +23,12 @@ def masked(x, seed=0, step=0, rows=None, first=0, offsets=None, mb=0, positions=
     d = Dropout(0.5, context=16)
     d.train()
     d.position_ids = positions
-    dropout.at_step(seed, step, rows=rows or len(x), first=first)
-    if offsets:
-        dropout.split(offsets)
-    dropout.enter_unit(index)
-    with dropout.microbatch(mb):
-        return d(x)
+    with steps.entered(steps.Step(step, seed, rows=rows or len(x), first=first)):
+        if offsets:
+            steps.split(offsets)
+        dropout.enter_unit(index)
+        with steps.microbatch(mb):
+            return d(x)
 
 
 def test_a_value_gets_the_same_mask_however_the_batch_and_sequence_are_cut():
@@ -61,10 +62,11 @@ def test_off_in_evaluation_and_at_p_zero_and_the_same_model_without_it():
 def test_a_microbatch_no_driver_placed_is_refused_rather_than_drawn_wrong():
     d = Dropout(0.5, context=16)
     d.train()
-    dropout.at_step(0, 0, rows=8, first=0)
-    dropout.split([4, 4])
-    with dropout.microbatch(5), pytest.raises(RuntimeError, match="was not split into"):
-        d(torch.ones(4, 16, 4))
+    with steps.entered(steps.Step(rows=8)):
+        steps.split([4, 4])
+        with steps.microbatch(5), pytest.raises(RuntimeError, match="was not split into"):
+            d(torch.ones(4, 16, 4))
+    assert steps.current() == steps.Step()  # nothing of the step is left once its driver is done
 
 
 GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "4", "--embed", "32", "--heads", "4",

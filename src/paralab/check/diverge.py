@@ -39,9 +39,9 @@ import torch
 import torch.nn as nn
 
 from ..data.loader import to_device
-from ..models import dropout
+
 from ..strategies.base import split_microbatches
-from ..training import documents
+from ..training import step as steps
 from .reference import TOLERANCES
 
 #: path segments wrappers add to a module's name (activation checkpointing, DDP, torch.compile)
@@ -175,13 +175,11 @@ def reference_calls(model: nn.Module, source, step: int, replicas: int, replica:
     dtype = next(twin.parameters()).dtype
     x, y = source.batch(step, rank=replica)
     x = to_device(x, x.device, dtype)
-    dropout.at_step(seed, step, rows=len(y) * replicas, first=len(y) * replica)
-    documents.at_source_step(source, step, x, y)
-    chunks = split_microbatches(x, y, microbatches)
-    dropout.split([len(c[1]) for c in chunks])
-    with calls, torch.no_grad():
+    with steps.entered(steps.of_shard(source, step, x, y, seed)), calls, torch.no_grad():
+        chunks = split_microbatches(x, y, microbatches)
+        steps.split([len(c[1]) for c in chunks])
         for i, (xs, _, _) in enumerate(chunks):
-            with dropout.microbatch(i):
+            with steps.microbatch(i):
                 twin(xs)
     return calls
 
@@ -248,24 +246,23 @@ def fits(t: torch.Tensor) -> bool:
     return local.untyped_storage().nbytes() >= local.numel() * local.element_size()
 
 
-def step_twice(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, at_step):
+def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: list):
     """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``before -
     after`` of ``full_state_dict`` under ``w -= g``), then, every tensor put back, for real. Returns (the
     module outputs, the gradients by name, the loss reported, the weights after)."""
     held = weights_of(strategy, roots, optimizers)
     kept = [t.detach().clone() for t in held]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
-    at_step()
-    with Calls(names_of(roots)) as mine, Probe(optimizers):
-        strategy.train_step(x, y)
+    with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
+        strategy.train_step(step.x, step.y)
     probed = strategy.full_state_dict()
     gradients = {k: before[k] - probed[k].detach() for k in before}
     with torch.no_grad():
         for t, k in zip(held, kept):
             if fits(t):
                 t.copy_(k)
-    at_step()
-    loss = strategy.train_step(x, y).loss
+    with steps.entered(step):
+        loss = strategy.train_step(step.x, step.y).loss
     return mine, gradients, loss, strategy.full_state_dict()
 
 
@@ -294,11 +291,8 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
     expected = reference_calls(ref.model, ref.source, step, ref.replicas, replica, ref.microbatches, ref.seed)
 
-    def at_step():  # where the rank's rows sit in the global batch (the gpt's dropout masks: models/dropout.py)
-        dropout.at_step(ref.seed, step, rows=len(y) * ref.replicas, first=len(y) * replica)
-        documents.at_source_step(ref.source, step, x, y)
-
-    mine, gradients, loss, after = step_twice(step, x, y, strategy, roots, optimizers, at_step)
+    mine, gradients, loss, after = step_twice(steps.of_shard(ref.source, step, x, y, ref.seed), strategy, roots,
+                                              optimizers)
     grads, ref_after = reference_step(ref, step)
     ref_loss = ref.losses[step][replica]
     params = [n for n, _ in ref.model.named_parameters()]

@@ -38,10 +38,10 @@ import torch
 import torch.nn as nn
 
 from ..data.loader import to_device
-from ..training import documents
+from ..training import step as steps
 from ..training.losses import cross_entropy
 from ..training.lr_schedule import set_lr
-from ..models import dropout
+
 from ..models.moe import moe_layers
 from ..strategies.base import has_batchnorm, split_microbatches, take_history, training_loss
 from ..strategies.portable import optimizer_by_name
@@ -54,11 +54,11 @@ TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "grad_n
               "fp64": {"weights": 1e-9, "optimizer": 1e-9, "loss": 1e-8, "grad_norm": 1e-10, "outputs": 1e-8}}
 
 
-def reference_train(model, optimizer, source_batch, steps: int, replicas: int, microbatches: int,
+def reference_train(model, optimizer, source_batch, until: int, replicas: int, microbatches: int,
                     bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
                     clip: float | None = None, norms: dict | None = None,
                     packing: bool | None = None) -> list[list[float]]:
-    """Train ``model`` on steps ``first_step .. steps - 1``; ``source_batch(step, rank)`` gives shard
+    """Train ``model`` on steps ``first_step .. until - 1``; ``source_batch(step, rank)`` gives shard
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
     learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
     the mean over its samples, what the rank holding that shard reports.
@@ -75,14 +75,14 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
 
     ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
     loss is then the step's sum over valid targets over their global count, and packed rows attend within
-    their documents (``training/documents.py``), as every layout does.
+    their documents (``training/step.py``), as every layout does.
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
     split = has_batchnorm(model) or combine is not None or bool(moe_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
-    for step in range(first_step, steps):
+    for step in range(first_step, until):
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
         shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
@@ -91,13 +91,13 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
         if not split:  # one forward over the global batch; each shard's loss read from its rows
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
-            dropout.at_step(seed, step, rows=len(y), first=0)
-            documents.at_step(targets, x, bool(packing))
-            logits = model(x)
-            training_loss(cross_entropy, model, logits, y)[0].backward()
-            with torch.no_grad():
-                rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
-                losses.append([cross_entropy(logits[a:b], y[a:b]).item() for a, b in zip(rows, rows[1:])])
+            with steps.entered(steps.of_rows(step, seed, x, y, rows=len(y), first=0, targets=targets,
+                                             packing=bool(packing))):
+                logits = model(x)
+                training_loss(cross_entropy, model, logits, y)[0].backward()
+                with torch.no_grad():  # (documents: each shard's loss under the step's global count)
+                    rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
+                    losses.append([cross_entropy(logits[a:b], y[a:b]).item() for a, b in zip(rows, rows[1:])])
         else:
             total = sum(len(s[1]) for s in shards)
             kept_buffers = None
@@ -106,16 +106,16 @@ def reference_train(model, optimizer, source_batch, steps: int, replicas: int, m
             first = 0  # the shard's first row in the global batch
             for r, (x, y) in enumerate(shards):
                 shard_loss = 0.0
-                dropout.at_step(seed, step, rows=total, first=first)
-                documents.at_step(targets, x, bool(packing))
+                with steps.entered(steps.of_rows(step, seed, x, y, rows=total, first=first, targets=targets,
+                                                 packing=bool(packing))):
+                    chunks = split_microbatches(x, y, microbatches)
+                    steps.split([len(c[1]) for c in chunks])
+                    for i, (xs, ys, w) in enumerate(chunks):
+                        with steps.microbatch(i):
+                            loss, reported = training_loss(cross_entropy, model, model(xs), ys)
+                        (loss * (w * len(y) / total)).backward()
+                        shard_loss += reported.item() * w
                 first += len(y)
-                chunks = split_microbatches(x, y, microbatches)
-                dropout.split([len(c[1]) for c in chunks])
-                for i, (xs, ys, w) in enumerate(chunks):
-                    with dropout.microbatch(i):
-                        loss, reported = training_loss(cross_entropy, model, model(xs), ys)
-                    (loss * (w * len(y) / total)).backward()
-                    shard_loss += reported.item() * w
                 shard_losses.append(shard_loss)
                 if r == 0 and bn_rule == "first-replica":
                     kept_buffers = [b.detach().clone() for b in model.buffers()]

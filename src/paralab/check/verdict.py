@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
-from ..training import documents
+from ..training import step as steps
 from . import kept
 from .reference import (ADAMS, TOLERANCES, Comparison, bits_deviation, compare_optimizer, compare_tensors,
                         optimizer_state, reference_train, worst)
@@ -228,11 +228,11 @@ class Check:
         one verdict over the ranks (a collective)."""
         self.compare_at(self.total)
         x, _ = self.ref.source.batch(self.total)
-        with documents.given(x, bool(self.ref.packing)):  # packed documents: each row's attention mask
+        with steps.entered(steps.whole(x, bool(self.ref.packing))):  # packed documents: each row's attention mask
             out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
         if out is not None:
             self.ref.model.eval()
-            with torch.no_grad(), documents.given(x, bool(self.ref.packing)):
+            with torch.no_grad(), steps.entered(steps.whole(x, bool(self.ref.packing))):
                 expected = self.ref.model(to_device(x, x.device, self.strategy.ctx.dtype))
                 self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected},
                                               self.tol["outputs"], self.total))

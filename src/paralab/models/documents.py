@@ -5,12 +5,12 @@ may attend to token ``j`` only if ``j <= i`` and both belong to the same
 document. Which document a token belongs to is a function of the row's
 tokens (:func:`~paralab.data.documents.doc_ids`), but attention only sees
 activations: so whoever holds the tokens says, before the step's forwards,
-the document ids of the rows this process's forwards take (:func:`at_step`,
-``[rows, T]``: the training loop for the rank's shard, the reference for
-the batch it runs). A forward's rows are found the way the gpt's dropout
-finds them (``dropout.py``): the microbatch being computed says where its
-rows start (``DRAWS.offset``, set by every driver that cuts microbatches,
-and restored by a recompute). The positions are the attention's own:
+the document ids of the rows this process's forwards take: the step value's
+``doc_ids`` (``training/step.py``, ``[rows, T]``: the training loop's for the
+rank's shard, the reference's for the batch it runs). A forward's rows are
+found the way the gpt's dropout finds them (``dropout.py``): the microbatch
+being computed says where its rows start (the step's ``offset``, set by
+every driver that cuts microbatches, and restored by a recompute). The positions are the attention's own:
 ``0 .. T-1`` for a whole sequence, a cp rank's chunks (``layout.py``) for
 ring attention.
 
@@ -19,51 +19,26 @@ Ids set (packing on), :func:`attention` is SDPA with the boolean mask
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
-from . import dropout
-
-
-class _Docs:
-    ids: torch.Tensor | None = None  # [rows, T]: each token's document in the rows this step's forwards take
-
-
-DOCS = _Docs()
-
-
-def at_step(ids: torch.Tensor | None) -> None:
-    """This step's forwards take rows with these document ids (None: no packing, plain causal attention)."""
-    DOCS.ids = ids
-
-
-@contextmanager
-def given(ids: torch.Tensor | None):
-    """Forwards inside take exactly these rows, whole (evaluation, a check's predictions)."""
-    before = DOCS.ids
-    DOCS.ids = ids
-    try:
-        with dropout.placed(dropout.where()[:4] + ((0,), 0)):
-            yield
-    finally:
-        DOCS.ids = before
+from ..training import step as steps
 
 
 def rows(b: int) -> torch.Tensor:
     """The document ids ``[b, T]`` of the current forward's ``b`` rows."""
-    first = dropout.DRAWS.offset
-    if first is None or first + b > len(DOCS.ids):
+    at = steps.current()
+    first = at.offset
+    if first is None or first + b > len(at.doc_ids):
         raise RuntimeError(f"packed documents: rows {first}..{None if first is None else first + b} of "
-                           f"{len(DOCS.ids)}: a driver did not say where this forward's rows sit (models/dropout.py)")
-    return DOCS.ids[first:first + b]
+                           f"{len(at.doc_ids)}: a driver did not say where this forward's rows sit (training/step.py)")
+    return at.doc_ids[first:first + b]
 
 
 def allowed(b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor | None:
     """``[b, 1, len(q_pos), len(k_pos)]``: query at position ``q_pos[i]`` may attend to key ``k_pos[j]`` (same
     document, not later); None without packing."""
-    if DOCS.ids is None:
+    if steps.current().doc_ids is None:
         return None
     ids = rows(b)
     q_doc, k_doc = ids[:, q_pos.cpu()], ids[:, k_pos.cpu()]
@@ -74,7 +49,7 @@ def allowed(b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.T
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``[B, heads, T, d]`` over a whole sequence (positions ``0 .. T-1``): document-causal under packing,
     else causal."""
-    if DOCS.ids is None:
+    if steps.current().doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     where = torch.arange(q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed(q.shape[0], where, where, q.device))

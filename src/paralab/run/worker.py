@@ -30,11 +30,10 @@ from .failures import GroupNotFormed, group_not_formed, resume_hint
 from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
-from ..models import build_model, count_parameters, dropout, model_shape
+from ..models import build_model, count_parameters, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
-from ..training import documents, recompute
-from ..training.losses import TOKENS
+from ..training import recompute, step as steps
 from ..training.lr_schedule import lr_at, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
@@ -256,20 +255,17 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         fault_injection(rank, step, attempt=attempt)
         lr = s.lr_for(step)
         set_lr(s.optimizers, lr)
-        with recorder.span("data", "load"):
-            x, y = source.batch(step)
-            x, y = to_device(x, device, s.dtype, non_blocking=True), y.to(device, non_blocking=True)
-            documents.at_source_step(source, step, x, y)  # documents: the loss's global count, packed rows' ids
-        # where this shard's samples sit in the step's global batch (the gpt's dropout masks: models/dropout.py)
-        dropout.at_step(cfg.seed, step, rows=len(y) * replicas, first=len(y) * replica)
+        with recorder.span("data", "load"):  # this rank's shard, where it sits in the global batch, its documents
+            at = steps.of_shard(source, step, *source.batch(step), seed=cfg.seed, lr=lr).on(device, s.dtype)
         try:
-            if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
-                probe = held.Probe([strategy], s.optimizers)
-                with probe.watch():
-                    result = strategy.train_step(x, y)
-                held_record = probe.record(step)
-            else:
-                result = strategy.train_step(x, y)  # forward, backward, synchronise, optimizer step
+            with steps.entered(at):
+                if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
+                    probe = held.Probe([strategy], s.optimizers)
+                    with probe.watch():
+                        result = strategy.train_step(at.x, at.y)
+                    held_record = probe.record(step)
+                else:
+                    result = strategy.train_step(at.x, at.y)  # forward, backward, synchronise, optimizer step
         except NonFinite as exc:  # --on-nonfinite stop: every rank raised it in the same step, before its update
             error = str(exc)
             progress.close()
@@ -278,7 +274,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         t1 = recorder.now()
         recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
         step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr,
-                                           TOKENS.valid))
+                                           at.valid))
         losses.append([step, result.loss])
         norms.append([step, result.grad_norm])
         if result.skipped:  # --on-nonfinite skip: every rank skipped this step's update, and counts it

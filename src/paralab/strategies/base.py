@@ -42,7 +42,7 @@ from ..comm import Comm
 from ..errors import UsageError
 from ..training.losses import cross_entropy
 from ..mesh import Mesh, MeshShape
-from ..models import dropout
+from ..training import step as steps
 from ..models.moe import take_aux_loss, take_history
 from ..recorder import Recorder
 from ..training import grad_norm
@@ -372,11 +372,11 @@ class Strategy:
         Returns the mean loss over the batch.
         """
         chunks = split_microbatches(x, y, self.microbatches)
-        dropout.split([len(c[1]) for c in chunks])  # where each microbatch's samples sit (the gpt's dropout)
+        steps.split([len(c[1]) for c in chunks])  # where each microbatch's rows sit (dropout, documents)
         total = 0.0
         for i, (xs, ys, weight) in enumerate(chunks):
             around = last if i == len(chunks) - 1 else before_last
-            with around() if around else nullcontext(), dropout.microbatch(i):
+            with around() if around else nullcontext(), steps.microbatch(i):
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
                         loss, reported = training_loss(self.ctx.loss, model, model(xs), ys)

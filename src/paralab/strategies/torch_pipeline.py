@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from ..errors import UsageError
 from ..training.losses import cross_entropy
-from ..models import dropout
+from ..training import step as steps
 from .base import StepResult, split_microbatches
 from .pipeline.schedules import placement_for
 from .pipeline.strategy import Pipeline, PipelineOptions
@@ -138,7 +138,7 @@ class TorchPipeline(Pipeline):
         forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
         def forward_one_chunk(chunk, *args, **kwargs):
-            with rec.span("compute", "forward", mb=chunk, stage=s), dropout.microbatch(chunk):
+            with rec.span("compute", "forward", mb=chunk, stage=s), steps.microbatch(chunk):
                 return forward(chunk, *args, **kwargs)
 
         def backward_one_chunk(chunk, *args, **kwargs):
@@ -160,7 +160,7 @@ class TorchPipeline(Pipeline):
         for stage in self.stages.values():
             stage.train()
         chunks = split_microbatches(x, y, self.microbatches)
-        dropout.split([len(c[1]) for c in chunks])  # where each microbatch's samples sit (the gpt's dropout)
+        steps.split([len(c[1]) for c in chunks])  # where each microbatch's rows sit (dropout, documents)
         sizes = {len(c[1]) for c in chunks}
         if len(sizes) != 1:
             raise RuntimeError(f"torch-pipeline needs equal microbatches (got sizes {sorted(sizes)})")

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..data.loader import to_device
-from . import documents
+from . import step as steps
 from .losses import IGNORE, cross_entropy
 from ..progress import Progress
 
@@ -26,7 +26,7 @@ def predictions(strategy, source, batch_size: int, max_batches: int | None, devi
     batches = list(source.test_batches(batch_size, max_batches))
     bar = Progress(len(batches), "eval", enabled=progress)
     for i, (x, y, real) in enumerate(batches):
-        with documents.given(x, source.packing):  # packed documents: each row's attention mask
+        with steps.entered(steps.whole(x, source.packing)):  # packed documents: each row's attention mask
             logits = strategy.predict(to_device(x, device, strategy.ctx.dtype))
         if logits is not None:
             yield logits.float().cpu()[real], y[real]

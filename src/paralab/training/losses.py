@@ -10,7 +10,8 @@ samples (``base.split_microbatches``) whatever the model.
 Documents (``data/documents.py``) leave some targets out (:data:`IGNORE`:
 padding, and the byte after a document's end), and how many a row keeps
 varies. Then the step's loss is the sum over its valid targets divided by
-their count over the **whole global batch** (:func:`at_step`: ``valid``),
+their count over the **whole global batch** (the entered step value's
+``valid``: ``training/step.py``),
 not the mean of per-shard or per-microbatch means, which would weigh a
 short document's tokens more than a long one's. Every layout still combines
 its pieces (a rank's shard, a microbatch, a cp rank's tokens) by their share
@@ -24,32 +25,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import step as steps
 from ..data.documents import IGNORE  # F.cross_entropy's ignore_index: a target no loss counts
-
-
-class _Tokens:
-    """This step's global batch: its valid targets and its elements (0: not documents, the plain mean)."""
-    valid = 0
-    elements = 0
-
-
-TOKENS = _Tokens()
-
-
-def at_step(valid: int, elements: int) -> None:
-    """A step over documents: ``valid`` targets of the global batch's ``elements`` count (the training loop,
-    the reference, before the step's forwards); ``at_step(0, 0)``: a plain text or images."""
-    TOKENS.valid, TOKENS.elements = valid, elements
 
 
 def piece_scale(targets: int) -> float:
     """What a piece of ``targets`` elements multiplies its sum over valid targets by (module docstring; a global
     batch with no valid target has a zero sum, scaled by anything finite)."""
-    return TOKENS.elements / (targets * TOKENS.valid) if TOKENS.valid else 1.0 / targets
+    at = steps.current()
+    return at.elements / (targets * at.valid) if at.valid else 1.0 / targets
 
 
 def documents() -> bool:
-    return TOKENS.elements > 0
+    """Whether the entered step is over documents."""
+    return steps.current().documents
 
 
 def token_loss(per_token: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ if its W needs a tensor its I already used, the piece is recomputed again).
 What the second forward must not change:
 - random draws (dropout): the CPU generator's state (and CUDA's, on a GPU)
   at the original forward is restored for the recompute, then put back, and
-  so is where the forward's samples sat in the global batch (the gpt's
-  dropout masks depend on it: ``models/dropout.py``), since a recompute runs
-  in backward, when another microbatch may be current;
+  the step value the forward was in is entered again (``training/step.py``:
+  where its rows sat in the global batch, which the gpt's dropout masks
+  depend on, and their documents), since a recompute runs in backward, when
+  another microbatch may be current;
 - BatchNorm running statistics: the piece's buffers are copied before the
   recompute and restored after it, so they are updated once per forward;
 - autocast: the recompute runs under the autocast state of the original.
@@ -46,7 +47,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from ..models import dropout
+from . import step as steps
 from ..options import option
 from .saved import SavedActivations, outer_hooks, storage
 
@@ -75,7 +76,7 @@ class _Piece:
         self.again: dict[int, torch.Tensor] = {}
         self.count = 0
         self.cpu_rng = torch.get_rng_state()
-        self.draws = dropout.where()  # where the forward's samples sat (the gpt's dropout masks)
+        self.step = steps.current()  # the step value the forward was in (where its rows sat: dropout, documents)
         self.cuda = any(a.is_cuda for a in args if isinstance(a, torch.Tensor))
         self.cuda_rng = torch.cuda.get_rng_state() if self.cuda else None
         device = "cuda" if self.cuda else "cpu"
@@ -100,7 +101,7 @@ class _Piece:
             torch.set_rng_state(self.cpu_rng)
             if self.cuda:
                 torch.cuda.set_rng_state(self.cuda_rng)
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), dropout.placed(self.draws), \
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), steps.entered(self.step), \
                     torch.autograd.graph.saved_tensors_hooks(lambda t: twins.append(t) or None, _never):
                 self.fn(*args)
         with torch.no_grad():

@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from ...errors import UsageError
 from ...mesh import MeshShape
-from ...models import documents
+from ...training import step as steps
 from ...models.gpt import Block
 from ...options import option
 from ..allreduce import AllReduceReplicas
@@ -85,9 +85,9 @@ class ContextParallelism:
         """The attention of this rank's tokens over the whole sequence (ring or Ulysses), in the current layout."""
         return METHODS[self.method](q, k, v, self.comm, self.layout, self.recorder)
 
-    def at_step(self) -> None:
-        """Packed documents, balanced ring: deal the chunks for this step's rows (``balance.py``)."""
-        ids = documents.DOCS.ids
+    def at_step(self, ids: torch.Tensor | None) -> None:
+        """Packed documents (``ids``: each token's document in this step's rows), balanced ring: deal the
+        chunks for those rows (``balance.py``)."""
         if not self.by_documents or ids is None:
             return
         fixed = dataclasses.replace(self.layout, assignment=None)
@@ -205,7 +205,7 @@ class ContextParallel(Strategy):
         return self.inner.replicas()
 
     def train_step(self, x, y):
-        self.cp.at_step()  # packed documents: this step's chunks for each rank
+        self.cp.at_step(steps.current().doc_ids)  # packed documents: this step's chunks for each rank
         result = self.inner.train_step(self.cp.take(x), self.cp.take(y))
         if result.loss is not None:  # the mean of the cp ranks' means: the whole sequence's
             loss = torch.tensor([result.loss], dtype=self.ctx.dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...models import dropout
+from ...training import step as steps
 from ...models.moe import carry_aux_loss
 from ...training import saved
 
@@ -93,7 +93,7 @@ class Stage:
 
         segments = []
         with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), self.ctx.autocast(), \
-                dropout.microbatch(mb):  # its samples' rows, for the gpt's dropout masks
+                steps.microbatch(mb):  # its rows in the step (dropout masks, documents)
             # a leaf at the stage's input (its gradient is what goes to the stage before) and, when
             # split, at every unit's input (its gradient is what the unit hands to the one before)
             inp = h = x.detach().requires_grad_(not self.first)

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from ...errors import UsageError
 from ...kinds import StageRecord
-from ...models import dropout
+from ...training import step as steps
 from ...mesh import MeshShape
 from ...options import option
 from .partition import (boundary_shapes, measure_unit_times, parse_spec, partition_model, ranges_from_counts,
@@ -229,7 +229,7 @@ class Pipeline(Strategy):
         for stage in self.stages.values():
             stage.train()
         chunks = split_microbatches(x, y, self.microbatches)
-        dropout.split([len(c[1]) for c in chunks])  # where each microbatch's samples sit (the gpt's dropout)
+        steps.split([len(c[1]) for c in chunks])  # where each microbatch's rows sit (dropout, documents)
         # an epoch's last batch can hold fewer samples than microbatches: plan the
         # schedule for the chunks there are (every stage sees the same batch size)
         actions = build_schedule(self.schedule, self.pp.world, len(chunks), self.virtual)[self.pp.rank]
