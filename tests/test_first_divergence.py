@@ -1,7 +1,7 @@
 """The first divergence (check/diverge.py): a failed --check replays the run and names the first step, rank,
 module and direction that differ from the reference. Seeded bugs are named where they act in
 tests/test_mutants.py (FIRST) and tests/test_own_strategy.py; here: the slice a rank holds is found, a correct
-layout replayed shows no divergence (PARALAB_REPLAY=1 replays a passing run), and the option turns it off."""
+layout replayed shows no divergence (--replay replays a passing run), and the option turns it off."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -67,7 +67,7 @@ FAST = ("tp+sp", "pp 1f1b", "zero-1")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_a_correct_layout_replayed_shows_no_divergence(tmp_path, name):
     layout = LAYOUTS[name]
-    r = run_paralab("train", layout[0], *GPT, *layout[1:], out=tmp_path / "run", env={"PARALAB_REPLAY": "1"})
+    r = run_paralab("train", layout[0], *GPT, *layout[1:], "--replay", out=tmp_path / "run")
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "check: first divergence: none in 2 replayed steps" in r.stdout, r.stdout[-3000:]
 

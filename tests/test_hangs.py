@@ -1,12 +1,13 @@
 """Naming the rank that hangs: each rank's op log (oplog.py) and the diagnosis (run/hangs.py).
 
-The diagnosis is tested on logs written by the real writer with made-up operations; then real runs
-where a rank stalls in compute, skips a collective or calls one with another shape (PARALAB_HANG) must
-be named by the launcher within the timeout, with no process left behind.
+The diagnosis is tested on logs written by the real writer with made-up operations; then real runs where a
+rank stalls in compute, skips a collective or calls one with another shape (a strategy file of the tests',
+tests/data/hanging_allreduce.py) must be named by the launcher within the timeout, with no process left behind.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 import uuid
 
 import pytest
@@ -120,12 +121,14 @@ def test_group_keys_round_trip():
 
 
 # ------------------------------------------------------------------ real runs: a rank that hangs
-RUN = ["train", "allreduce", "--workers", "2", "--num-batches", "3", "--timeout", "5"]
+#: allreduce, with one rank misbehaving at step 1 as the test's HANG says (the suite's hook lives in the tests)
+HANGING = str(Path(__file__).parent / "data" / "hanging_allreduce.py")
+RUN = ["train", HANGING, "--workers", "2", "--num-batches", "3", "--timeout", "5"]
 
 
 def hang(tmp_path, kind: str, run=RUN, rank: int = 1):
     t0 = time.monotonic()
-    r = run_paralab(*run, out=tmp_path / "run", timeout=120, env={"PARALAB_HANG": f"{rank}:1:{kind}"})
+    r = run_paralab(*run, out=tmp_path / "run", timeout=120, env={"HANG": f"{rank}:{kind}"})
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr[-3000:]
     assert not r.left_running(within=5), "a rank outlived the launcher"
@@ -197,9 +200,9 @@ def test_a_manual_rank_that_times_out_names_the_stalled_one(tmp_path):
     from test_launch import rank_cmd
     from paralab.run.rendezvous import free_port
     port, marker = free_port(), uuid.uuid4().hex
-    env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1", "PARALAB_HANG": "1:1:stall",
+    env = {**__import__("os").environ, "PYTHONUNBUFFERED": "1", "HANG": "1:stall",
            "PARALAB_TEST_MARK": marker}
-    cmds = [[c if c != "ddp" else "allreduce" for c in rank_cmd(r, port, tmp_path / "run", "--timeout", "5")]
+    cmds = [[c if c != "ddp" else HANGING for c in rank_cmd(r, port, tmp_path / "run", "--timeout", "5")]
             for r in range(2)]
     procs = [subprocess.Popen(cmds[r], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]

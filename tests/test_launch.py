@@ -157,7 +157,7 @@ def test_a_failing_rank_stops_every_rank(paralab):
             "all ranks stopped."
     assert first in r.stderr, r.stderr[-3000:]
     traceback_text = r.stderr.split(first, 1)[1].split("paralab: then", 1)[0]
-    assert 'File "' in traceback_text and "in fault_injection" in traceback_text  # that rank's traceback
+    assert 'File "' in traceback_text and "faults.py" in traceback_text  # that rank's traceback
     others = consequences(r.stderr)
     assert sorted(others) == [0, 2] and all(caused_by_the_first(how) for how in others.values()), r.stderr[-3000:]
     assert "to resume" not in r.stderr  # no checkpoint was written before the failure

@@ -17,8 +17,6 @@ rank a run is waiting for when ``--timeout`` fires.
 """
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +83,6 @@ class Comm:
         self.name = name  # how the op log names the group (``dp 1``)
         self.log = oplog.active()
         self.key = oplog.members_key(self.ranks)  # the group's identity in the log: its global ranks
-        self._fault = _hang_fault()  # testing only (PARALAB_HANG); read here, not at import (warm starts)
         self.native_reduce_scatter: bool | None = None  # decided on first use
         self._futureless: set[str] = set()  # kinds of asynchronous work this group's backend gives no future
 
@@ -107,10 +104,6 @@ class Comm:
         return self.log.enter(kind, self.name, key, size, tensor, peer, state)
 
     def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
-        if self._fault is not None and kind == "all_reduce":
-            args = self._fault.apply(self, args)
-            if args is None:
-                return None
         slot = self._enter(kind, size, args, kwargs)
         try:
             with self.recorder.span("comm", name, size, op=kind):
@@ -310,41 +303,3 @@ class Comm:
             dist.broadcast(message, self._global(src), self.group)
             return obj if self.rank == src else self._read(message)
         return self._logged("broadcast_object", broadcast)
-
-
-# ---------------------------------------------------------------- testing only: a rank that hangs
-class _HangFault:
-    """PARALAB_HANG=RANK:STEP:KIND: global rank RANK, at its first blocking all_reduce of step STEP, does KIND:
-    ``skip`` (returns without calling it), ``shape`` (calls it with one more element) or ``stall``
-    (sleeps there, before entering it, as a rank stuck in its own computation). Fires once."""
-
-    def __init__(self, spec: str):
-        rank, step, self.kind = spec.split(":")
-        if self.kind not in ("skip", "shape", "stall"):
-            raise ValueError(f"PARALAB_HANG={spec}: the kind must be skip, shape or stall")
-        self.rank, self.step, self.fired = int(rank), int(step), False
-
-    def apply(self, comm: Comm, args):
-        if self.fired or comm.ranks[comm.rank] != self.rank or comm.recorder.step != self.step:
-            return args
-        self.fired = True
-        if self.kind == "skip":
-            return None
-        if self.kind == "stall":
-            time.sleep(3600)
-            return args
-        t = args[0]
-        return (torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device),) + tuple(args[1:])
-
-
-_FAULTS: dict[str, _HangFault] = {}
-
-
-def _hang_fault() -> _HangFault | None:
-    """This process's PARALAB_HANG fault (one per spec, shared by every Comm), or None."""
-    spec = os.environ.get("PARALAB_HANG")
-    if not spec:
-        return None
-    if spec not in _FAULTS:
-        _FAULTS[spec] = _HangFault(spec)
-    return _FAULTS[spec]

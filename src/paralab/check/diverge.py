@@ -254,7 +254,7 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
     kept = [t.detach().clone() for t in held]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
     with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
-        strategy.train_step(step.x, step.y)
+        strategy.run_step(step.x, step.y)
     probed = strategy.full_state_dict()
     gradients = {k: before[k] - probed[k].detach() for k in before}
     with torch.no_grad():
@@ -262,7 +262,7 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
             if fits(t):
                 t.copy_(k)
     with steps.entered(step):
-        loss = strategy.train_step(step.x, step.y).loss
+        loss = strategy.run_step(step.x, step.y).loss
     return mine, gradients, loss, strategy.full_state_dict()
 
 

@@ -106,6 +106,9 @@ class RecordOptions:
     first_divergence: bool = option(True, "with --check: when it FAILs, replay the run beside the reference and name "
                                           "the first step, rank, module and direction (forward, backward, optimizer "
                                           "step) where they differ (check/diverge.py)")
+    replay: bool = option(False, "with --check: replay the run beside the reference even when it passes, "
+                                 "comparing every module's output, gradient and weight step by step (the first "
+                                 "divergence, or none: a closer look than the end-of-run comparison)")
     save_init: bool = option(False, "also save the starting weights (checkpoint/init/; `paralab export RUN --init`)")
     check_every: int | None = option(None, "with --check: compare with the reference every N steps too (by "
                                            "default after the first and second steps and the last; summary.json "

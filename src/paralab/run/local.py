@@ -44,7 +44,8 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
     ``parent``: the launcher's pid, or None when a forkserver (which goes when the launcher goes)
     is this process's parent."""
     die_with_parent(os.getppid() if parent is None else parent)
-    from . import worker
+    from . import loop, worker
+    reached = loop.Reached()  # the steps this rank has done, for the report if it fails
     pin(rank, cfg, world)
     try:
         if cfg.network_emulated:  # --network: into this rank's own namespace before any socket exists
@@ -52,7 +53,7 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
             join(cfg.network_emulated, rank)
         elif "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's sockets on the loopback alone, as the store's
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-        worker.run_worker(cfg, rank, world, rank, init_method, run_dir)
+        worker.run_worker(cfg, rank, world, rank, init_method, run_dir, reached)
         code = 0
     except SystemExit as exc:  # an orderly non-zero exit (FAIL verdict, diverged loss)
         code = exit_code(exc)
@@ -64,7 +65,7 @@ def _entry(rank: int, cfg: RunConfig, world: int, init_method: str, run_dir: str
         reports.put({"rank": rank, "kind": "exit", "time": time.time(), "code": code, "summary": "interrupted"})
     except BaseException as exc:  # noqa: BLE001
         # bounded: a pipe holds 64 KiB (and the launcher reads it as the ranks end)
-        reports.put({"rank": rank, "kind": "exception", "time": time.time(), "step": worker.at_step,
+        reports.put({"rank": rank, "kind": "exception", "time": time.time(), "step": reached.steps,
                      "traceback": traceback.format_exc()[-20000:], "summary": describe(exc)})
         code = 1
     # Everything is written and the process group is gone; skip the interpreter's teardown

@@ -1,17 +1,16 @@
 """One rank's life: process group, data, model, strategy, training loop, evaluation, records.
 
 :func:`train` reads top to bottom as a rank's run: :func:`set_up` builds the
-data, the mesh and the strategy; the loop is the same for every strategy: for
-each step it sets the learning rate, loads this rank's samples (a ``data``
-span), hands them to ``strategy.train_step`` (which records its own
-compute/comm/optimizer spans) and notes the step's wall time; then the rank
-evaluates, runs ``--check``, and rank 0 gathers every rank's records and
+data, the mesh and the strategy; :func:`resume_or_save_init` finds where to
+start; the loop (``loop.py``: the same for every strategy) takes the steps,
+with what else happens at a step (the records, the log, ``--check``,
+checkpoints, injected faults) hooked in as its listeners; then the rank
+evaluates, finishes ``--check``, and rank 0 gathers every rank's records and
 writes the run directory.
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import time
@@ -22,28 +21,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, hangs, held, records
+from . import checkpoint, hangs, loop, records
+from .faults import Faults
 from .. import oplog
 from ..comm import Comm
 from .config import RunConfig
-from .failures import GroupNotFormed, group_not_formed, resume_hint
+from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
 from ..models import build_model, count_parameters, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
-from ..training import recompute, step as steps
+from ..training import recompute
 from ..training.lr_schedule import lr_at, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
-from ..training.grad_norm import NonFinite
-
-
-#: the steps this rank has done, or during one, the step it is in (0 to N - 1: as many done before it): what
-#: the launcher's report says if the rank fails (a restart's steps done twice are counted from it)
-at_step: int | None = None
 
 
 def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -89,55 +83,6 @@ def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int, total_s
                              schedule=cfg.lr_schedule, min_lr=cfg.min_lr, total_steps=total_steps)
 
 
-def fault_injection(rank: int, step: int, attempt: int = 1, moment: str = "step") -> None:
-    """Testing only: PARALAB_FAULT=RANK:STEP[:KIND[:ATTEMPT]] makes that rank fail at the start of that step
-    (STEP = the run's steps: after its last checkpoint, before it evaluates and writes its records).
-
-    KIND: ``raise`` (the default: a RuntimeError, reported with its traceback), ``kill`` (SIGKILL to
-    itself: no traceback, as ``kill -9`` or the kernel's out-of-memory killer) or ``oom`` (an
-    out-of-memory-style exit: the process ends at once with exit code 137 = 128 + SIGKILL and no
-    Python error, as a shell or container runtime reports a process the out-of-memory killer took);
-    ``save``: SIGKILL while saving the checkpoint of step STEP, its own file written and the generation
-    not yet committed (``moment="save"``: what ``generations.write`` calls); ``records``: SIGKILL while the
-    run's records are written (rank 0: its step records written, not ``summary.json``); ``done``: SIGKILL once
-    the run's records are written (STEP: the run's steps; a finished run is finished: nothing restarts); ``nan``: that
-    step's loss made NaN on that rank (the non-finite guard's fault point, :func:`poisoned_steps`). ATTEMPT: only in that start
-    of the group (``--max-restarts``: 1 is the first); every start if left out. Several faults:
-    comma-separated.
-    """
-    spec = os.environ.get("PARALAB_FAULT")
-    for fault in spec.split(",") if spec else ():
-        fault_rank, fault_step, *rest = fault.split(":")
-        kind = rest[0] if rest else "raise"
-        if kind not in ("raise", "kill", "oom", "save", "records", "done", "nan"):
-            raise ValueError(f"PARALAB_FAULT={spec}: the kind must be raise, kill, oom, save, records, done or nan")
-        if len(rest) > 1 and int(rest[1]) != attempt:
-            continue
-        moments = ("save", "records", "done")  # kinds that are moments of their own; the rest fire at a step
-        if kind in moments and kind != moment or kind not in moments and moment != "step" \
-                or kind == "nan":  # nan: the loss, at the step (poisoned_steps)
-            continue
-        if rank == int(fault_rank) and step == int(fault_step):
-            if kind in ("kill", *moments):
-                import signal
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "oom":
-                os._exit(137)
-            raise RuntimeError(f"injected fault on rank {rank} at step {step} (PARALAB_FAULT)")
-
-
-def poisoned_steps(rank: int) -> frozenset:
-    """Testing only: the steps whose loss this rank makes NaN (``PARALAB_FAULT=RANK:STEP:nan``, in every start
-    of the group: the non-finite guard's fault point, ``--on-nonfinite``)."""
-    spec = os.environ.get("PARALAB_FAULT")
-    steps = set()
-    for fault in spec.split(",") if spec else ():
-        fault_rank, fault_step, *rest = fault.split(":")
-        if rest and rest[0] == "nan" and int(fault_rank) == rank:
-            steps.add(int(fault_step))
-    return frozenset(steps)
-
-
 def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     kwargs = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout))
@@ -170,11 +115,12 @@ def torchrun_store(rank: int, world: int, timeout: float):
 
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_method: str | None,
-               run_dir: str) -> None:
+               run_dir: str, reached: loop.Reached | None = None) -> None:
     """Entry point of every rank (local spawn, manual --rank, or torchrun).
 
     With several ranks, each keeps its op log in ``RUN/oplog/`` (``oplog.py``) while it runs, for
-    ``hangs.py`` to read if the run hangs; a run that ends in order removes it.
+    ``hangs.py`` to read if the run hangs; a run that ends in order removes it. ``reached``: told how many
+    steps this rank has done (what the launcher reports if it fails).
     """
     run_dir = Path(run_dir)
     created = not run_dir.exists()
@@ -187,7 +133,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, init_meth
         hangs.remove_log(run_dir, created)
         raise
     try:
-        train(cfg, rank, world, device, backend, run_dir)
+        train(cfg, rank, world, device, backend, run_dir, reached)
     except SystemExit:  # an orderly exit every rank takes together
         hangs.remove_log(run_dir, created)
         raise
@@ -217,135 +163,67 @@ class Setup:
     run_dir: Path
 
 
-def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path):
+def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
+          reached: loop.Reached | None = None):
     """One rank's training, in the order it happens: set up, resume, the loop, evaluate, check, write."""
     s = set_up(cfg, rank, world, device, backend, run_dir)
-    recorder, comm, strategy, source, run_dir = s.recorder, s.comm, s.strategy, s.source, s.run_dir
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
-    start_step, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
-    norms: list = []  # --clip-grad: [step, gradient norm] of this start's steps (--check compares them)
+    start, losses = resume_or_save_init(cfg, rank, s, say)  # losses: [step, loss] of the steps before
     # which start of the group this is (1: the first), ours (--max-restarts) or torchrun's
     attempt = len(cfg.restarts or []) + 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     carried: tuple[list, list] = ([], [])  # a run started again from its own checkpoint: its earlier records
-    if cfg.resume and Path(cfg.resume).resolve() == Path(run_dir).resolve() or attempt > 1:
-        carried = records.carried(run_dir, rank, start_step)
-    record_attempt = max([attempt] + [r["attempt"] + 1 for r in carried[0]])  # what this start's rows say
+    if cfg.resume and Path(cfg.resume).resolve() == Path(s.run_dir).resolve() or attempt > 1:
+        carried = records.carried(s.run_dir, rank, start)
     covered = {r["step"] for r in carried[0]}
     earlier = [pair for pair in losses if pair[0] not in covered]  # the rest: summary's losses_before_resume
-    journaled = (0, 0)  # this start's rows and spans already in the journal
+    kept = loop.Kept(rank, s.recorder, max([attempt] + [r["attempt"] + 1 for r in carried[0]]), losses, s.run_dir)
 
+    progress = Progress(s.total_steps, "train", enabled=main and cfg.progress, start=start)
     check = None  # --check: the single-process reference beside the run, compared at the checked steps
     if cfg.check:
         from ..check.verdict import Check
-        check = Check(cfg, strategy, source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, comm, say,
-                      start=start_step, total=s.total_steps, run_dir=run_dir)
+        check = Check(cfg, s.strategy, s.source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, s.comm, say,
+                      start=start, total=s.total_steps, run_dir=s.run_dir)
+    faults = Faults(rank, attempt, s.total_steps)  # PARALAB_FAULT (testing restarts)
+    first = loop.FirstStep(start, s.strategy, s.optimizers)
+    listeners = [reached or loop.Reached(), kept, first, loop.Logged(cfg, s.comm, progress, say, s.total_steps),
+                 *([loop.Checked(check)] if check else []),
+                 loop.Checkpoints(cfg, s.run_dir, rank, s.strategy, s.comm, kept, start, s.total_steps, progress,
+                                  saving=lambda done: faults.at("save", done)),
+                 faults]
+    error = loop.run_steps(s, start, listeners, cfg.seed, device, progress)
 
-    # ------------------------------------------------------------------ the training loop
-    step_rows: list[dict] = []
-    progress = Progress(s.total_steps, "train", enabled=main and cfg.progress, start=start_step)
-    error = None
-    first_bad = None  # first step whose loss was not finite, on this rank
-    global at_step
-    held_record = None
-    replicas, replica = strategy.replicas()
-    for step in range(start_step, s.total_steps):
-        recorder.step = at_step = step
-        t0 = recorder.now()
-        fault_injection(rank, step, attempt=attempt)
-        lr = s.lr_for(step)
-        set_lr(s.optimizers, lr)
-        with recorder.span("data", "load"):  # this rank's shard, where it sits in the global batch, its documents
-            at = steps.of_shard(source, step, *source.batch(step), seed=cfg.seed, lr=lr).on(device, s.dtype)
-        try:
-            with steps.entered(at):
-                if step == start_step:  # the first step of this start (warm-up) also measures what the rank holds
-                    probe = held.Probe([strategy], s.optimizers)
-                    with probe.watch():
-                        result = strategy.train_step(at.x, at.y)
-                    held_record = probe.record(step)
-                else:
-                    result = strategy.train_step(at.x, at.y)  # forward, backward, synchronise, optimizer step
-        except NonFinite as exc:  # --on-nonfinite stop: every rank raised it in the same step, before its update
-            error = str(exc)
-            progress.close()
-            print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
-            break
-        t1 = recorder.now()
-        recorder.step, at_step = -1, step + 1  # a failure from here on (a check, a save) comes after step + 1 steps
-        step_rows.append(records.step_row(rank, step, t0, t1, result, recorder.split(step), record_attempt, lr,
-                                           at.valid))
-        losses.append([step, result.loss])
-        norms.append([step, result.grad_norm])
-        if result.skipped:  # --on-nonfinite skip: every rank skipped this step's update, and counts it
-            step_rows[-1]["skipped"] = True
-            say(f"{progress.clear()}{result.skipped} (--on-nonfinite skip: every rank skipped its update)")
-        elif first_bad is None and result.loss is not None and not math.isfinite(result.loss):
-            first_bad = step
-        last = step + 1 == s.total_steps
-        # every rank must take the same decision to stop, so the check is collective (a single
-        # process checks every step; several ranks at each log point)
-        if world == 1 or (step + 1) % cfg.log_every == 0 or last:
-            error = log_or_stop(cfg, comm, progress, say, rank, step, s.total_steps, result.loss, first_bad)
-            if error:
-                break
-        progress.update(step + 1)
-        if check is not None:
-            check.after_step(step + 1)  # outside the step's timing (recorder.step is -1)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
-            # one commit: what this rank recorded since its last checkpoint goes to its journal (on disk) before
-            # the generation's manifest is written, so a checkpoint is never committed without its records (a
-            # journal's rows past the checkpoint a start resumes from are left out: records.journal_read)
-            records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
-                                   recorder.dump(journaled[1]))
-            journaled = (len(step_rows), len(recorder.spans))
-            error = save_or_stop(cfg, run_dir, rank, step + 1, strategy, losses, comm, progress, attempt)
-            if error:
-                break
-    else:
-        progress.close()
-        if start_step < s.total_steps:  # else the resume of a run stopped after its last checkpoint: saved
-            # the last steps' records, then their commit (the checkpoint every run saves at its end)
-            records.journal_append(run_dir, rank, record_attempt, step_rows[journaled[0]:],
-                                   recorder.dump(journaled[1]))
-            error = save_or_stop(cfg, run_dir, rank, s.total_steps, strategy, losses, comm, progress, attempt)
-        if error is None:  # PARALAB_FAULT=R:N (N the steps): after the last checkpoint, before the records
-            fault_injection(rank, s.total_steps, attempt=attempt)
-
-    # ------------------------------------------------------------------ evaluate, check, write
-    recorder.step = -1
-    result_eval = None
-    verdict = None
+    s.recorder.step = -1
+    evaluation = verdict = None
     if error is None:
-        result_eval = evaluate(strategy, source, s.data.classes, comm, cfg.eval_batch_size, cfg.eval_batches,
-                               device, progress=main and cfg.progress)
-        if main and result_eval is not None:
-            say(headline(result_eval))
+        evaluation = evaluate(s.strategy, s.source, s.data.classes, s.comm, cfg.eval_batch_size, cfg.eval_batches,
+                              device, progress=main and cfg.progress)
+        if main and evaluation is not None:
+            say(headline(evaluation))
         if check is not None:
-            verdict = check.finish(losses, replica, norms)
-            # PARALAB_REPLAY=1: replay a passing run too (the tests: a correct layout shows no divergence)
-            if cfg.first_divergence and (not verdict["passed"] or os.environ.get("PARALAB_REPLAY") == "1"):
-                verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, run_dir, say,
-                                                               resumed=start_step > 0)
-
+            verdict = check.finish(kept.losses, s.strategy.replicas()[1], kept.norms)
+            if cfg.first_divergence and not verdict["passed"] or cfg.replay:
+                verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, s.run_dir, say,
+                                                               resumed=start > 0)
     try:
-        records.write_run(run_dir, cfg, comm, recorder, step_rows, strategy, earlier=earlier,
+        records.write_run(s.run_dir, cfg, s.comm, s.recorder, kept.rows, s.strategy, earlier=earlier,
                           parameters=s.parameters, world=world, backend=backend, device=device, dataset=s.data,
-                          evaluation=result_eval, check=verdict, error=error, global_batch=s.global_batch,
-                          is_main=main, held=held_record, carried=carried,
-                          midway=lambda: fault_injection(rank, s.total_steps, attempt, moment="records"))
+                          evaluation=evaluation, check=verdict, error=error, global_batch=s.global_batch,
+                          is_main=main, held=first.record, carried=carried,
+                          midway=lambda: faults.at("records", s.total_steps))
     except records.RecordsNotWritten as exc:  # every rank alike: exit 4, one line
         if main:
             print(f"paralab: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(4) from None
-    fault_injection(rank, s.total_steps, attempt=attempt, moment="done")
+    faults.at("done", s.total_steps)
     if main:
-        untimed = strategy.extra_summary().get("untimed_collectives")
+        untimed = s.strategy.extra_summary().get("untimed_collectives")
         if untimed:  # a user's file called torch.distributed itself (strategies/user.py counts those calls)
             say(untimed_line(untimed))
-        say(f"records written to {run_dir}")
+        say(f"records written to {s.run_dir}")
     if error is not None:  # 4: a checkpoint could not be written; 3: the loss diverged
-        raise SystemExit(4 if error.startswith(CHECKPOINT_FAILED) else 3)
+        raise SystemExit(4 if error.startswith(loop.CHECKPOINT_FAILED) else 3)
     if verdict is not None and not verdict["passed"]:
         raise SystemExit(1)
 
@@ -423,8 +301,7 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
-                  batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite,
-                  poison=poisoned_steps(rank))
+                  batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite)
     # the strategy's units recompute as --recompute says; the reference (model_fn) does not
     strategy = strategy_cls(ctx, recompute.factory(model_fn, cfg.recompute), optim_fn, **composition)
     replicas, replica = strategy.replicas()
@@ -518,45 +395,3 @@ def restarted_from(cfg: RunConfig, rank: int, s: Setup) -> Path | None:
         print(f"paralab: restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}): "
               f"continuing from {s.run_dir}'s checkpoint of step {steps[0]}", flush=True)
     return s.run_dir
-
-
-#: how the error of a run whose checkpoint could not be written begins (exit code 4)
-CHECKPOINT_FAILED = "could not save"
-
-
-def save_or_stop(cfg: RunConfig, run_dir: Path, rank: int, step: int, strategy, losses: list, comm: Comm,
-                 progress: Progress, attempt: int = 1) -> str | None:
-    """Save and commit this step's checkpoint with every rank (a collective); where any rank could not write
-    its part, the error that stops every rank alike (printed once, with what is intact and how to resume)."""
-    try:
-        checkpoint.save(run_dir, rank, step, cfg, strategy.state_dict(), comm, losses=losses,
-                        written=lambda: fault_injection(rank, step, attempt, moment="save"))
-        return None
-    except checkpoint.WriteError as exc:
-        intact = checkpoint.resumable_step(run_dir, cfg)
-        hint = resume_hint(cfg, run_dir) if intact is not None else None
-        error = (f"{CHECKPOINT_FAILED}: {exc}; " + (f"step {intact}'s is intact: {hint[0]}" if hint and hint[0]
-                                                   else "no checkpoint of this run was committed before it"))
-        progress.close()
-        if rank == 0:
-            print(f"paralab: {error}", file=sys.stderr, flush=True)
-        return error
-
-
-def log_or_stop(cfg: RunConfig, comm: Comm, progress: Progress, say, rank: int, step: int, total_steps: int,
-                loss, first_bad) -> str | None:
-    """At a log point (every step of a single process): gather every rank's loss; the error that stops
-    the run if any rank's loss became non-finite, else None after printing the mean loss at log steps."""
-    seen = comm.all_gather_objects((loss, first_bad))
-    bad = [b for _, b in seen if b is not None]
-    if bad:
-        error = (f"loss became non-finite at step {min(bad)}; lower --lr or check the data "
-                 "(the records up to here are kept)")
-        progress.close()
-        print(f"paralab: rank {rank}: {error}", file=sys.stderr, flush=True)
-        return error
-    if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-        losses = [value for value, _ in seen if value is not None]
-        say(f"{progress.clear()}step {step + 1:>6}/{total_steps}  loss {sum(losses) / len(losses):.4f}")
-        progress.event("loss", step=step + 1, total=total_steps, loss=sum(losses) / len(losses))
-    return None

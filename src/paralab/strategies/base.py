@@ -31,6 +31,7 @@ cannot be composed. The options it reads are dataclasses it lists in
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +50,20 @@ from ..training import grad_norm
 
 
 @dataclass
+class Guard:
+    """One step's gradient norm and non-finite guard (``--clip-grad``, ``--on-nonfinite``): what
+    :meth:`Strategy.clip_gradients` decided, read by :meth:`Strategy.run_step` into the step's result. A context
+    and every context a composed strategy derives from it (``dataclasses.replace``) share one."""
+    norm: float | None = None   # the whole model's gradient norm before clipping (None: not computed)
+    skipping: str = ""          # why this step's update is skipped (--on-nonfinite skip), or ""
+    losses_finite: list = field(default_factory=list)  # this step's losses, finite or not (--on-nonfinite)
+
+    def begin(self) -> None:
+        self.norm, self.skipping = None, ""
+        self.losses_finite.clear()
+
+
+@dataclass
 class Context:
     rank: int
     world: int
@@ -63,18 +78,29 @@ class Context:
     cp: object = None            # context parallelism (strategies/context): None, or what splits the sequence
     clip_grad: float | None = None  # --clip-grad: the whole model's gradient norm clipped to it (grad_norm.py)
     on_nonfinite: str | None = None  # --on-nonfinite stop | skip: a guard before every optimizer step
-    poison: frozenset = frozenset()  # testing: the steps whose loss this rank makes NaN (PARALAB_FAULT=R:S:nan)
-    skipping: str = ""               # why this step's optimizer steps are skipped (--on-nonfinite skip), or ""
-    losses_finite: list = field(default_factory=list)  # the guard's: this step's losses, finite or not
+    guard: Guard = field(default_factory=Guard)  # this step's norm and skip decision (shared by derived contexts)
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy: tensor parallelism's where it splits the logits, else the plain one."""
+        return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The training loss: tensor parallelism's where it splits the logits, else the plain one."""
-        loss = self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
-        if self.poison and self.recorder.step in self.poison:
-            loss = loss * float("nan")
+        """The training loss (:meth:`cross_entropy`), watched by the non-finite guard (``--on-nonfinite``)."""
+        loss = self.cross_entropy(logits, target)
         if self.on_nonfinite:
-            self.losses_finite.append(torch.isfinite(loss.detach()).all())
+            self.guard.losses_finite.append(torch.isfinite(loss.detach()).all())
         return loss
+
+    @property
+    def skipping(self) -> str:
+        """Why this step's update is skipped (``--on-nonfinite skip``: every rank alike), or ""."""
+        return self.guard.skipping
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step, unless this step's update is skipped; its gradients dropped either way."""
+        if not self.guard.skipping:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
         """The units (keyed by their index in the whole model) as this rank holds them: under
@@ -196,7 +222,8 @@ class Strategy:
     moe: bool = False
     #: it can clip the whole model's gradient norm (``--clip-grad``) and guard its step (``--on-nonfinite``):
     #: it implements :meth:`held_gradients` and calls :meth:`clip_gradients` between synchronising the
-    #: gradients and the optimizer step, and its optimizer steps honour ``ctx.skipping``
+    #: gradients and the optimizer step, and steps its optimizers with ``ctx.update`` (or honours
+    #: ``ctx.skipping``); :meth:`run_step` puts the norm and the skip into the step's result
     clips: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
@@ -250,7 +277,16 @@ class Strategy:
         return (self.ctx.world, self.ctx.rank) if self.data_parallel else (1, 0)
 
     # ------------------------------------------------------------ contract
+    def run_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """One training step, as every driver takes it: :meth:`train_step`, with the step's gradient norm and
+        skip decision (:meth:`clip_gradients`) in its result."""
+        guard = self.ctx.guard
+        guard.begin()
+        result = self.train_step(x, y)
+        return dataclasses.replace(result, grad_norm=guard.norm, skipped=guard.skipping)
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """Forward, backward, synchronise, (clip,) optimizer step, on this rank's shard of the step."""
         raise NotImplementedError
 
     def predict(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -307,27 +343,28 @@ class Strategy:
         hold the same one (a number, or per element a tensor of its shape): training/grad_norm.py."""
         raise NotImplementedError(f"strategy {self.name!r} cannot compute the whole model's gradient norm")
 
-    def clip_gradients(self) -> float | None:
+    def clip_gradients(self) -> None:
         """Between the gradients' synchronisation and the optimizer step, one all-reduce over every rank for:
 
         - ``--clip-grad``: the whole model's gradient norm, every gradient this rank holds scaled to it;
         - ``--on-nonfinite``: whether any rank's loss or gradient is not finite this step. ``stop`` raises
           :class:`~paralab.training.grad_norm.NonFinite` naming the ranks, on every rank; ``skip`` sets
-          ``ctx.skipping`` to why (the optimizers do not step: the gradients are dropped).
+          ``ctx.skipping`` to why (``ctx.update`` then drops the gradients: the optimizers do not step).
 
-        Returns the norm before clipping; None (and nothing done) with neither option."""
-        ctx = self.ctx
-        ctx.skipping = ""
+        The norm before clipping goes into ``ctx.guard`` (:meth:`run_step` reports it); with neither option,
+        nothing is done."""
+        ctx, guard = self.ctx, self.ctx.guard
         if not ctx.clip_grad and not ctx.on_nonfinite:
-            return None
+            return
         held = self.held_gradients()
         with self.rec.span("optimizer", "grad_norm"):
             local = grad_norm.square_sum(held)
             bad_loss = None
             if ctx.on_nonfinite:
-                bad_loss = not all(bool(f) for f in ctx.losses_finite)
-                ctx.losses_finite.clear()
+                bad_loss = not all(bool(f) for f in guard.losses_finite)
+                guard.losses_finite.clear()
         norm, losses, grads = grad_norm.reduce(ctx.comm, local, ctx.device, bad_loss)
+        guard.norm = norm
         if losses or grads:
             where = "; ".join(f"{what} is not finite on rank{'s' if len(ranks) > 1 else ''} "
                               f"{', '.join(map(str, ranks))}" for what, ranks in (("the loss", losses),
@@ -335,12 +372,11 @@ class Strategy:
             why = f"step {self.rec.step + 1} (steps.jsonl step {self.rec.step}): {where}"
             if ctx.on_nonfinite == "stop":
                 raise grad_norm.NonFinite(f"{why} (--on-nonfinite stop: no rank took this step's update)")
-            ctx.skipping = why
-            return norm
+            guard.skipping = why
+            return
         if ctx.clip_grad:
             with self.rec.span("optimizer", "clip_grad"):
                 grad_norm.clip_([g for g, _ in held], norm, ctx.clip_grad)
-        return norm
 
     def copies(self, key: str) -> int:
         """How many ranks of the dimensions outside data parallelism hold parameter ``key``'s gradient (plain

@@ -80,10 +80,10 @@ class DataParallel(Strategy):
         loss = self.forward_backward(self.forward_module, x, y,
                                      before_last=self.dp.accumulating, last=self.dp.last_backward)
         self.dp.finish()
-        norm = self.clip_gradients()
+        self.clip_gradients()
         self.dp.step()
         self.dp.sync_buffers()
-        return StepResult(loss, len(y), moe=moe_record(self.model), grad_norm=norm, skipped=self.ctx.skipping)
+        return StepResult(loss, len(y), moe=moe_record(self.model))
 
     def held_gradients(self):
         return self.dp.held_gradients(self.plain_keys(dict(enumerate(self.model))), self.copies)

@@ -98,9 +98,7 @@ class Replicas:
 
     def step(self) -> None:
         with self.rec.span("optimizer", "step"):
-            if not self.ctx.skipping:  # --on-nonfinite skip: the step's gradients dropped, nothing updated
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.ctx.update(self.optimizer)  # (--on-nonfinite skip: the step's gradients dropped, nothing updated)
 
     def sync_buffers(self, after_step: bool = True) -> None:
         """BatchNorm running statistics: dp rank 0's are authoritative (as PyTorch's DDP).

@@ -204,15 +204,13 @@ class TorchFSDP(Strategy):
         loss = self.forward_backward(self.model, x, y, self._no_sync if self.microbatches > 1 else None,
                                      last=self._loss_parallel if self.tp_comm is not None else None)
         self._observe("after backward")
-        norm = self.clip_gradients()
+        self.clip_gradients()
         with self.rec.span("optimizer", "step"):
-            if not self.ctx.skipping:
-                self.optimizer.step()
+            self.ctx.update(self.optimizer)
             self.ledger.set("optimizer", self._optimizer_bytes(), "optimizer step")
-            self.optimizer.zero_grad(set_to_none=True)
             self.ledger.set("grads", 0)
         broadcast_buffers(self.dp_comm, self.model)
-        return StepResult(loss, len(y), grad_norm=norm, skipped=self.ctx.skipping)
+        return StepResult(loss, len(y))
 
     def held_gradients(self):
         """Every parameter is a DTensor sharded over dp (and over tp where the plan splits it): its local

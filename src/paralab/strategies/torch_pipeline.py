@@ -174,10 +174,10 @@ class TorchPipeline(Pipeline):
             schedule.step(*args, target=target, losses=losses if self.last else None, return_outputs=False)
         self._record_gaps(t0, self.rec.now(), self.rec.spans[before:])
         self.flavours_do("finish")
-        norm = self.clip_gradients()  # the flavours hold the stages' gradients as under paralab's pipeline
+        self.clip_gradients()  # the flavours hold the stages' gradients as under paralab's pipeline
         self.flavours_do("step", "sync_buffers")
         loss = float(sum(float(v.detach()) for v in losses) / len(losses)) if self.last and losses else None
-        return StepResult(loss, len(y), grad_norm=norm, skipped=self.ctx.skipping)
+        return StepResult(loss, len(y))
 
     def _record_gaps(self, t0: float, t1: float, spans) -> None:
         """Idle spans for the time inside ``step()`` outside this rank's compute calls."""

@@ -147,12 +147,10 @@ class TorchTP(Strategy):
     def train_step(self, x, y) -> StepResult:
         self.model.train()
         loss = self.forward_backward(self.model, x, y, last=loss_parallel)  # forward and backward inside it
-        norm = self.clip_gradients()
+        self.clip_gradients()
         with self.rec.span("optimizer", "step"):
-            if not self.ctx.skipping:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, len(y), grad_norm=norm, skipped=self.ctx.skipping)
+            self.ctx.update(self.optimizer)
+        return StepResult(loss, len(y))
 
     def held_gradients(self):
         """The DTensors' local slices (a replicated one counted once per tp rank) and the plain parameters'

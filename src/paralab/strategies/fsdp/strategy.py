@@ -165,11 +165,11 @@ class FSDP(Strategy):
             for fu in self.flat_units:
                 self.reduce_scatter_kind = fu.reduce_scatter(fu.grad)
                 fu.grad = None
-        norm = self.clip_gradients()
+        self.clip_gradients()
         if not self.step_in_backward:
             self._step(self.flat_units, unit="all")
         broadcast_buffers(self.dp_comm, self.model)
-        return StepResult(loss.item(), len(y), grad_norm=norm, skipped=self.ctx.skipping)
+        return StepResult(loss.item(), len(y))
 
     def held_gradients(self):
         """The gradient shards, each element counted as its parameter (HSDP: its replicas too)."""

@@ -238,11 +238,10 @@ class Pipeline(Strategy):
                                  last_backward=lambda s: self.flavours[s].last_backward() if s in self.flavours
                                  else nullcontext())
         self.flavours_do("finish")
-        norm = self.clip_gradients()  # over every stage: one all-reduce over the whole world
+        self.clip_gradients()  # over every stage: one all-reduce over the whole world
         self.flavours_do("step", "sync_buffers")
         # the loss recorded is the cross-entropy; a mixture of experts' aux loss is in the gradients (stage.py)
-        return StepResult(loss, len(y), moe=moe_record(nn.ModuleList(st.units for st in self.stages.values())),
-                          grad_norm=norm, skipped=self.ctx.skipping)
+        return StepResult(loss, len(y), moe=moe_record(nn.ModuleList(st.units for st in self.stages.values())))
 
     def held_gradients(self):
         """Every stage of this rank's: each stage's parameters are held by its dp replicas only."""
