@@ -42,29 +42,37 @@ def _threads_as_paralab_does(nprocs: int) -> None:
     on AVX2 CPUs a pool thread now and then returned ``logsumexp`` rows 1e-10 away from the same call's
     other rows (seen as a 4e-12 loss deviation of tp 2 in fp64, one run in about seven)."""
     import torch
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // nprocs))
+    torch.set_num_threads(max(1, _cores() // nprocs))
 
 
-def _run_jobs(rank: int, world: int, jobs: list, root: str) -> None:
-    """One rank: every job (a ``RunConfig``) in turn, each a whole run with its own process group; a
-    verdict's exit (a check FAIL exits 1 on every rank, the summary says why) is written to ``exit<rank>``."""
+def _run_jobs(rank: int, world: int, groups: list, root: str) -> None:
+    """Process ``rank`` of ``len(groups) * world``: rank ``rank % world`` of group ``rank // world``, which runs
+    its jobs (``RunConfig``s) in turn, each a whole run with its own process group; a verdict's exit (a check
+    FAIL exits 1 on every rank, the summary says why) is written to ``exit<rank>``."""
     import torch
 
     from paralab.run.worker import run_worker
     torch.set_num_threads(1)
-    for i, cfg in enumerate(jobs):
+    group, rank = divmod(rank, world)
+    for i, cfg in enumerate(groups[group]):
         try:
-            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{i}", cfg.out)
+            run_worker(cfg, rank, world, rank, f"file://{root}/rendezvous-{group}-{i}", cfg.out)
         except SystemExit as exc:
             with open(os.path.join(cfg.out, f"exit{rank}"), "w") as f:
                 f.write(str(exc.code))
 
 
 def run_jobs(world: int, jobs: list, root) -> None:
-    """Every job of ``jobs`` (``RunConfig``s of ``world`` workers) inside one set of ``world`` ranks, one
-    after another (the ranks start once, not once per job)."""
-    spawn(_run_jobs, (world, jobs, str(root)), world)
+    """Every job of ``jobs`` (``RunConfig``s of ``world`` workers), the ranks started once, not once per job:
+    one set of ``world`` ranks per ``world`` cores, side by side, each running its share of the jobs one after
+    another (a 1-worker job leaves the other core of a 2-core machine to the next job)."""
+    count = max(1, min(len(jobs), _cores() // world))
+    groups = [jobs[g::count] for g in range(count)]
+    spawn(_run_jobs, (world, groups, str(root)), world * count)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
