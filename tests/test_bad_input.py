@@ -38,6 +38,8 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--check", "--check-every", "0"], "--check-every must be positive"),
     (["single", "--check", "--check-every", "-2"], "--check-every must be positive"),
     (["single", "--check-every", "2"], "--check-every N compares with the reference every N steps: it needs --check"),
+    (["single", "--replay"], "--replay replays the run beside the reference --check trains: add --check"),
+    (["single", "--check", "--replay", "--no-first-divergence"], "which --no-first-divergence turns off"),
     (["single", "--check", "--num-batches", "0"], "--num-batches must be positive"),
     (["single", "--dropout", "0.1"], "--dropout drops the gpt's residual branches; --model vgg11 has none"),
     (["single", "--model", "gpt", "--dropout", "1"], "--dropout must be at most 0.99"),

@@ -232,6 +232,11 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             options.check(self, cls)
         if self.check_every and not self.check:
             raise UsageError("--check-every N compares with the reference every N steps: it needs --check")
+        if self.replay and not self.check:
+            raise UsageError("--replay replays the run beside the reference --check trains: add --check")
+        if self.replay and not self.first_divergence:
+            raise UsageError("--replay looks for the first divergence, which --no-first-divergence turns off: "
+                             "give one of them")
         if self.precision is None:  # not given: an exact check (docs/correctness.md#the-default-precision)
             self.precision = "fp64" if self.check else "fp32"
         if self.out and Path(self.out).exists() and not Path(self.out).is_dir():

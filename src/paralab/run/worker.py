@@ -203,7 +203,7 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             say(headline(evaluation))
         if check is not None:
             verdict = check.finish(kept.losses, s.strategy.replicas()[1], kept.norms)
-            if cfg.first_divergence and not verdict["passed"] or cfg.replay:
+            if cfg.first_divergence and (not verdict["passed"] or cfg.replay):
                 verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, s.run_dir, say,
                                                                resumed=start > 0)
     try:
