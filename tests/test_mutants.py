@@ -93,9 +93,9 @@ MUTANTS = [
     Mutant("gather-scatter-divides-by-one-less", "strategies/gather_scatter.py",
            "mean /= world", "mean /= world - 1",
            cnn("gather-scatter", "--workers", "3", "--batch-size", "24"), "the mean over N-1"),
-    Mutant("momentum-freed-every-step", "strategies/replicas.py",
-           "            self.optimizer.zero_grad(set_to_none=True)",
-           "            self.optimizer.zero_grad(set_to_none=True); self.optimizer.state.clear()",
+    Mutant("momentum-freed-every-step", "strategies/base.py",
+           "        optimizer.zero_grad(set_to_none=True)",
+           "        optimizer.zero_grad(set_to_none=True); optimizer.state.clear()",
            cnn("ddp", "--workers", "2"), "the optimizer's state dropped after each step (momentum restarts)"),
     Mutant("checkpoint-without-momentum", "strategies/replicas.py",
            'return {"optimizer": self.optimizer.state_dict()}',
@@ -215,8 +215,8 @@ MUTANTS = [
            "the experts' squares averaged over data parallelism instead of summed over the ranks holding them"),
     # ---- documents (data/documents.py): the token-weighted loss, document-causal attention
     Mutant("loss-mean-per-microbatch", "strategies/base.py",
-           "loss = self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)",
-           "loss = self.tp.loss(logits, target) if self.tp is not None else torch.nn.functional.cross_entropy("
+           "return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)",
+           "return self.tp.loss(logits, target) if self.tp is not None else torch.nn.functional.cross_entropy("
            "logits.reshape(-1, logits.shape[-1]), target.reshape(-1))",
            docs("ddp", "--workers", "2", "--accumulate", "2"),
            "each microbatch's loss the mean over its own valid targets (unequal documents weigh unequally), not "
