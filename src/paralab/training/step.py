@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from ..data.documents import doc_ids, valid_targets
-from ..data.loader import to_device
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,8 @@ class Step:
 
     def on(self, device, dtype) -> Step:
         """The step with its rows on ``device`` (images cast to ``dtype``, tokens kept integer)."""
-        return replace(self, x=to_device(self.x, device, dtype, non_blocking=True),
-                       y=self.y.to(device, non_blocking=True))
+        x = self.x.to(device, dtype if self.x.is_floating_point() else None, non_blocking=True)
+        return replace(self, x=x, y=self.y.to(device, non_blocking=True))
 
     def __repr__(self) -> str:  # the tensors by shape only
         shape = None if self.x is None else tuple(self.x.shape)
