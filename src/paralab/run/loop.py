@@ -9,19 +9,20 @@ the strategy). Everything else a step may need hooks in as a
 
 =================  =============================================================================
 ``Reached``        how many steps this rank has done (what the launcher reports if it fails)
-``faults.Faults``  ``PARALAB_FAULT``'s injected faults (testing restarts: ``run/faults.py``)
 ``Kept``           the step's row of ``steps.jsonl``, its loss and gradient norm
 ``FirstStep``      what the rank holds over its first step (``run/held.py``, the ``held`` record)
 ``Logged``         the loss at log points, a non-finite loss stopping every rank alike, progress
 ``Checked``        ``--check``: the reference beside the run, compared at the checked steps
 ``Checkpoints``    ``--checkpoint-every`` and the run's last step: the records journaled, then committed
+``faults.Faults``  ``PARALAB_FAULT``'s injected faults (testing restarts: ``run/faults.py``)
 =================  =============================================================================
 
 A listener's :meth:`~Listener.end_step` may return an error: the loop stops
 there (every rank takes the same decision: those that can stop are
 collective). The order matters where one reads another's work: a step's row
 is kept before the log reads its loss, and journaled before its checkpoint
-commits.
+commits; the faults come last, so that the fault "after the last step"
+fires once the run's last checkpoint is committed.
 """
 from __future__ import annotations
 
