@@ -121,6 +121,21 @@ def test_a_folder_open_to_others_is_refused(tmp_path):
     assert not (folder / f"paralab-serve-{os.getuid()}" / "serve.sock").exists()
 
 
+def test_asking_or_stopping_a_server_imports_no_torch(tmp_path):
+    """`paralab serve --status`, `--stop` and bad arguments are answered by a process that never imports torch
+    (front.py parses `serve` from its own declaration), with the command line's exit codes and messages."""
+    folder = tmp_path / "xdg"
+    folder.mkdir(mode=0o700)
+    for args, code, said in ((["--status"], 1, "not running"), (["--stop"], 0, "not running"),
+                             (["--idle", "nan"], 2, "'nan' is not a finite number"),
+                             (["--status", "--stop"], 2, "not allowed with argument"), (["--help"], 0, "--idle MINUTES")):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "paralab", "serve", *args], capture_output=True,
+                           text=True, timeout=60, env=served_env(folder))
+        imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+        assert r.returncode == code and said in r.stdout + r.stderr, (args, r.stdout, r.stderr[-2000:])
+        assert not [m for m in imported if m == "torch" or m.startswith("torch.")], (args, "imported torch")
+
+
 def _session_alive(pid: int) -> list[int]:
     from conftest import session_processes
     return session_processes(pid)

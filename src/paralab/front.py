@@ -17,6 +17,8 @@ def command_line() -> int:
 def main() -> int:
     from .errors import BROKEN_PIPE, exit_code
     from .run.serve import delegate
+    if sys.argv[1:2] == ["serve"]:  # starting, asking or stopping the server: no torch in this process
+        leave(serve_command(sys.argv[2:]))
     code = delegate(sys.argv[1:])
     if code is None:  # no server, or one that cannot run this command as a cold process would
         warm_early(sys.argv[1:])
@@ -30,6 +32,28 @@ def main() -> int:
             code = BROKEN_PIPE
         leave(code)
     return code
+
+
+def serve_command(argv: list[str]) -> int:
+    """`paralab serve [--status | --stop | --idle MINUTES]`, parsed here from the command's own declaration
+    (``commands/serve.py``: the same arguments, help and exit codes as through the command line, whose parser
+    would import torch for the other commands): asking or stopping a server takes a fraction of a second."""
+    import argparse
+    from .commands import serve
+    from .errors import CANNOT_WRITE, CannotWrite, UsageError
+    parser = argparse.ArgumentParser(prog="paralab serve", description=serve.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(parser)
+    try:
+        return serve.run(parser.parse_args(argv))
+    except SystemExit as exc:  # --help (0), a bad argument (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    except UsageError as exc:
+        print(f"paralab: error: {exc}", file=sys.stderr)
+        return CANNOT_WRITE if isinstance(exc, CannotWrite) else 2
+    except KeyboardInterrupt:
+        print("paralab: interrupted", file=sys.stderr)
+        return 130
 
 
 def warm_early(argv: list[str]) -> None:
@@ -64,4 +88,9 @@ def leave(code: int) -> None:
 
 if __name__ == "__main__":
     from .run.serve import serve
-    serve(float(sys.argv[1]), command_line)
+    status = 0
+    try:
+        serve(float(sys.argv[1]), command_line)
+    except SystemExit as exc:  # SIGTERM
+        status = exc.code if isinstance(exc.code, int) else 1
+    leave(status)  # without the interpreter's teardown of torch (seconds): `--stop` waits for this process

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from ..errors import UsageError
 from ..options import finite_float
@@ -50,15 +51,19 @@ def answering(path) -> bool:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists (the server, which is not this process's child: it is reaped by
-    init once it has gone)."""
+    """Whether process ``pid`` still runs (the server, which is not this process's child: once it has exited,
+    init reaps it when it gets to it, a second or more on some systems; until then it is a zombie, which
+    has gone already)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state after the command's name (which may hold spaces and parentheses)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def commands(running: dict) -> str:
