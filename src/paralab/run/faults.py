@@ -65,15 +65,15 @@ class Faults(Listener):
 
     def __init__(self, rank: int, attempt: int, total: int, spec: str | None = None):
         spec = os.environ.get("PARALAB_FAULT") if spec is None else spec
-        self.rank, self.attempt, self.total = rank, attempt, total
+        self.rank, self.total = rank, total
         self.faults = [f for f in parse(spec) if f.rank == rank and f.attempt in (None, attempt)]
 
     def at(self, moment: str, step: int) -> None:
         """Fire the fault set for this ``moment`` (``step``: its start; or a moment of :data:`MOMENTS`) of
         ``step``, if any."""
         for f in self.faults:
-            if f.step != step or f.kind == "nan" or (f.kind in MOMENTS) != (moment in MOMENTS) \
-                    or f.kind in MOMENTS and f.kind != moment:
+            # a moment's kind fires at that moment, the others at the step's start; nan poisons a loss instead
+            if f.step != step or f.kind == "nan" or (f.kind if f.kind in MOMENTS else "step") != moment:
                 continue
             if f.kind in ("kill", *MOMENTS):
                 os.kill(os.getpid(), signal.SIGKILL)
