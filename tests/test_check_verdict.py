@@ -157,3 +157,76 @@ def test_the_replicas_comparison_reads_bits_and_a_differing_nan_fails():
     def nan(c):
         c[0][0] = float("nan")
     assert bits_deviation(mine, theirs(nan)) == float("inf")
+
+
+DRIFTS = '''import torch
+from paralab.strategies.replicas import Replicas
+
+
+class RankOneKeepsItsOwn(Replicas):
+    """Rank 0 takes the mean gradient; rank 1 joins the all-reduce but steps on its own gradient."""
+    @torch.no_grad()
+    def finish(self):
+        for p in self.params:
+            mine = p.grad.clone()
+            self.comm.all_reduce(p.grad)
+            p.grad.copy_(p.grad / self.comm.world if self.comm.rank == 0 else mine)
+'''
+
+def _rank_lines(stdout: str) -> dict[int, str]:
+    return {int(line.split()[2].rstrip(":")): line for line in stdout.splitlines() if line.startswith("check rank ")}
+
+
+def _deviation(line: str, kind: str) -> float:
+    return float(line.split(f"{kind}: ")[1].split("max |diff| ")[1].split()[0])
+
+
+def test_a_rank_whose_weights_differ_from_rank_0s_is_compared_with_the_reference_itself(tmp_path):
+    """The reference trains on rank 0 only: a rank whose weights hold rank 0's bits has rank 0's deviation, and
+    one whose weights differ (a replica that drifted, a view with other tensors) is sent the reference's weights
+    and compared with them, so its own deviation is found, not rank 0's. One step: rank 0's is then exact."""
+    from conftest import run_paralab
+    small = ["--workers", "2", "--dataset", "synthetic", "--width", "0.125", "--num-batches", "1",
+             "--batch-size", "32", "--precision", "fp64", "--check", "--no-first-divergence"]
+    (tmp_path / "drifts.py").write_text(DRIFTS)
+    r = run_paralab("train", str(tmp_path / "drifts.py"), *small, out=tmp_path / "drifts")
+    assert r.returncode == 1 and "check: FAIL" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = _rank_lines(r.stdout)
+    assert "weights: PASS" in lines[0] and _deviation(lines[0], "weights") < 1e-12, lines[0]
+    # rank 1 against the reference: as far as from rank 0, which equals the reference to rounding
+    assert "weights: FAIL" in lines[1] and "replicas: FAIL" in lines[1], lines[1]
+    assert _deviation(lines[1], "weights") > 1e-6
+    assert _deviation(lines[1], "weights") == pytest.approx(_deviation(lines[1], "replicas"), rel=1e-6)
+
+
+
+class _RankOne:
+    """Rank 1 of 2, whose peers' collectives are played from what rank 0 holds."""
+    rank, world = 1, 2
+
+    def __init__(self, rank0: dict):
+        self.rank0 = rank0
+
+    def all_gather_objects(self, mine):
+        return [[[k, str(v.dtype), list(v.shape)] for k, v in self.rank0.items()], mine]
+
+    def broadcast(self, t, src, name):
+        t.copy_(torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in self.rank0.values()]))
+
+
+@pytest.mark.parametrize("change,deviation,where", [
+    (None, 0.0, "bit-identical to rank 0"),
+    (lambda w: w["b"].add_(1), 1.0, "bit-identical to rank 0"),           # an integer buffer counts too
+    (lambda w: w.update(extra=torch.zeros(2)), float("inf"), "other tensors than rank 0's"),
+    (lambda w: w.update(a=w["a"].float()), float("inf"), "other tensors than rank 0's"),
+])
+def test_a_replica_is_compared_bit_by_bit_where_its_tensors_are_rank_0s(change, deviation, where):
+    """A view whose names, dtypes or shapes differ from rank 0's is not laid against rank 0's bytes (a broadcast
+    of another size would fail or hang): it is infinitely far, and then compared with the reference itself."""
+    from types import SimpleNamespace
+    rank0 = {"a": torch.arange(4, dtype=torch.float64), "b": torch.tensor([3])}
+    mine = {k: v.clone() for k, v in rank0.items()}
+    if change:
+        change(mine)
+    c = Check.replicas_comparison(SimpleNamespace(comm=_RankOne(rank0)), mine, step=1)
+    assert (c.what, c.max_abs, c.worst, c.step) == ("replicas", deviation, where, 1)

@@ -1,12 +1,17 @@
 """``--check`` on one rank: the reference beside the run, compared at the checked steps, one verdict.
 
-Every rank trains the single-process reference itself (it is deterministic and
-identical everywhere, so nothing large crosses the network) alongside the run,
-and compares, after each checked step (:func:`checked_steps`: the first, the
-second, the last, and every K-th with ``--check-every K``):
+Rank 0 trains the single-process reference alongside the run (or loads one an
+earlier run kept, ``--check-cache``), and every rank compares, after each
+checked step (:func:`checked_steps`: the first, the second, the last, and every
+K-th with ``--check-every K``):
 
 - ``weights``: this rank's view of the strategy's whole weights and buffers
-  (``full_state_dict``, gathered where sharded) against the reference's;
+  (``full_state_dict``, gathered where sharded) against the reference's. Rank 0
+  compares its own; every other rank first compares its view's bits with rank
+  0's, and a view with the same bits has the same deviation (rank 0's, sent as a
+  line), so nothing large crosses the network and no other rank trains the
+  reference; a rank whose view differs is sent the reference's weights and
+  compares its own;
 - ``optimizer``: every parameter's optimizer state (momentum, Adam's moments
   and step count), whole. Every rank's resumable state (``state_dict``, what a
   checkpoint holds) is gathered on rank 0 and put together by the strategy's
@@ -18,8 +23,9 @@ second, the last, and every K-th with ``--check-every K``):
 At the end it also compares the ``loss`` every rank reported at every step
 with its shard's loss in the reference (a loss that is reported wrong while
 the gradients are right is caught here, and nowhere else), and the next
-batch's ``outputs`` (logits). The verdict is the worst deviation of any kind,
-at any step, on any rank: a deviation that comes and goes still fails.
+batch's ``outputs`` (logits): rank 0 sends the reference's losses, norms and
+logits, which are small. The verdict is the worst deviation of any kind, at any
+step, on any rank: a deviation that comes and goes still fails.
 """
 from __future__ import annotations
 
@@ -132,14 +138,18 @@ class Check:
         self.cfg, self.strategy, self.comm, self.say = cfg, strategy, comm, say
         #: where the ranks leave their saved states for rank 0 at a checked step (removed at the end)
         self.folder = Path(run_dir or ".") / ".check-states"
-        self.model_fn = model_fn
-        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed)
+        self.model_fn, self.source = model_fn, source
         self.start, self.total = start, total
         self.steps = checked_steps(start, total, cfg.check_every)
         self.tol = TOLERANCES[cfg.precision]
         self.found: list[Comparison] = []     # every comparison this rank made, each at its step
         self.kept: dict[int, kept.Snapshot] | None = None  # loaded from --check-cache: no training
         self.keeping: dict[int, kept.Snapshot] = {}        # what rank 0 keeps for later runs
+        self.norms: dict[int, float] = {}  # the reference's gradient norms (--clip-grad), on every rank at the end
+        if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
+            self.ref, self.key = None, None
+            return
+        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed)
         self.key = kept.digest(cfg, self.ref, self.steps) if kept.usable(cfg, self.ref) else None
         if self.key is not None:
             loaded, why = kept.load(cfg.check_cache, self.key, self.ref.model, self.steps, self.ref.replicas)
@@ -172,14 +182,34 @@ class Check:
         return snap
 
     def compare_at(self, step: int) -> None:
-        ref = self.reference_at(step)
+        ref = self.reference_at(step) if self.ref is not None else None  # rank 0
         whole = self.strategy.full_state_dict()
-        self.found.append(compare_tensors("weights", whole, ref.weights, self.tol["weights"], step))
-        if self.strategy.replicated and self.comm.world > 1:
-            self.found.append(self.replicas_comparison(whole, step))
+        self.found.append(self.weights_comparison(whole, ref, step))
         states = self.saved_states()
         if states is not None:  # rank 0
             self.found.append(self.optimizer_comparison(states, ref, step))
+
+    def weights_comparison(self, whole: dict, ref: kept.Snapshot | None, step: int) -> Comparison:
+        """This rank's view of the weights against the reference's (a collective). Rank 0 compares its own;
+        another rank whose view holds the same bits as rank 0's has the same deviation, which rank 0 sends; only
+        where a view differs (a replica that drifted, a bug) is the reference's whole weights sent, and that
+        rank compares its own with them."""
+        mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step) if ref is not None else None
+        if self.comm.world == 1:
+            return mine
+        same = self.replicas_comparison(whole, step)
+        if self.strategy.replicated:
+            self.found.append(same)
+        sent = self.comm.broadcast_object(vars(mine) if mine is not None else None)
+        differ = self.comm.all_gather_objects(same.max_abs != 0.0)
+        if not any(differ):
+            return mine if mine is not None else Comparison(**sent)
+        weights = self.comm.broadcast_object(ref.weights if ref is not None else None)  # rare: a failing check
+        if mine is not None:
+            return mine
+        if differ[self.comm.rank]:
+            return compare_tensors("weights", whole, weights, self.tol["weights"], step)
+        return Comparison(**sent)
 
     def saved_states(self) -> list[dict] | None:
         """Every rank's resumable state (``state_dict``, what its checkpoint holds), on rank 0; None elsewhere.
@@ -204,8 +234,14 @@ class Check:
         return [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in paths]
 
     def replicas_comparison(self, whole: dict, step: int) -> Comparison:
-        """This rank's view of the weights against rank 0's: bit-identical (a collective)."""
-        mine = [whole[k].detach().contiguous().reshape(-1) for k, v in whole.items() if v.is_floating_point()]
+        """This rank's view of the weights and buffers against rank 0's: bit-identical (a collective). Views
+        whose names, shapes or dtypes differ from rank 0's are not compared bit by bit: infinitely far."""
+        layouts = self.comm.all_gather_objects([[k, str(v.dtype), list(v.shape)] for k, v in whole.items()])
+        if any(layout != layouts[0] for layout in layouts):
+            far = layouts[self.comm.rank] != layouts[0]
+            return Comparison("replicas", float("inf") if far else 0.0,
+                              "other tensors than rank 0's" if far else "bit-identical to rank 0", 0.0, step)
+        mine = [v.detach().contiguous().reshape(-1) for v in whole.values()]
         if not mine:
             return Comparison("replicas", 0.0, "bit-identical to rank 0", 0.0, step)
         root = torch.cat([t.view(torch.uint8) for t in mine])  # the weights' bits, whatever their dtypes
@@ -227,21 +263,30 @@ class Check:
         ``replica``: its data-parallel shard) and gradient norms (``[step, norm]``, ``--clip-grad``); agree on
         one verdict over the ranks (a collective)."""
         self.compare_at(self.total)
-        x, _ = self.ref.source.batch(self.total)
-        with steps.entered(steps.whole(x, bool(self.ref.packing))):  # packed documents: each row's attention mask
+        x, _ = self.source.batch(self.total)
+        packed = bool(self.source.documents and self.source.packing)  # packed documents: each row's attention mask
+        with steps.entered(steps.whole(x, packed)):
             out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
-        if out is not None:
+        expected = None
+        if self.ref is not None:  # rank 0: the reference's logits for every shard, its losses and norms, sent
             self.ref.model.eval()
-            with torch.no_grad(), steps.entered(steps.whole(x, bool(self.ref.packing))):
-                expected = self.ref.model(to_device(x, x.device, self.strategy.ctx.dtype))
-                self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": expected},
+            expected = {}
+            for r in range(self.ref.replicas):
+                xr, _ = self.source.batch(self.total, rank=r)
+                with torch.no_grad(), steps.entered(steps.whole(xr, packed)):
+                    expected[r] = self.ref.model(to_device(xr, xr.device, self.strategy.ctx.dtype))
+        sent = self.comm.broadcast_object({"logits": expected, "losses": self.ref.losses, "norms": self.ref.norms}
+                                          if self.ref is not None else None)
+        self.norms = sent["norms"]
+        if out is not None:
+            self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": sent["logits"][replica]},
                                               self.tol["outputs"], self.total))
         mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
         if mine:
-            self.found.append(compare_losses(mine, self.ref.losses, replica, self.tol["loss"]))
-        mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.ref.norms]
+            self.found.append(compare_losses(mine, sent["losses"], replica, self.tol["loss"]))
+        mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.norms]
         if mine:
-            self.found.append(compare_norms(mine, self.ref.norms, self.tol["grad_norm"]))
+            self.found.append(compare_norms(mine, self.norms, self.tol["grad_norm"]))
         if self.comm.world > 1:  # every rank is done with the saved states: each removes its own
             self.comm.barrier(name="check_states_read")
             (self.folder / f"rank{self.comm.rank}.pt").unlink(missing_ok=True)
@@ -292,7 +337,7 @@ class Check:
     def unclipped(self) -> list[str]:
         """``--clip-grad`` that never clipped (every norm of the checked steps at or below it): the norm was
         compared, but what the clip does to the gradients was not exercised."""
-        clip, norms = self.cfg.clip_grad, self.ref.norms
+        clip, norms = self.cfg.clip_grad, self.norms
         if not clip or not norms or max(norms.values()) > clip:
             return []
         return [f"--clip-grad {clip:g} never clipped (the largest norm was {max(norms.values()):.4g}), so the "
@@ -303,7 +348,7 @@ class Check:
         failed, at a bias that BatchNorm cancels (a wrong output or replica is a real bug, never explained
         away). Adam's moments of such a bias are noise too: an optimizer failure there is explained alike."""
         failing = [v for v in verdicts if not v["passed"]]
-        if not failing or self.cfg.optimizer not in ADAMS:
+        if not failing or self.cfg.optimizer not in ADAMS or self.ref is None:  # rank 0 says it
             return
         cancelled = cancelled_by_batchnorm(self.ref.model)
         if all(set(v["failed"]) <= {"weights", "optimizer"} and v["worst_weight"] in cancelled for v in failing):

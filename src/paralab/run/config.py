@@ -465,23 +465,25 @@ def check_fits_in_memory(cfg: RunConfig) -> int:
 
 
 def check_reference_fits(cfg: RunConfig, parameters: int) -> None:
-    """--check: every rank trains the single-process reference (the whole model in one process) beside its
-    part of the run; refuse before start where the local ranks' references alone cannot fit in memory."""
+    """--check: rank 0 trains the single-process reference (the whole model in one process) beside its part of
+    the run, while each local rank builds the whole model before its strategy splits it; refuse before start
+    where the reference and those models cannot fit in memory together."""
     from ..check.reference import reference_bytes
-    each = reference_bytes(cfg, parameters)
+    each, weights = reference_bytes(cfg, parameters), parameters * (8 if cfg.precision == "fp64" else 4)
     local = cfg.workers if cfg.world_size is None else 1
     if cfg.device == "cuda" or cfg.backend == "nccl":
         import torch
-        available, where = torch.cuda.mem_get_info()[1], "a GPU's memory"  # each rank's reference on its GPU
+        available, where = torch.cuda.mem_get_info()[1], "a GPU's memory"  # the reference on rank 0's GPU
         local = 1
     else:
         available, where = available_memory(), "the memory this machine has available"
-    if available is not None and each * local > available:
+    if available is not None and each + local * weights > available:
         gib = 2 ** 30
-        raise UsageError(f"--check: every rank trains the single-process reference beside its part of the run, and "
+        raise UsageError(f"--check: rank 0 trains the single-process reference beside its part of the run, and "
                          f"the reference alone holds at least {each / gib:.1f} GiB (the model's {parameters:,} "
-                         f"parameters, their gradients and the optimizer's state, in {cfg.precision})"
-                         + (f", {local} local ranks {local * each / gib:.1f} GiB" if local > 1 else "")
+                         f"parameters, their gradients and the optimizer's state, in {cfg.precision}), beside "
+                         + (f"the {local} local ranks' whole models ({local * weights / gib:.1f} GiB)" if local > 1
+                            else f"the rank's whole model ({weights / gib:.1f} GiB)")
                          + f": more than {where} ({available / gib:.1f} GiB). Check a smaller shape of the same "
                          "layout (--layers, --embed, --width), or drop --check")
 
