@@ -213,25 +213,26 @@ class Check:
 
     def saved_states(self) -> list[dict] | None:
         """Every rank's resumable state (``state_dict``, what its checkpoint holds), on rank 0; None elsewhere.
-        Each rank writes its own to a folder of the run's and rank 0 maps them back (``weights_only``,
-        ``mmap``), so no rank holds another's state in memory; where rank 0 cannot see the files (ranks on
-        hosts that share no folder) they come over the wire instead."""
+        Each other rank writes its own to a folder of the run's and rank 0 maps them back (``weights_only``,
+        ``mmap``) beside its own, so no rank holds another's state in memory; where rank 0 cannot see the files
+        (ranks on hosts that share no folder) they come over the wire instead."""
         state = self.strategy.state_dict()
         if self.comm.world == 1:
             return [state]
         path = self.folder / f"rank{self.comm.rank}.pt"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
-        del state
+        if self.comm.rank != 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+            del state
         self.comm.barrier(name="check_states_written")
-        paths = [self.folder / f"rank{r}.pt" for r in range(self.comm.world)]
+        paths = [self.folder / f"rank{r}.pt" for r in range(1, self.comm.world)]
         shared = self.comm.broadcast_object(all(p.exists() for p in paths) if self.comm.rank == 0 else None)
         if not shared:
             return self.comm.gather_objects(self.strategy.state_dict())
         if self.comm.rank != 0:
             return None
-        return [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in paths]
+        return [state] + [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in paths]
 
     def replicas_comparison(self, whole: dict, step: int) -> Comparison:
         """This rank's view of the weights and buffers against rank 0's: bit-identical (a collective). Views
