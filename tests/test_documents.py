@@ -3,7 +3,8 @@
 The references here are not paralab's: a packed row's attention is compared with each document run alone
 through PyTorch's causal attention; the loss with ``F.cross_entropy`` over the whole batch's valid targets;
 ring attention with one process's masked attention; the balancer's count of blocks with a brute-force mask.
-Then every layout's ``--check`` on packed documents (the reference replays the same data in one process), and
+Then ``--check`` on packed documents under three layouts (the reference replays the same data in one process;
+every other layout is checked with dropout and clipping on too, tests/test_features_together.py), and
 the two seeded bugs a check of documents must catch are in tests/test_mutants.py (a loss averaged per
 microbatch, ring attention that crosses a boundary).
 """
@@ -245,31 +246,6 @@ FAST_LAYOUTS = [
     ("cp", "--workers", "2"),
     ("pipeline", "--workers", "2", "--microbatches", "2"),
 ]
-SLOW_LAYOUTS = [
-    ("single", "--recompute", "full", "--dropout", "0.1"),
-    ("tp", "--workers", "2", "--sequence-parallel"),
-    ("cp", "--workers", "4", "--context", "32"),
-    ("cp", "--workers", "2", "--cp-method", "all-to-all"),
-    ("cp", "--workers", "2", "--no-cp-balance"),
-    ("ddp", "--workers", "4", "--cp", "2", "--pp", "2", "--microbatches", "2", "--batch-size", "8"),
-    ("ddp", "--workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"),
-    ("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
-     "--layers", "4"),
-    ("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1"),
-    ("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2"),
-    ("fsdp", "--workers", "2", "--zero-stage", "1"),
-    ("fsdp", "--workers", "4", "--replicate", "2"),
-    ("torch-tp", "--workers", "2"),
-    ("torch-pipeline", "--workers", "2", "--microbatches", "2"),
-    ("model", "--workers", "2"),
-    ("gather-scatter", "--workers", "2"),
-    ("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h2"),
-    ("torch-fsdp", "--workers", "2"),
-    ("ddp", "--workers", "2", "--cp", "2", "--batch-size", "8", "--clip-grad", "0.05", "--optimizer", "adamw",
-     "--lr-schedule", "cosine"),
-]
-
-
 def _checked(tmp_path, layout, *extra):
     r = run_paralab("train", *layout, *DOCS, "--check", *extra, out=tmp_path / "run")
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
@@ -283,12 +259,6 @@ def test_packed_documents_are_exact_under(layout, tmp_path):
         balance_seen = r.summary["strategy_details"]["0"]["context_parallel"]["document_balance"]
         assert balance_seen["steps"] == 3
         assert 1 <= balance_seen["dealt_over_even"] <= balance_seen["head_tail_over_even"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", SLOW_LAYOUTS, ids=lambda a: " ".join(a))
-def test_packed_documents_are_exact_under_every_layout(layout, tmp_path):
-    _checked(tmp_path, layout, "--packing")
 
 
 def test_padded_documents_are_exact_and_the_validation_counts_valid_targets(tmp_path):
