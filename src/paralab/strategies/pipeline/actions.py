@@ -100,7 +100,8 @@ class Action:
     stage: int | None = None  # the stage it runs on / sends from / receives for; None: the rank's own
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", Kind(self.kind))  # also accepts the kind's name
+        if not isinstance(self.kind, Kind):  # also accepts the kind's name (the planner builds millions: no lookup)
+            object.__setattr__(self, "kind", Kind(self.kind))
 
     @property
     def is_compute(self) -> bool:
