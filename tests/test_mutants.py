@@ -8,7 +8,8 @@ momentum lost, a ring turned the wrong way, a stage's gradient left out...
 For each, the package is copied, the one line is replaced (the original must
 occur exactly once, so a moved line fails here rather than passing
 vacuously), and the smallest check of that layout runs against the copy
-(``PYTHONPATH``, a fresh interpreter): it must end ``check: FAIL`` with exit
+(first on the path of a ``python -m paralab`` forked from a process that has imported torch, not paralab:
+tests/zygote.py): it must end ``check: FAIL`` with exit
 code 1, not crash. The same command against the unchanged copy must PASS,
 so a mutant is caught by the check, not by a command that fails anyway.
 
@@ -35,11 +36,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 import paralab
 
@@ -287,13 +288,20 @@ def pristine(tmp_path_factory) -> Path:
     return _copy(tmp_path_factory.mktemp("pristine"))
 
 
-def train(root: Path, command: tuple, out: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def zygote():
+    """Each command forked from one process that has imported torch but not paralab (tests/zygote.py)."""
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def train(zygote: Zygote, root: Path, command: tuple, out: Path) -> subprocess.CompletedProcess:
+    """``python -m paralab train ...`` with the copy ``root`` first on the path (forked from the zygote)."""
     env = {**os.environ, "PYTHONPATH": str(root), "PARALAB_SERVE": "off", "PYTHONUNBUFFERED": "1",
            "PYTHONDONTWRITEBYTECODE": "1"}
     # the layout's own options after the common ones, so they win (--num-batches)
-    return subprocess.run([sys.executable, "-m", "paralab", "train", command[0], *COMMON, *command[1:],
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
+    return zygote.run(root, ["train", command[0], *COMMON, *command[1:], "--out", str(out)], env, out.parent, 300)
 
 
 def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
@@ -303,8 +311,8 @@ def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
 
 
 @pytest.mark.parametrize("command", sorted({m.command for m in MUTANTS}), ids=lambda c: " ".join(c[:3]))
-def test_the_unchanged_package_passes_each_command(pristine, tmp_path, command):
-    r = train(pristine, command, tmp_path / "run")
+def test_the_unchanged_package_passes_each_command(zygote, pristine, tmp_path, command):
+    r = train(zygote, pristine, command, tmp_path / "run")
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -319,17 +327,17 @@ def mutated(pristine: Path, dest: Path, mutant: Mutant) -> Path:
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_the_check_catches_the_mutant(pristine, tmp_path, mutant):
-    r = train(mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
+def test_the_check_catches_the_mutant(zygote, pristine, tmp_path, mutant):
+    r = train(zygote, mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
     output = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{mutant.name} ({mutant.why}) not caught:\n{output}"
     assert f"check: first divergence: {FIRST[mutant.name]}" in r.stdout, output
 
 
 @pytest.mark.parametrize("name,command,note", HIDDEN, ids=[h[0] for h in HIDDEN])
-def test_a_smaller_check_misses_it_and_says_what_it_left_out(pristine, tmp_path, name, command, note):
+def test_a_smaller_check_misses_it_and_says_what_it_left_out(zygote, pristine, tmp_path, name, command, note):
     mutant = next(m for m in MUTANTS if m.name == name)
-    r = train(mutated(pristine, tmp_path / "copy", mutant), command, tmp_path / "run")
+    r = train(zygote, mutated(pristine, tmp_path / "copy", mutant), command, tmp_path / "run")
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(line.startswith("check: not exercised:") and note in line for line in r.stdout.splitlines()), \
         r.stdout[-3000:]
