@@ -188,3 +188,47 @@ def test_a_tied_plan_prints_no_command_paralabs_untied_gpt_would_not_match():
                     "--global-batch", "16", "--layout", "dp4 pp2 1f1b m4xb1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tied-embeddings" in r.stdout and "an output layer of its own (untied)" in r.stdout
+
+
+@pytest.mark.parametrize("context", [1, 3, 7, 2047])
+def test_any_context_is_plannable_without_context_parallelism(context):
+    """An odd context cannot be cut into 2 cp chunks, which asks nothing of a layout without cp (issue 49: every
+    odd context was refused, blaming the global batch)."""
+    from paralab.analysis.plan.layouts import enumerate_layouts
+    layouts = enumerate_layouts(gpt_workload(4, 128, 4, context, 256), 8, 16, 8)
+    assert layouts and all(x.cp == 1 for x in layouts)
+    assert {x.tp for x in layouts} == {1, 2, 4} and {x.pp for x in layouts} >= {1, 2, 4}
+
+
+def test_tensor_parallelism_across_nodes_is_plannable_when_pinned_and_priced_at_the_network():
+    """tp 16 on two nodes of 8 (a 3.6B gpt of 32 heads on 64 workers): listed when pinned, not refused blaming
+    the batch (issue 49), and its all-reduces priced on the link between nodes."""
+    from paralab.analysis.plan import PRESETS, Setting, make_plan
+    w = gpt_workload(30, 3072, 32, 2048, 51200)
+    cluster = PRESETS["a100-sxm"]
+    tp16 = make_plan(w, cluster, Setting(512), 64, fixed={"tp": 16}, top=1).ranked[0]
+    tp8 = make_plan(w, cluster, Setting(512), 64, fixed={"tp": 8, "pp": 2}, top=1).ranked[0]
+    assert tp16.layout.tp == 16 and tp16.layout.dp * tp16.layout.pp == 4
+    assert cluster.link(16) == cluster.link(64) != cluster.link(8)
+    assert tp16.tp_comm > tp8.tp_comm * 2  # the same all-reduced activations, over the slower link
+
+
+@pytest.mark.parametrize("span,inside", [(1, True), (2, True), (4, True), (8, True), (5, False), (6, False),
+                                         (16, False), (3, False)])
+def test_a_group_is_inside_a_node_only_where_every_group_of_its_span_is(span, inside):
+    """Groups of consecutive ranks on nodes of 8: spans dividing 8 stay inside; tp 5 puts ranks 5-9 on two
+    nodes, a group of 6 ranks 6-11, so their collectives wait on the network (issue 49)."""
+    from paralab.analysis.plan import PRESETS
+    c = PRESETS["a100-sxm"]
+    assert (c.link(span) == (c.intra_gbps, c.intra_latency_us * 1e-6)) == inside
+
+
+def test_ulysses_needs_whole_key_value_heads_per_rank():
+    """Ulysses's all-to-all gives each cp rank a / (tp cp) query heads and G / (tp cp) key/value heads: with
+    G = 4 key/value heads, tp 2 x cp 4 is ring-only (issue 49: it was accepted on the query heads alone)."""
+    from paralab.analysis.plan.layouts import enumerate_layouts
+    layouts = enumerate_layouts(gpt_workload(4, 1024, 32, 4096, 256, kv_heads=4), 8, 8, 8)
+    methods = {(x.tp, x.cp): {y.cp_method for y in layouts if (y.tp, y.cp) == (x.tp, x.cp)}
+               for x in layouts if x.cp > 1}
+    assert methods[(2, 4)] == {"ring"} and methods[(1, 4)] == {"ring", "all-to-all"}
+    assert methods[(2, 2)] == {"ring", "all-to-all"}

@@ -107,9 +107,11 @@ class Cluster:
         return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
 
     def link(self, span_devices: int) -> tuple[float, float]:
-        """(Gb/s, latency s) of a group of consecutive devices spanning ``span_devices`` ranks: inside a
-        node if they fit in one, else the network between nodes."""
-        if span_devices <= self.devices_per_node:
+        """(Gb/s, latency s) of the groups of ``span_devices`` consecutive ranks (rank r in group r // span):
+        inside a node where every such group lies in one, which is where the span divides a node's devices;
+        else the network between nodes, which the groups that straddle two nodes wait on (tp 5 on nodes of 8:
+        ranks 5-9 are on two)."""
+        if self.devices_per_node % span_devices == 0:
             return self.intra_gbps, self.intra_latency_us * 1e-6
         return self.inter_gbps, self.inter_latency_us * 1e-6
 

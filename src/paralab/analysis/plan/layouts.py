@@ -257,8 +257,9 @@ def _zero_replicate(zeros: list[int], dp: int, cp: int, per_node: int, fixed: di
 
 def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) -> list[tuple[int, int, str]]:
     """(pp, cp, cp method) dividing the workers over tp: cp for the gpt only, its balanced chunks dividing
-    the context (2 cp of them), Ulysses's heads per rank (a / tp) too; cp x tp inside a node unless pinned
-    (every attention layer talks over cp)."""
+    the context (2 cp of them), Ulysses's query and key/value heads per rank (a / tp, G / tp) too; cp x tp
+    inside a node unless pinned (every attention layer talks over cp). No cp (cp 1) asks nothing of the
+    context or of where tp's ranks sit."""
     out = []
     if workers % tp:
         return out
@@ -267,13 +268,15 @@ def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) ->
             continue
         cps = [1]
         if work.kind == "gpt" and not work.moe:  # paralab's cp does not compose with a mixture of experts
-            cps = [c for c in divisors(workers // (tp * pp)) if work.shape["context"] % (2 * c) == 0
-                   and (c * tp <= per_node or "cp" in fixed)]
+            cps += [c for c in divisors(workers // (tp * pp)) if c > 1 and work.shape["context"] % (2 * c) == 0
+                    and (c * tp <= per_node or "cp" in fixed)]
         for cp in ([fixed["cp"]] if fixed.get("cp") is not None else cps):
             if cp not in cps:
                 continue
             methods = ["ring"] if cp == 1 else ["ring"] + (
-                ["all-to-all"] if (work.shape["heads"] // tp) % cp == 0 else [])
+                ["all-to-all"] if all((a // tp) % cp == 0 for a in (work.shape["heads"],
+                                                                    work.shape.get("kv_heads") or work.shape["heads"]))
+                else [])
             out += [(pp, cp, m) for m in methods if fixed.get("cp_method") in (None, m) or cp == 1]
     return out
 
