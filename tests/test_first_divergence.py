@@ -77,3 +77,36 @@ def test_no_first_divergence_leaves_the_replay_out(tmp_path):
                     "--no-first-divergence", out=tmp_path / "run")
     assert r.returncode == 1 and "check: FAIL" in r.stdout
     assert "first divergence" not in r.stdout and "first_divergence" not in r.summary["check"]
+
+
+def test_the_replay_puts_back_the_gradients_a_step_starts_with():
+    """The replay takes each step twice (probed, then for real) and puts back every tensor the probe wrote, the
+    gradients a parameter holds when the step starts too: a strategy that wrongly keeps a gradient from one step
+    to the next (it never clears ``.grad``) then steps for real on what it would have held, so the replay sees
+    it where the run first differs (the next step's gradients), not in this step's update doubled (issue 47)."""
+    from types import SimpleNamespace
+    from paralab.check.diverge import step_twice
+    from paralab.training import step as steps
+
+    class KeepsGradients:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.model = torch.nn.Linear(3, 2).double()
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def full_state_dict(self):
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+        def run_step(self, x, y):
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()  # accumulates into .grad, which the bug never clears
+            self.optimizer.step()
+            return SimpleNamespace(loss=loss.item())
+
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    replayed, plain = KeepsGradients(), KeepsGradients()
+    for _ in range(2):
+        _, _, _, after = step_twice(steps.Step(x=x, y=y), replayed, [replayed.model], [replayed.optimizer])
+        plain.run_step(x, y)
+        assert all(torch.equal(after[k], v) for k, v in plain.full_state_dict().items())
+        assert torch.equal(replayed.model.weight.grad, plain.model.weight.grad)

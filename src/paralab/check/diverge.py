@@ -249,9 +249,13 @@ def fits(t: torch.Tensor) -> bool:
 def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: list):
     """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``before -
     after`` of ``full_state_dict`` under ``w -= g``), then, every tensor put back, for real. Returns (the
-    module outputs, the gradients by name, the loss reported, the weights after)."""
+    module outputs, the gradients by name, the loss reported, the weights after). What a parameter holds in
+    ``.grad`` when the step starts is put back too: a gradient a strategy wrongly keeps from one step to the
+    next is then seen in the next step's gradients, where the run first differs, not doubled by the probe
+    into this step's update."""
     held = weights_of(strategy, roots, optimizers)
     kept = [t.detach().clone() for t in held]
+    grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in held if t.requires_grad]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
     with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
         strategy.run_step(step.x, step.y)
@@ -261,6 +265,8 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
         for t, k in zip(held, kept):
             if fits(t):
                 t.copy_(k)
+        for t, g in grads:
+            t.grad = g
     with steps.entered(step):
         loss = strategy.run_step(step.x, step.y).loss
     return mine, gradients, loss, strategy.full_state_dict()
