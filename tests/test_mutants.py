@@ -118,6 +118,12 @@ MUTANTS = [
     Mutant("tp-f-backward-not-reduced", "strategies/tensor/ops.py",
            'ctx.comm.all_reduce(grad, name="tp_f_backward")', "pass",
            gpt("tp", "--workers", "2"), "Megatron's f: the input gradient of a column-parallel layer not summed"),
+    Mutant("tp-mlp-bias-before-the-reduce", "strategies/tensor/gpt.py",
+           "self.proj.weight)\n        return self.tp.leave(partial) + self.tp.replicated(self.proj.bias)\n\n\nclass TPHead",
+           "self.proj.weight) + self.proj.bias\n        return self.tp.leave(partial)\n\n\nclass TPHead",
+           gpt("tp", "--workers", "2", "--dropout", "0.1"),
+           "the row-parallel MLP's bias added on every rank before the sum: tp times (named at the MLP, not at "
+           "the block's dropout, whose second call follows it)"),
     Mutant("sp-layernorm-not-reduced", "strategies/tensor/group.py",
            "return copy_to_tp(p, self.comm) if self.sequence_parallel else p", "return p",
            gpt("tp", "--workers", "2", "--sequence-parallel"),
@@ -243,6 +249,7 @@ FIRST = {
     "fsdp-padding-in-front": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
     "hsdp-mean-over-the-shard-group": "step 1, rank 0, backward of 13.1 (Linear) weight gradient",
     "tp-f-backward-not-reduced": "step 1, rank 0, backward of 3.ln (LayerNorm) weight gradient",
+    "tp-mlp-bias-before-the-reduce": "step 2, rank 0, forward of 1.mlp (MLP) output",  # a zero bias at step 1
     "sp-layernorm-not-reduced": "step 1, rank 0, backward of 3.ln (LayerNorm) weight gradient",
     "vocab-parallel-loss-forward": "step 1, rank 0, forward of the loss",
     "cp-loss-summed": "step 1, rank 0, forward of the loss",

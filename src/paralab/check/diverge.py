@@ -6,8 +6,9 @@ run again and replays its steps from the first, one step at a time, beside a
 fresh reference, and at each step compares three things in the order they
 happen:
 
-1. **forward**: every module's output, on every rank, in the order the
-   reference calls its modules. Hooks record each module call of the rank
+1. **forward**: every module's output, on every rank, call by call in the
+   order the reference's calls return (a module called twice in a forward, a
+   block's dropout, at each call). Hooks record each module call of the rank
    (outside backward, so a recomputation's second forward is not counted) and
    of the reference fed the rank's own shard, microbatch by microbatch. A
    rank's output that is a slice of the whole (tensor parallelism splits the
@@ -97,7 +98,7 @@ class Calls:
     def __init__(self, names: dict[int, str]):
         self.names = names
         self.calls: dict[str, list[torch.Tensor]] = {}
-        self.order: list[str] = []    # names in the order their first call returned
+        self.sequence: list[tuple[str, int]] = []  # every call as (name, its k-th), in the order they returned
         self.started: list[str] = []  # names in the order their first call began (a parent before its children)
 
     def pre_hook(self, module, args):
@@ -113,8 +114,7 @@ class Calls:
         t = host(t)
         if t is None:
             return
-        if name not in self.calls:
-            self.order.append(name)
+        self.sequence.append((name, len(self.calls.get(name, ()))))
         self.calls.setdefault(name, []).append(t)
 
     def __enter__(self):
@@ -306,26 +306,28 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     def finding(direction: int, order: int, name: str, tensor: str, dev: float) -> Finding:
         return Finding(step + 1, direction, order, rank, name, kinds.get(name, "?"), tensor, dev)
 
-    # 1. forward: the modules' outputs in the order the reference's calls return, then the loss, then buffers
+    # 1. forward: the modules' outputs in the order the reference's calls return (a module called twice in a
+    # forward, as a block's dropout is, at each of its calls: its second after what runs between), then the
+    # loss, then buffers
     coords = dict(mesh.coords)
     sizes = {d: mesh.size(d) for d in ("tp", "cp") if d in coords}
     skip_experts = "ep" in coords and mesh.size("ep") > 1  # an expert's rows are the tokens routed to it
-    for order, name in enumerate(expected.order):
+    for order, (name, k) in enumerate(expected.sequence):
         if skip_experts and ".experts." in f".{name}.":
             continue
-        for a, b in zip(mine.calls.get(name, []), expected.calls[name]):
-            dev = deviation(a, b, coords, sizes)
-            if dev is not None and dev > tol["outputs"]:
-                return finding(0, order, name, "output", dev)
+        ours = mine.calls.get(name, [])
+        dev = deviation(ours[k], expected.calls[name][k], coords, sizes) if k < len(ours) else None
+        if dev is not None and dev > tol["outputs"]:
+            return finding(0, order, name, "output", dev)
     if loss is not None and not abs(loss - ref_loss) <= tol["loss"]:
-        return Finding(step + 1, 0, len(expected.order), rank, "the loss", "as the rank reports it", "value",
+        return Finding(step + 1, 0, len(expected.sequence), rank, "the loss", "as the rank reports it", "value",
                        abs(loss - ref_loss))
     for name, value in ref_after.items():  # what forward updates besides (BatchNorm's running statistics)
         if name not in params and value.is_floating_point():
             dev = float((after[name].detach().double().cpu() - value.double()).abs().max())
             if not dev <= tol["weights"]:
                 module, _, leaf = name.rpartition(".")
-                return finding(0, len(expected.order) + 1, module, f"{leaf} buffer", dev)
+                return finding(0, len(expected.sequence) + 1, module, f"{leaf} buffer", dev)
     # 2. backward: a parameter's gradient, in the reverse order of its use (a module's own parameters after its
     # children's: it began before them); a module whose weights its parent uses directly takes its parent's place
     place = {n: i for i, n in enumerate(expected.started)}
