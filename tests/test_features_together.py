@@ -13,11 +13,10 @@ or a token count gone wrong does (the AdamW recipe has its own matrix, tests/tes
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conftest import run_paralab
+from test_clip import norms_recorded
 
 CLIP = 0.05
 ARGS = ["--model", "gpt", "--dataset", "synthetic-docs", "--packing", "--doc-length", "10", "--synthetic-size", "256",
@@ -50,15 +49,6 @@ LAYOUTS = [
     ["allreduce", *W2, "--ep", "2", "--experts", "4", "--top-k", "2"],
     ["ddp", *W2, "--cp", "2", "--batch-size", "8", "--optimizer", "adamw", "--lr-schedule", "cosine"],
 ]
-
-
-def norms_recorded(run) -> dict[int, list[float]]:
-    """rank -> the gradient norm of each step, as steps.jsonl records it."""
-    rows = [json.loads(line) for line in (run.out / "steps.jsonl").read_text().splitlines()]
-    out: dict[int, list[float]] = {}
-    for r in sorted(rows, key=lambda r: r["step"]):
-        out.setdefault(r["rank"], []).append(r.get("grad_norm"))
-    return out
 
 
 @pytest.mark.slow
