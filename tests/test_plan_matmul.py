@@ -11,7 +11,7 @@ import pytest
 from paralab.analysis.plan import PRESETS, Layout, Setting, gpt_workload, predict
 from paralab.analysis.plan.predict import arithmetic_seconds
 
-A100 = PRESETS["a100-sxm"]
+A100 = PRESETS["a100-sxm-datasheet"]  # one efficiency, no ramp (the a100-sxm preset has its fitted ramp)
 LAYOUTS = [Layout(dp=32, tp=1, pp=1, microbatch=1, microbatches=16, recompute="full"),
            Layout(dp=8, tp=4, pp=1, microbatch=2, microbatches=8, sp=True, recompute="selective"),
            Layout(dp=4, tp=2, pp=4, microbatch=1, microbatches=32, schedule="1f1b")]
@@ -98,7 +98,8 @@ def _published_gemms():
 def test_the_hopper_presets_carry_the_ramp_of_the_published_sm90_table():
     """The OpenXLA authors' sm_90 table (125 single bf16 GEMMs, m, n, k from 256 to 4096): per size the median
     fraction of the H100's dense peak, up to where it reaches the presets' 0.6. The presets hold that ramp,
-    rounded; the A100 presets, for which no such table was found, keep the one efficiency."""
+    rounded; the A100 datasheet preset, for which no such table was found, keeps the one efficiency, and the
+    a100-sxm preset (and its 40 GB variant) the ramp fitted to measured runs (analysis/measured.py)."""
     from paralab.analysis.plan.cluster import HOPPER_GEMMS, gemm_ramp
     gemms = _published_gemms()
     assert len(gemms) == len({g[:3] for g in gemms}) == 125  # the whole 5 x 5 x 5 grid, each shape once
@@ -111,8 +112,13 @@ def test_the_hopper_presets_carry_the_ramp_of_the_published_sm90_table():
     assert largest / 989.4 > 0.75
     for name in ("h100-sxm", "h800", "h200"):
         assert PRESETS[name].matmul == HOPPER_GEMMS and "kDefaultMatmulPTable" in PRESETS[name].source
-    for name in ("a100-sxm", "a100-40gb", "cpu"):
+    for name in ("a100-sxm-datasheet", "cpu"):
         assert PRESETS[name].matmul is None
+    from paralab.analysis.measured import ramp
+    fitted = PRESETS["a100-sxm"]
+    assert PRESETS["a100-40gb"].matmul == fitted.matmul
+    half = fitted.matmul[0][0] * (fitted.efficiency / fitted.matmul[0][1] - 1) / 1e9  # e = E f / (f + half)
+    assert [e for _, e in fitted.matmul] == pytest.approx([e for _, e in ramp(fitted.efficiency, half)], rel=1e-9)
 
 
 def test_gemm_ramp_is_the_median_per_size_cut_at_the_ceiling():

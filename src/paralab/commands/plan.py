@@ -51,7 +51,7 @@ class PlanOptions:
     workers: int = option(None, "devices (workers) to lay the model out on", type=integer, positive=True)
     global_batch: int = option(32, "samples (sequences or images) per step over all replicas", positive=True)
     vocab: int = option(256, "gpt vocabulary V (256: paralab's byte tokens; 50257 for GPT-2/GPT-3)", positive=True)
-    cluster: str = option("this-machine", "a preset (a100-sxm, a100-40gb, h100-sxm, h800, h200, cpu), this-machine (measured and "
+    cluster: str = option("this-machine", "a preset (a100-sxm, a100-sxm-datasheet, a100-40gb, h100-sxm, h800, h200, cpu), this-machine (measured and "
                                           "cached), or a JSON/TOML cluster file", metavar="CLUSTER")
     precision: str = option(None, "fp32 | mixed (16-bit parameters, gradients and activations, fp32 optimizer "
                                   "state; default: mixed where the cluster has a bf16 peak, else fp32)", type=str,

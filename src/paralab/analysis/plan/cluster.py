@@ -49,6 +49,9 @@ class Cluster:
     unit_overhead_us: float = 0.0  # fixed time of one unit's forward of one microbatch (launches, dispatch)
     collectives: dict | None = None  # measured: {op: {group size: [[bytes, seconds], ...]}} (collectives.py)
     crowding: float = 0.0  # workers sharing fewer cores: a unit's slowdown with all computing at once (0: a device each)
+    launch_us: float = 0.0  # a device fed by its host (a GPU): the host's time to launch one unit's forward of one
+    #                         microbatch, which a pass takes at least however little the device does (predict.py);
+    #                         fitted to measured runs (analysis/measured.py)
     p2p_overhead_us: float = 0.0  # processor time of a point-to-point send or receive beside its transfer (measured here)
     elementwise: bool = True  # time a gpt block's elementwise kernels at memory_gbs beside the matmuls at their
     #                           rate (workload.block_elementwise); False where the rate was measured on a whole
@@ -161,7 +164,7 @@ _HOPPER_RAMP = ("a gpt's weight matmuls at the smaller of the efficiency and wha
                 "0.48 at 8.6 GFLOP, the efficiency from 14.5 GFLOP up")
 
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
-    Cluster("a100-sxm", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
+    Cluster("a100-sxm-datasheet", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}, 80, 2039, 8,
             intra_gbps=2400, intra_latency_us=5, inter_gbps=200, inter_latency_us=10, efficiency=0.6, unit_overhead_us=20,
             source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
                    "dense, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
@@ -191,15 +194,10 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (
                    "(IEEE 802.3ae 10GBASE) and loopback at 40 Gb/s inside one: assumed, a plain CPU node, not "
                    "a datasheet; efficiency 0.5 and 50 us per unit forward (dispatch) assumed"),
 )}
+#: the a100-sxm preset: the datasheet's node with the cost model's free parameters fitted to 1,440 measured runs
+#: (``paralab measured --fit``, analysis/measured.py; the figures and how they were found: docs/plan.md)
+FITTED = Path(__file__).resolve().parents[1] / "data"
 # nodes that differ from one above in their memory or their links alone: only what differs is written
-PRESETS["a100-40gb"] = replace(
-    PRESETS["a100-sxm"], name="a100-40gb", memory_gb=40, memory_gbs=1555,
-    source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS "
-           "dense, 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s = 300 GB/s each way), "
-           "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-           "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVIDIA DGX A100 datasheet (8 GPUs, "
-           "8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute: one per GPU); "
-           f"{_LATENCY}; {_EFFICIENCY}")
 PRESETS["h800"] = replace(
     PRESETS["h100-sxm"], name="h800", intra_gbps=1600,
     source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5: the H100 SXM's compute, FP32 67 TFLOPS, "
@@ -216,7 +214,8 @@ REQUIRED = tuple(f.name for f in fields(Cluster) if f.default is MISSING and f.n
 #: ``collectives``, which :func:`load_cluster` checks apart)
 RANGES = {"memory_gb": "positive", "memory_gbs": "positive", "intra_gbps": "positive", "inter_gbps": "positive",
           "efficiency": "fraction", "usable_fraction": "fraction", "intra_latency_us": "non-negative",
-          "inter_latency_us": "non-negative", "unit_overhead_us": "non-negative", "p2p_overhead_us": "non-negative",
+          "inter_latency_us": "non-negative", "unit_overhead_us": "non-negative", "launch_us": "non-negative",
+          "p2p_overhead_us": "non-negative",
           "crowding": "non-negative", "devices_per_node": "a positive integer"}
 
 
@@ -296,6 +295,15 @@ def check_number(path: str, field: str, v, rule: str) -> None:
         what = {"positive": "a positive number", "non-negative": "a number, zero or more",
                 "fraction": "a fraction in (0, 1]"}.get(rule, rule)
         raise UsageError(f"--cluster {path}: {field} must be {what} (got {v!r})")
+
+
+PRESETS["a100-sxm"] = load_cluster(str(FITTED / "a100-sxm.json"))
+PRESETS["a100-40gb"] = replace(
+    PRESETS["a100-sxm"], name="a100-40gb", memory_gb=40, memory_gbs=PRESETS["a100-sxm"].memory_gbs * 1555 / 2039,
+    source="the a100-sxm preset (fitted to measured A100 80GB runs) with the A100 40GB SXM's memory: 40 GB of HBM2 "
+           "at 1,555 GB/s where the 80GB's HBM2e moves 2,039 GB/s (NVIDIA A100 Tensor Core GPU datasheet, "
+           "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+           "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): the fitted memory bandwidth scaled by their ratio")
 
 
 def names() -> list[str]:

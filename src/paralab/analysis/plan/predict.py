@@ -13,6 +13,11 @@ Per step on the busiest device (all times in seconds):
   fixed cost per unit (launches: what makes tiny microbatches slow); its
   backward twice that, plus what recomputation runs again
   (``Workload.recompute_flops``, and the elementwise bytes it moves again).
+  On a device that runs kernels behind its host (``launch_us``: a GPU
+  fed by Python), a pass takes at least the host's time to launch it, its
+  tp collectives included: a unit's forward ``launch_us``, its backward
+  twice that, a full recomputation's forward once more. Small microbatches
+  are bound by it (docs/plan.md, "Calibrated on measured runs").
 - **tensor parallelism** (synchronous in paralab, in every layer's critical
   path): per block two activation all-reduces forward and two backward
   (``b s h e`` bytes, ring over the tp group; sequence parallelism's
@@ -200,7 +205,13 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             if lay.sp:  # replicated parameters applied to a rank's tokens only: their gradients summed
                 comm += replicated_sums(work, lo, hi, cluster, t, tp_link, e)
         cp, ep = blocks * cp_block, blocks * ep_block
-        return f, (2 * f + extra) * (1 + REWALK if split else 1), comm + cp + ep, cp, ep
+        # the host launches a pass's kernels ahead of the device (launch_us a unit's forward; its backward
+        # twice that, and a full recomputation's forward once more): the device, busy or waiting for them,
+        # spends at least that long on the pass, its collectives included
+        launch = cluster.launch_us * 1e-6 * (hi - lo)
+        back = max(2 * f + extra, launch * (2 + (lay.recompute == "full")) - comm / 2)
+        f = max(f, launch - comm / 2)
+        return f, back * (1 + REWALK if split else 1), comm + cp + ep, cp, ep
 
     # a gpt's blocks are alike: stages with the same ends and as many blocks are the same work, timed once
     alike: dict[tuple, tuple] = {}
