@@ -121,12 +121,17 @@ def test_model_states_agree_with_calc_memory(capsys):
 
 
 def test_activations_are_korthikantis_for_the_whole_model():
+    """Korthikanti et al.'s Table 2 for what each block keeps, and under recomputation one block's more: the
+    block being recomputed holds what it would have kept until its backward is done."""
     w, s = small(), SMALL
     for rc in ("none", "selective", "full"):
         lay = Layout(dp=1, tp=1, pp=1, microbatch=4, microbatches=4, recompute=rc)
         got = predict(w, lay, H100, Setting(16))
-        want = activation_total(4, s["context"], s["embed"], s["heads"], s["layers"], 1, False, rc, s["vocab"]).value
-        assert got.memory_parts["activations"] == pytest.approx(want)  # 16-bit: the published formula as it is
+        total = lambda layers, rc: activation_total(4, s["context"], s["embed"], s["heads"], layers, 1, False,  # noqa: E731
+                                                    rc, s["vocab"]).value
+        again = total(1, "none") - total(1, rc)  # one recomputed block's, from its recomputation to its backward
+        assert got.memory_parts["activations"] == pytest.approx(total(s["layers"], rc) + again)  # 16-bit, as published
+        assert (again > 0) == (rc != "none")
 
 
 def test_the_bubble_is_the_simulators_on_per_stage_times():
@@ -204,6 +209,31 @@ def test_an_idle_law_outside_its_range_gives_way_to_a_bound_that_holds():
         for p, m in ((4, 1), (4, 3), (8, 2)):
             simulated = makespan(name, p, m, 1, (1.0,) * p, (2.0,) * p, 0.0) - m * 3.0
             assert simulated <= spec_of(name).idle.bounded(p, m, 1, 1.0, 1.0, 1.0) + 1e-9, (name, p, m)
+
+
+def test_the_first_pass_bounds_from_below_where_no_law_holds_and_counts_the_hosts_sends_where_one_does():
+    """A zero-bubble schedule with fewer microbatches than stages has no closed form: the first pass gives a
+    lower bound (the last stage's fill and work, the first stage's last weight gradient), said so, which the
+    search shortlists apart (a bound from above kept the best small-batch layouts off the shortlist:
+    tests/test_plan_property.py's 175B-b64). Where the law holds the first pass's pipeline carries each
+    send's and receive's host time, as the simulation does, so a cluster with a dear send does not shortlist
+    pipelines the simulator then ranks low."""
+    import dataclasses
+    from paralab.analysis.plan.predict import LOWER
+    w = gpt_workload(16, 1024, 16, 1024, 50257)
+    for label in ("dp2 tp2 pp8 zb-h1 m4xb1", "dp1 tp4 pp8 zb-h2 m2xb2 rc-full", "dp1 tp2 pp16 zb-h1 m1xb8"):
+        lay = Layout.parse(label)
+        rough, exact = (predict(w, lay, H100, Setting(8), simulate_pipeline=sim) for sim in (False, True))
+        assert LOWER in rough.notes and LOWER not in exact.notes, label
+        assert 0.8 * exact.step < rough.step <= exact.step * (1 + 1e-12), label
+    assert LOWER not in predict(w, Layout.parse("dp1 tp1 pp8 zb-h1 m8xb1"), H100, Setting(8),
+                                simulate_pipeline=False).notes  # m = p: the law
+    lay = Layout.parse("dp2 tp2 pp4 1f1b m16xb1")
+    dear = dataclasses.replace(H100, p2p_overhead_us=500.0)  # the step nearly doubles
+    (rough, exact), (rough_dear, exact_dear) = [[predict(w, lay, c, Setting(32), simulate_pipeline=sim).step
+                                                 for sim in (False, True)] for c in (H100, dear)]
+    assert exact_dear > 1.8 * exact
+    assert abs(rough_dear / exact_dear - 1) < 0.05 and abs(rough / exact - 1) < 0.05
 
 
 def refused(capsys, *argv) -> str:

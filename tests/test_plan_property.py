@@ -34,6 +34,11 @@ BATTERY = {
             dict(tp=8, pp=2)),
     "175B": (dict(layers=96, embed=12288, heads=96, context=2048, vocab=50257), 1024, 1536, "h100-sxm",
              dict(tp=8, pp=16)),
+    # a batch smaller than the deepest pipelines: zero-bubble schedules with fewer microbatches than stages,
+    # where no closed form holds (the first pass simulates them; a bound kept them off the shortlist, and this
+    # search's first row was dp4 cp2 ring tp4 pp32 1f1b m16xb1 zero1 at 1,025 ms where zb-h1 at tp 8 takes 782)
+    "175B-b64": (dict(layers=96, embed=12288, heads=96, context=2048, vocab=50257), 1024, 64, "h100-sxm",
+                 dict(tp=8, pp=32, schedule="zb-h1")),
 }
 #: shapes whose every layout is simulated (the others: a sample)
 WHOLE = ("tiny", "gpt2-small", "moe")
@@ -63,7 +68,9 @@ def test_no_layout_the_search_lists_beats_its_first_row(name):
     work, cluster, setting, first, rivals = first_and_rivals(name)
     faster = sorted((x.step, x.layout.label()) for x in rivals if x.fits and x.step < first.step * (1 - 1e-9))
     assert not faster, f"{name}: {first.layout.label()} ({first.step * 1e3:.4g} ms) first, yet {faster[:3]}"
-    if work.parameters > 1e9:  # a sane layout for a large model, not a shortcut's 1-4 % (small ones are launch-bound)
+    _, workers, batch, _, _ = BATTERY[name]
+    if work.parameters > 1e9 and batch >= workers:  # a sane layout for a large model, not a shortcut's 1-4 % (small
+        #                                             ones are launch-bound, and a batch under a sample a device idles)
         assert first.mfu > 0.3, f"{name}: the first row's MFU is {first.mfu:.1%}"
 
 

@@ -65,7 +65,10 @@ Per step on the busiest device (all times in seconds):
   the working set of the rank's largest unit, its flat gradient copy at
   ZeRO-1; fsdp's step in backward at stages 2-3), plus each
   stage's activations for one microbatch x the schedule's peak microbatches
-  alive on that rank (registry), one microbatch without a pipeline.
+  alive on that rank (registry), one microbatch without a pipeline, plus,
+  under recomputation, what one recomputed block holds from its
+  recomputation through its backward (``Workload.recompute_transient``: at
+  long context, eager attention's s x s scores).
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ from .workload import Workload
 
 BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
 FIRST_BUCKET = 2 ** 20       # ddp's first bucket closes at 1 MiB
+LOWER = "the first pass's pipeline is a lower bound (no closed form holds)"  # make_plan shortlists these apart
 REWALK = 0.5                 # a split backward's W walks the activation gradients again: 1.5 whole backwards
 
 
@@ -243,27 +247,41 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         B = [bwd[s] + tpc[s] / 2 for s in range(p * v)]
         spec = spec_of(lay.schedule)
         host = cluster.p2p_overhead_us * 1e-6
+        ends = [(s > 0) + (s < p * v - 1) for s in range(p * v)]  # a stage's receive and send around each pass
+        hosted = ([f + host * n for f, n in zip(F, ends)], [b_ + host * n for b_, n in zip(B, ends)])
+
+        def slowest(F, B) -> tuple[float, float]:  # the slowest rank's forward and backward (its stages summed)
+            return max(sum(F[s] for s in held) for held in ranks), max(sum(B[s] for s in held) for held in ranks)
         if simulate_pipeline and cluster.crowding:  # workers sharing cores: stages take turns (shared_cores.py)
             free, real, compute = shared_makespans(lay.schedule, p, m, v, tuple(fwd), tuple(bwd), tuple(tpc),
                                                    transfer, cluster.crowding, host, wire)
             busy[r_max] = compute + tp_comm + cp_comm + ep_comm
             simulated = True
-        elif simulate_pipeline:
+        elif simulate_pipeline:  # each send and receive also costs its rank the host's time, on its clock
             free = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), 0.0)
-            if host:  # a stage's receive and send around each forward and backward, on its rank's clock
-                ends = [(s > 0) + (s < p * v - 1) for s in range(p * v)]
-                F = [f + host * n for f, n in zip(F, ends)]
-                B = [b_ + host * n for b_, n in zip(B, ends)]
-            real = makespan(lay.schedule, p, m, v, tuple(F), tuple(B), transfer, wire)
+            real = makespan(lay.schedule, p, m, v, *map(tuple, hosted), transfer, wire)
             simulated = True
-        else:  # the closed form on the slowest rank's times: only to shortlist
-            f_r = max(sum(F[s] for s in held) for held in ranks)
-            b_r = max(sum(B[s] for s in held) for held in ranks)
-            # (where the law does not hold, e.g. zero bubble with fewer microbatches than stages, a bound that
-            # does: an underestimate there would fill the shortlist with layouts the simulator then ranks low)
-            free = m * (f_r + b_r) + spec.idle.bounded(p, m, v, f_r, *split_backward(b_r))
-            real = free + 2 * (p - 1) * transfer
+        else:  # the first pass, only to shortlist: the schedule's closed form on the slowest rank's times, or
+            #    where its law does not hold (zero bubble with fewer microbatches than stages) a lower bound,
+            #    which make_plan shortlists apart (a bound from above kept the best of them off the shortlist)
+            f_r, b_r = slowest(F, B)
+            lower = not spec.idle.holds(p, m, v, f_r, *split_backward(b_r))
+
+            def closed(F, B, transfer: float) -> float:
+                if lower:  # the last stage waits for the first microbatch's forwards, then does all its work;
+                    #        the first stage's last W waits for the last microbatch to go down and its input
+                    #        gradient to come back; no rank does less than its own work (v = 1 here)
+                    I = [split_backward(b_)[0] for b_ in B]
+                    return max(sum(F[:-1]) + (p - 1) * transfer + m * (F[-1] + B[-1]),
+                               m * F[0] + sum(F[1:]) + sum(I) + split_backward(B[0])[1] + 2 * (p - 1) * transfer,
+                               max(m * (f + b_) for f, b_ in zip(F, B)))
+                f_r, b_r = slowest(F, B)
+                return m * (f_r + b_r) + spec.idle.bounded(p, m, v, f_r, *split_backward(b_r)) + 2 * (p - 1) * transfer
+            free = closed(F, B, 0.0)
+            real = closed(*hosted, transfer)
         bubble = max(free - busy[r_max], 0.0)
+        if not simulate_pipeline and lower:
+            notes.append(LOWER)
         # tied embeddings: the last stage's copy of the token table, its gradient summed with the first stage's
         tied = cluster.collective("all_reduce", work.tied_parameters / t * e, 2, pp_link) if work.tied_parameters else 0
         pp_comm = max(real - free, 0.0) + tied
@@ -331,7 +349,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     acts = []
     for r, held in enumerate(ranks):
         per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in held) / len(held) / C
-        acts.append(per_mb * alive[r])
+        again = max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / C
+        acts.append(per_mb * alive[r] + again)
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):

@@ -133,7 +133,7 @@ def against(run: Run) -> dict:
     pins, schedules = run.techniques
     theirs = [x for x in enumerate_layouts(work, run.workers, run.global_batch, run.cluster.devices_per_node,
                                            fixed=pins) if x.schedule in (None, *schedules)]
-    rough = sorted(step for step, _, fits in rough_many(work, theirs, run.cluster, cfg) if fits)
+    rough = sorted(step for step, _, fits, _ in rough_many(work, theirs, run.cluster, cfg) if fits)
     first = got.plan.ranked[0]
     return predicted(run) | {
         "rank": got.rank_all, "fitting": got.plan.fitting, "top_percent": got.top_percent,

@@ -2,9 +2,11 @@
 
 Two passes, so a 1024-worker search takes seconds: every layout is first
 predicted with its schedule's closed form (the registry's idle law on the
-slowest rank's times); the fastest ``shortlist`` of those that fit are then
-predicted again with the schedule simulator on their per-stage times, and
-ranked by that. Every row a plan shows is simulated. :func:`why_first`
+slowest rank's times; where the law does not hold, a zero-bubble schedule
+with fewer microbatches than stages, a lower bound); the fastest
+``shortlist`` of those that fit, and up to four times as many of the
+bounded ones whose bound beats the last of them, are then predicted again
+with the schedule simulator on their per-stage times, and ranked by that. Every row a plan shows is simulated. :func:`why_first`
 says, in one sentence, which terms make the first beat the second.
 
 Both passes run on every core this process may use (a forked pool): the
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from .cluster import Cluster
 from .layouts import Layout, devices_problem, enumerate_layouts, why_none
-from .predict import Prediction, Setting, predict
+from .predict import LOWER, Prediction, Setting, predict
 from .workload import Workload
 
 
@@ -48,10 +50,11 @@ def _predict(work: Workload, cluster: Cluster, setting: Setting, simulate: bool,
     return predict(work, layout, cluster, setting, simulate_pipeline=simulate)
 
 
-def _rough(work: Workload, cluster: Cluster, setting: Setting, layout: Layout) -> tuple[float, float, bool]:
-    """The first pass's answer for one layout, as little as crosses a process boundary: (step, memory, fits)."""
+def _rough(work: Workload, cluster: Cluster, setting: Setting, layout: Layout) -> tuple[float, float, bool, bool]:
+    """The first pass's answer for one layout, as little as crosses a process boundary: (step, memory, fits,
+    whether the step is a lower bound: a pipeline no closed form holds for)."""
     x = predict(work, layout, cluster, setting, simulate_pipeline=False)
-    return x.step, x.memory, x.fits
+    return x.step, x.memory, x.fits, LOWER in x.notes
 
 
 def _cores() -> int:
@@ -90,7 +93,8 @@ def predict_many(work: Workload, layouts: list[Layout], cluster: Cluster, settin
 def rough_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting,
                tick=None) -> list[tuple[float, float, bool]]:
     """The first pass (closed forms) over every layout, on the cores this process may use: (step, memory,
-    fits) each, in order; chunks of a few hundred layouts, so what returns costs little beside the work."""
+    fits, lower bound) each, in order; chunks of a few hundred layouts, so what returns costs little beside the
+    work."""
     return _map(functools.partial(_rough, work, cluster, setting), layouts, tick, 256)
 
 
@@ -112,7 +116,7 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
     rough = rough_many(work, layouts, cluster, setting, tick=tick)
     least = min(range(len(layouts)), key=lambda i: rough[i][1])
     smallest = predict(work, layouts[least], cluster, setting, simulate_pipeline=False)
-    fitting = sorted((step, i) for i, (step, _, fits) in enumerate(rough) if fits)
+    fitting = sorted((step, i) for i, (step, _, fits, _) in enumerate(rough) if fits)
     if not fitting:
         parts = smallest.memory_parts
         raise NoLayout(
@@ -120,7 +124,14 @@ def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, 
             f"smallest found needs {smallest.memory / 1e9:.4g} GB ({smallest.layout.label()}: model states "
             f"{parts['model_states'] / 1e9:.4g} GB, activations {parts['activations'] / 1e9:.4g} GB); give more "
             "--workers, a smaller --global-batch or model, or a cluster with more memory")
-    final = predict_many(work, [layouts[i] for _, i in fitting[:keep]], cluster, setting, simulate=True, tick=tick)
+    # the fastest ``keep`` by their closed forms, and of the pipelines no closed form holds for (ranked by a
+    # lower bound, loose: many variants of one pipeline share it) the 4 x ``keep`` whose bound beats the last
+    # of those: simulated (the variants' simulations are shared)
+    closed = [i for _, i in fitting if not rough[i][3]][:keep]
+    cut = rough[closed[-1]][0] if len(closed) == keep else float("inf")
+    bounded = [i for step, i in fitting if rough[i][3] and step < cut][:4 * keep]
+    total = len(layouts) + len(closed) + len(bounded)  # the progress bar's (tick reads it)
+    final = predict_many(work, [layouts[i] for i in closed + bounded], cluster, setting, simulate=True, tick=tick)
     final = [x for x in final if x.fits]
     final.sort(key=lambda x: (x.step, x.memory))
     return Plan(work, cluster, setting, workers, final[:top], len(layouts), len(fitting), smallest,

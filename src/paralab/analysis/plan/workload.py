@@ -281,6 +281,24 @@ class Workload:
             total += 4 * s * b * h / tp * (1 + V / h)
         return total * e / 2  # published for 16-bit activations
 
+    def recompute_transient(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int) -> float:
+        """Bytes a recomputing stage holds beyond what it keeps, one unit at a time: a recomputed unit's
+        activations (for a gpt block under selective recomputation its attention's, the s x s scores of eager
+        attention among them) live from its recomputation through its backward, one block at a time, on top
+        of every microbatch's kept activations. The largest unit of ``lo..hi-1``' (0 without recomputation,
+        or without a block to recompute)."""
+        if recompute == "none" or not self.blocks_in(lo, hi) and self.kind == "gpt":
+            return 0.0
+        if self.kind != "gpt":
+            return max((u.kept_elements * b + u.kept_fixed for u in self.units[lo:hi]), default=0) * e
+        sh = self.shape
+        s, h, a = sh["context"], sh["embed"], sh["heads"]
+        if self.activations == "paralab":
+            return (paralab_block_elements(b, s, h, a, tp, sp) - paralab_block_elements(b, s, h, a, tp, sp, recompute)) * e
+        shape = dict(kv_heads=sh["kv_heads"], ffn_hidden=sh["ffn_hidden"], mlp=sh["mlp"], attention=sh["attention"])
+        return (published_block_bytes(b, s, h, a, tp, sp, "none", **shape)
+                - published_block_bytes(b, s, h, a, tp, sp, recompute, **shape)) * e / 2
+
     @_per_range
     def recompute_flops(self, lo: int, hi: int, b: int, recompute: str) -> float:
         """Extra forward FLOPs a microbatch's backward spends recomputing, units ``lo..hi-1``."""
