@@ -219,15 +219,14 @@ def test_the_first_pass_bounds_from_below_where_no_law_holds_and_counts_the_host
     send's and receive's host time, as the simulation does, so a cluster with a dear send does not shortlist
     pipelines the simulator then ranks low."""
     import dataclasses
-    from paralab.analysis.plan.predict import LOWER
     w = gpt_workload(16, 1024, 16, 1024, 50257)
     for label in ("dp2 tp2 pp8 zb-h1 m4xb1", "dp1 tp4 pp8 zb-h2 m2xb2 rc-full", "dp1 tp2 pp16 zb-h1 m1xb8"):
         lay = Layout.parse(label)
         rough, exact = (predict(w, lay, H100, Setting(8), simulate_pipeline=sim) for sim in (False, True))
-        assert LOWER in rough.notes and LOWER not in exact.notes, label
+        assert rough.bounded and not exact.bounded, label
         assert 0.8 * exact.step < rough.step <= exact.step * (1 + 1e-12), label
-    assert LOWER not in predict(w, Layout.parse("dp1 tp1 pp8 zb-h1 m8xb1"), H100, Setting(8),
-                                simulate_pipeline=False).notes  # m = p: the law
+    assert not predict(w, Layout.parse("dp1 tp1 pp8 zb-h1 m8xb1"), H100, Setting(8),
+                       simulate_pipeline=False).bounded  # m = p: the law
     lay = Layout.parse("dp2 tp2 pp4 1f1b m16xb1")
     dear = dataclasses.replace(H100, p2p_overhead_us=500.0)  # the step nearly doubles
     (rough, exact), (rough_dear, exact_dear) = [[predict(w, lay, c, Setting(32), simulate_pipeline=sim).step

@@ -219,7 +219,9 @@ def ramp(efficiency: float, half_gflop: float) -> tuple:
 
 
 def with_parameters(base: Cluster, values: dict) -> Cluster:
-    """``base`` with the fitted ``values`` (:data:`FREE`'s names) in place: every other figure is base's."""
+    """``base`` with the fitted ``values`` (:data:`FREE`'s names) in place, its ramp from ``efficiency`` and
+    ``half_gflop``, and no additive per-unit cost (the fitted ``launch_us`` stands for it); every other figure
+    is base's."""
     v = dict(values)
     return replace(base, matmul=ramp(v.pop("efficiency"), v.pop("half_gflop")), efficiency=values["efficiency"],
                    unit_overhead_us=0.0, **v)

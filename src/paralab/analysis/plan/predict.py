@@ -85,7 +85,6 @@ from .workload import Workload
 
 BUCKET_BYTES = 25 * 2 ** 20  # ddp's default --bucket-mb
 FIRST_BUCKET = 2 ** 20       # ddp's first bucket closes at 1 MiB
-LOWER = "the first pass's pipeline is a lower bound (no closed form holds)"  # make_plan shortlists these apart
 REWALK = 0.5                 # a split backward's W walks the activation gradients again: 1.5 whole backwards
 
 
@@ -120,6 +119,8 @@ class Prediction:
     memory_parts: dict = field(default_factory=dict)
     fits: bool = True
     simulated: bool = False   # bubble from the simulator (else the schedule's closed form, for the shortlist)
+    bounded: bool = False     # the first pass's pipeline is a lower bound: no closed form holds (make_plan
+    #                           shortlists these apart)
     mfu: float = 0.0
     tokens_per_s: float = 0.0
     samples_per_s: float = 0.0
@@ -238,7 +239,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     tp_comm = sum(m * tpc[s] for s in ranks[r_max]) - cp_comm - ep_comm
     # ---------------------------------------------------------------- pipeline
     bubble = pp_comm = 0.0
-    simulated = False
+    simulated = bounded = False
     if p > 1:
         boundary = max(work.units[hi - 1].output_elements for lo, hi in stages[:-1]) * b * e / (t if lay.sp else 1) / C
         transfer = cluster.collective("send", boundary, 2, pp_link)
@@ -265,10 +266,10 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             #    where its law does not hold (zero bubble with fewer microbatches than stages) a lower bound,
             #    which make_plan shortlists apart (a bound from above kept the best of them off the shortlist)
             f_r, b_r = slowest(F, B)
-            lower = not spec.idle.holds(p, m, v, f_r, *split_backward(b_r))
+            bounded = not spec.idle.holds(p, m, v, f_r, *split_backward(b_r))
 
             def closed(F, B, transfer: float) -> float:
-                if lower:  # the last stage waits for the first microbatch's forwards, then does all its work;
+                if bounded:  # the last stage waits for the first microbatch's forwards, then does all its work;
                     #        the first stage's last W waits for the last microbatch to go down and its input
                     #        gradient to come back; no rank does less than its own work (v = 1 here)
                     I = [split_backward(b_)[0] for b_ in B]
@@ -280,8 +281,6 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
             free = closed(F, B, 0.0)
             real = closed(*hosted, transfer)
         bubble = max(free - busy[r_max], 0.0)
-        if not simulate_pipeline and lower:
-            notes.append(LOWER)
         # tied embeddings: the last stage's copy of the token table, its gradient summed with the first stage's
         tied = cluster.collective("all_reduce", work.tied_parameters / t * e, 2, pp_link) if work.tied_parameters else 0
         pp_comm = max(real - free, 0.0) + tied
@@ -373,7 +372,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                        + (" + ddp's gradient buckets (Psi)" if lay.zero == 0 else "")},
                       fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
                       mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
-                      ep_comm=ep_comm,
+                      ep_comm=ep_comm, bounded=bounded,
                       memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
 
 

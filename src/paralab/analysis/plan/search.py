@@ -6,8 +6,9 @@ slowest rank's times; where the law does not hold, a zero-bubble schedule
 with fewer microbatches than stages, a lower bound); the fastest
 ``shortlist`` of those that fit, and up to four times as many of the
 bounded ones whose bound beats the last of them, are then predicted again
-with the schedule simulator on their per-stage times, and ranked by that. Every row a plan shows is simulated. :func:`why_first`
-says, in one sentence, which terms make the first beat the second.
+with the schedule simulator on their per-stage times, and ranked by that.
+Every row a plan shows is simulated. :func:`why_first` says, in one
+sentence, which terms make the first beat the second.
 
 Both passes run on every core this process may use (a forked pool): the
 simulations one layout at a time, the closed forms in chunks of a few
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .cluster import Cluster
 from .layouts import Layout, devices_problem, enumerate_layouts, why_none
-from .predict import LOWER, Prediction, Setting, predict
+from .predict import Prediction, Setting, predict
 from .workload import Workload
 
 
@@ -54,7 +55,7 @@ def _rough(work: Workload, cluster: Cluster, setting: Setting, layout: Layout) -
     """The first pass's answer for one layout, as little as crosses a process boundary: (step, memory, fits,
     whether the step is a lower bound: a pipeline no closed form holds for)."""
     x = predict(work, layout, cluster, setting, simulate_pipeline=False)
-    return x.step, x.memory, x.fits, LOWER in x.notes
+    return x.step, x.memory, x.fits, x.bounded
 
 
 def _cores() -> int:
@@ -91,7 +92,7 @@ def predict_many(work: Workload, layouts: list[Layout], cluster: Cluster, settin
 
 
 def rough_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting: Setting,
-               tick=None) -> list[tuple[float, float, bool]]:
+               tick=None) -> list[tuple[float, float, bool, bool]]:
     """The first pass (closed forms) over every layout, on the cores this process may use: (step, memory,
     fits, lower bound) each, in order; chunks of a few hundred layouts, so what returns costs little beside the
     work."""

@@ -287,7 +287,7 @@ class Workload:
         attention among them) live from its recomputation through its backward, one block at a time, on top
         of every microbatch's kept activations. The largest unit of ``lo..hi-1``' (0 without recomputation,
         or without a block to recompute)."""
-        if recompute == "none" or not self.blocks_in(lo, hi) and self.kind == "gpt":
+        if recompute == "none" or (self.kind == "gpt" and not self.blocks_in(lo, hi)):
             return 0.0
         if self.kind != "gpt":
             return max((u.kept_elements * b + u.kept_fixed for u in self.units[lo:hi]), default=0) * e
