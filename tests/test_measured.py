@@ -117,6 +117,17 @@ def test_a_fit_recovers_the_parameters_that_made_a_table():
         assert found[name] == pytest.approx(truth[name], rel=0.05), name
 
 
+def test_a_fit_in_worker_processes_is_a_single_processs_bit_for_bit():
+    """The rows spread over processes come back in order with the same floats: the same times, and a fit that
+    moves through the same points to the same values."""
+    rows = ROWS[::5]
+    for cluster in (PRESETS["a100-sxm"], PRESETS["a100-sxm-datasheet"]):
+        with M.Predictor(rows, workers=3) as spread:
+            assert len(spread.pools) == 3 and spread(cluster) == M.predicted(rows, cluster)
+    alone, spread = (M.fit(ROWS[::15], PRESETS["a100-sxm-datasheet"], iterations=45, workers=w)[1] for w in (1, 2))
+    assert alone == spread and alone != M.fit(ROWS[::15], PRESETS["a100-sxm-datasheet"], iterations=0)[1]
+
+
 def test_spearman_ranks_ties_at_their_mean():
     assert M.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert M.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -18,13 +18,17 @@ fastest, less one).
 log error over the rows, by Nelder and Mead's simplex in the logarithms of the parameters (deterministic: the
 same table and start give the same cluster). The matmul efficiency by size is the two-parameter ramp
 ``efficiency x f / (f + half)`` of a matmul of ``f`` FLOPs (:func:`ramp`), written into the cluster's
-``matmul`` points. ``paralab measured`` (``commands/measured.py``) prints both; docs/plan.md shows them for
+``matmul`` points. A fit spreads the rows over worker processes (:class:`Predictor`, one per core by
+default): each predicts its share and the parent puts the times back in row order, so the losses, and the
+fit, are bit-for-bit a single process's. ``paralab measured`` (``commands/measured.py``) prints both; docs/plan.md shows them for
 the shipped set.
 """
 from __future__ import annotations
 
 import csv
 import math
+import multiprocessing
+import os
 import statistics
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -233,9 +237,11 @@ def _bounds(base: Cluster) -> list[tuple[float, float]]:
 
 
 def fit(rows: list[Row], base: Cluster, facts: Facts = Facts(), iterations: int = 300, start: dict | None = None,
-        progress=None) -> tuple[Cluster, dict]:
+        progress=None, workers: int | None = None) -> tuple[Cluster, dict]:
     """(``base`` with :data:`FREE` fitted to ``rows``, the fitted values). ``start``: where the simplex starts
-    (default each parameter's start in :data:`FREE`, clipped to its bounds); ``progress(done, total, loss)``."""
+    (default each parameter's start in :data:`FREE`, clipped to its bounds); ``progress(done, total, loss)``;
+    ``workers``: the processes that predict the rows (:class:`Predictor`; default one per core), which
+    changes how long a fit takes, not what it finds."""
     bounds = _bounds(base)
     names = [name for name, *_ in FREE]
     x0 = [math.log(min(max((start or {}).get(n, s), max(lo, 1e-3)), hi))
@@ -244,20 +250,68 @@ def fit(rows: list[Row], base: Cluster, facts: Facts = Facts(), iterations: int 
     def values(x) -> dict:
         return {n: min(max(math.exp(v), lo), hi) for n, v, (lo, hi) in zip(names, x, bounds)}
 
-    def loss(x) -> float:
-        return squared_log_error(rows, with_parameters(base, values(x)), facts)
-
     best = x0
-    for round in range(ROUNDS):  # a fresh simplex around the best point: out of a valley the last one shrank into
-        best = simplex(loss, best, iterations // ROUNDS,
-                       progress and (lambda done, total, low, k=round: progress(k * total + done, iterations, low)))
+    with Predictor(rows, facts, workers) as times:
+        def loss(x) -> float:
+            cluster = with_parameters(base, values(x))
+            return squared_log_error(rows, cluster, facts, times(cluster))
+
+        for round in range(ROUNDS):  # a fresh simplex around the best point: out of a valley the last one shrank into
+            best = simplex(loss, best, iterations // ROUNDS,
+                           progress and (lambda done, total, low, k=round: progress(k * total + done, iterations, low)))
     found = values(best)
     return with_parameters(base, found), found
 
 
-def squared_log_error(rows: list[Row], cluster: Cluster, facts: Facts = Facts()) -> float:
-    """What a fit minimises: the mean over the rows of log(predicted / measured) squared."""
-    return statistics.fmean(math.log(t / r.ms) ** 2 for t, r in zip(predicted(rows, cluster, facts), rows))
+def squared_log_error(rows: list[Row], cluster: Cluster, facts: Facts = Facts(), times: list[float] | None = None
+                      ) -> float:
+    """What a fit minimises: the mean over the rows of log(predicted / measured) squared (``times``: the rows'
+    predicted times, if already known)."""
+    times = predicted(rows, cluster, facts) if times is None else times
+    return statistics.fmean(math.log(t / r.ms) ** 2 for t, r in zip(times, rows))
+
+
+_SHARE: tuple[list[Row], Facts] | None = None  # a Predictor's worker: its rows and facts, set once when it starts
+
+
+def _keep_share(rows: list[Row], facts: Facts) -> None:
+    global _SHARE
+    _SHARE = (rows, facts)
+
+
+def _predict_share(cluster: Cluster) -> list[float]:
+    return predicted(_SHARE[0], cluster, _SHARE[1])
+
+
+class Predictor:
+    """:func:`predicted` over ``rows``, spread over ``workers`` processes (a contiguous share of the rows each,
+    sent once when they start; then only a cluster goes out and times come back), the times in row order:
+    each row's time is computed by the same code on the same numbers, so it is the same float as in one
+    process. One worker, or a platform without ``fork``: no processes. A context manager: the workers end
+    with it."""
+
+    def __init__(self, rows: list[Row], facts: Facts = Facts(), workers: int | None = None):
+        self.rows, self.facts = rows, facts
+        n = max(1, min(workers or os.cpu_count() or 1, len(rows)))
+        self.pools = []
+        if n > 1 and "fork" in multiprocessing.get_all_start_methods():
+            ctx = multiprocessing.get_context("fork")  # the rows are inherited, not pickled: no torch start-up
+            cuts = [len(rows) * k // n for k in range(n + 1)]
+            self.pools = [ctx.Pool(1, _keep_share, (rows[a:b], facts)) for a, b in zip(cuts, cuts[1:])]
+
+    def __call__(self, cluster: Cluster) -> list[float]:
+        if not self.pools:
+            return predicted(self.rows, cluster, self.facts)
+        pending = [pool.apply_async(_predict_share, (cluster,)) for pool in self.pools]
+        return [t for share in pending for t in share.get()]
+
+    def __enter__(self) -> "Predictor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pool in self.pools:
+            pool.terminate()
+            pool.join()
 
 
 def fitted_values(cluster: Cluster) -> dict:

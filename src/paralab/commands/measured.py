@@ -45,6 +45,8 @@ class MeasuredOptions:
     hold_out: str = option(None, "with --fit: model sizes (HIDDENxLAYERS, comma-separated) left out of the fit "
                                  "and reported apart", type=str, metavar="SIZES")
     iterations: int = option(300, "with --fit: moves of the simplex", positive=True)
+    jobs: int = option(0, "with --fit: processes that predict the rows (0: one per core); the fit found is the "
+                          "same with any number", minimum=0)
     worst: int = option(5, "rows with the largest errors to show", minimum=0)
     json: bool = option(False, "print the report as JSON (for scripts)")
 
@@ -72,7 +74,7 @@ def run(args) -> int:
         train = [r for r in rows if r.size not in held]
         bar = Progress(args.iterations, "fit", enabled=sys.stderr.isatty() and not args.json)
         try:
-            cluster, values = M.fit(train, base, iterations=args.iterations,
+            cluster, values = M.fit(train, base, iterations=args.iterations, workers=args.jobs or None,
                                     progress=lambda done, total, low: bar.update(done, f"mean squared log error {low:.4g}"))
         finally:
             bar.clear()
