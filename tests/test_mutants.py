@@ -232,6 +232,16 @@ MUTANTS = [
            "mask = documents.allowed(q.shape[0], q_pos[qs], k_pos[ks], q.device)", "mask = None",
            docs("cp", "--workers", "2", "--packing"),
            "ring attention's blocks causal only: a packed row's tokens see the documents before theirs"),
+    # ---- the run's own code the reference does not share (check/reference.py rebuilds the schedule with torch's)
+    Mutant("cosine-warmup-off-by-one", "training/lr_schedule.py",
+           "return target * min(1.0, (step + 1) / warmup_steps)", "return target * min(1.0, step / warmup_steps)",
+           cnn("ddp", "--workers", "2", "--lr-schedule", "cosine", "--warmup-epochs", "0.125"),
+           "the warm-up's first step at rate 0, its last below the target: the schedule one step late"),
+    Mutant("documents-loss-counts-padding", "training/losses.py",
+           "return at.elements / (targets * at.valid) if at.valid else 1.0 / targets", "return 1.0 / targets",
+           docs("ddp", "--workers", "2"),
+           "every layout's loss over all its targets, padding counted: the mean over the wrong count (the "
+           "reference's loss is torch's cross-entropy with ignore_index)"),
 ]
 
 
@@ -272,6 +282,8 @@ FIRST = {
     "clip-experts-averaged": "step 1, rank 0, backward of 3.out (Linear) weight gradient",
     "loss-mean-per-microbatch": "step 1, rank 0, forward of the loss",
     "ring-attends-across-documents": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
+    "cosine-warmup-off-by-one": "step 1, rank 0, optimizer step of 0.0 (Conv2d) weight",
+    "documents-loss-counts-padding": "step 1, rank 0, forward of the loss",
 }
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import run_paralab
-from paralab.training.lr_schedule import lr_at
+from paralab.check.reference import TorchSchedule
+from paralab.training.lr_schedule import LRSchedule, lr_at
 
 GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--synthetic-size", "512", "--layers", "2", "--embed", "32", "--heads", "4",
        "--context", "16", "--batch-size", "16", "--eval-batches", "1", "--eval-batch-size", "16",
@@ -40,6 +41,42 @@ def test_the_cosine_schedule_is_torchs(lr, warmup, total, min_lr):
                   schedule="cosine", min_lr=min_lr, total_steps=total) for s in range(total)]
     assert ours == pytest.approx(torch_rates(lr, warmup, total, min_lr), rel=1e-12, abs=1e-15)
     assert ours[warmup] == lr and min_lr < ours[-1] < ours[warmup]
+
+
+# (lr, --lr-scaling, global batch, --warmup-epochs, steps an epoch, --lr-schedule, --min-lr, steps): warm-ups of
+# 0, whole and fractional steps, a linear scaling that raises the rate (batch 512) and one that lowers it (16)
+SCHEDULES = [LRSchedule(lr, scaling, batch, warm, 5, kind, floor, 40)
+             for lr in (0.1, 3e-4) for scaling in ("none", "linear") for batch in (16, 512)
+             for warm in (0, 0.2, 1, 0.5, 2.5) for kind, floor in (("constant", 0.0), ("cosine", 0.0), ("cosine", 1e-5))]
+
+
+def test_the_references_schedule_is_torchs_and_the_runs_is_the_same():
+    """The reference's rates come from torch's schedulers (check/reference.py), the run's from its own code: the
+    same at every step, warm-ups up or down, whole or fractional; a cosine warm-up of a fractional number of steps
+    is one torch's schedulers cannot express (the reference then takes the run's)."""
+    compared = 0
+    for schedule in SCHEDULES:
+        whole = float(schedule.warmup_steps).is_integer()
+        assert TorchSchedule.expressible(schedule) == (schedule.kind == "constant" or whole)
+        if not TorchSchedule.expressible(schedule):
+            continue
+        theirs = TorchSchedule(schedule)
+        for step in range(schedule.total_steps + 3):  # (a constant schedule holds past its steps)
+            if schedule.kind == "cosine" and step >= schedule.total_steps:
+                break
+            assert theirs(step) == pytest.approx(schedule(step), rel=1e-12), (schedule, step)
+            compared += 1
+    assert compared > 2500
+    ramp = LRSchedule(0.1, "linear", 512, 0.5, 5, "constant")  # 2.5 steps from 0.1 up to 0.2, then held
+    assert [TorchSchedule(ramp)(s) for s in range(4)] == pytest.approx([0.1, 0.14, 0.18, 0.2])
+
+
+def test_a_fractional_cosine_warm_up_is_said_to_be_shared(tmp_path):
+    r = run_paralab("train", "ddp", "--workers", "2", "--dataset", "synthetic", "--synthetic-size", "256",
+                    "--width", "0.125", "--batch-size", "16", "--num-batches", "4", "--lr-schedule", "cosine",
+                    "--warmup-epochs", "0.1", "--eval-batches", "1", "--check", out=tmp_path / "run")
+    assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "the reference takes the run's own learning-rate schedule (a cosine warm-up of 1.6 steps" in r.stdout
 
 
 def rates_recorded(run) -> list[float]:

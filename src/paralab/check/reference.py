@@ -32,15 +32,19 @@ Why these tolerances, and what a check cannot see: docs/correctness.md
 """
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ..data.documents import IGNORE
 from ..data.loader import to_device
 from ..training import step as steps
 from ..training.losses import cross_entropy
-from ..training.lr_schedule import set_lr
+from ..training.lr_schedule import REFERENCE_BATCH, LRSchedule, set_lr
 
 from ..models.moe import moe_layers
 from ..strategies.base import has_batchnorm, split_microbatches, take_history, training_loss
@@ -52,6 +56,59 @@ from ..strategies.portable import optimizer_by_name
 #: docs/correctness.md#tolerances
 TOLERANCES = {"fp32": {"weights": 1e-5, "optimizer": 1e-4, "loss": 1e-4, "grad_norm": 1e-4, "outputs": 1e-4},
               "fp64": {"weights": 1e-9, "optimizer": 1e-9, "loss": 1e-8, "grad_norm": 1e-10, "outputs": 1e-8}}
+
+
+class TorchSchedule:
+    """A run's learning-rate schedule (:class:`~paralab.training.lr_schedule.LRSchedule`'s options) rebuilt from
+    torch's own schedulers (``torch.optim.lr_scheduler``), stepped on an optimizer of its own: what the
+    reference trains with, so the run's schedule code is checked rather than shared (an off-by-one in its
+    warm-up moves the run's weights and not the reference's). ``schedule(step)`` is step ``step``'s rate.
+
+    - constant: the target is ``lr x global batch / 256`` under ``--lr-scaling linear``, else ``lr``; a warm-up
+      of W steps is ``LinearLR`` from ``lr`` to the target over W steps, then ``ConstantLR`` at the target from
+      step ceil(W) (both as factors of the larger of ``lr`` and the target: torch's factors lie in [0, 1]);
+    - cosine: ``LinearLR`` from target / W to the target over steps 0 .. W-1, then ``CosineAnnealingLR`` down to
+      ``min_lr`` over the T - W steps left (W = 0: the cosine alone).
+
+    :func:`expressible` says whether torch's schedulers can express a schedule at all: a cosine warm-up of a
+    fractional number of steps they cannot (the reference then uses the run's, and the check says so)."""
+
+    def __init__(self, schedule: LRSchedule):
+        from torch.optim import lr_scheduler as S
+        self.rates: list[float] = []
+        w = schedule.warmup_steps
+        target = schedule.lr * schedule.global_batch / REFERENCE_BATCH if schedule.scaling == "linear" else schedule.lr
+        top = max(schedule.lr, target) if schedule.kind == "constant" and w > 0 else target  # the factors' 1
+        self.optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=top)
+        with warnings.catch_warnings():  # SequentialLR steps the next scheduler with an epoch, which torch deprecates
+            warnings.simplefilter("ignore")
+            if schedule.kind == "cosine":
+                cosine = S.CosineAnnealingLR(self.optimizer, T_max=schedule.total_steps - int(w),
+                                             eta_min=schedule.min_lr)
+                self.scheduler = cosine if w == 0 else S.SequentialLR(self.optimizer, [
+                    S.LinearLR(self.optimizer, start_factor=1 / w, end_factor=1.0, total_iters=int(w) - 1), cosine],
+                    milestones=[int(w)])
+            elif w > 0:
+                ramp = S.LinearLR(self.optimizer, start_factor=schedule.lr / top, end_factor=target / top,
+                                  total_iters=w)
+                held = S.ConstantLR(self.optimizer, factor=target / top, total_iters=2 ** 62)
+                self.scheduler = S.SequentialLR(self.optimizer, [ramp, held], milestones=[math.ceil(w)])
+            else:
+                self.scheduler = None  # the target throughout
+
+    @staticmethod
+    def expressible(schedule: LRSchedule) -> bool:
+        return schedule.kind != "cosine" or float(schedule.warmup_steps).is_integer()
+
+    def __call__(self, step: int) -> float:
+        while len(self.rates) <= step:  # stepped as far as asked, once
+            self.rates.append(self.optimizer.param_groups[0]["lr"])
+            if self.scheduler is not None:
+                self.optimizer.step()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self.scheduler.step()
+        return self.rates[step]
 
 
 def reference_train(model, optimizer, source_batch, until: int, replicas: int, microbatches: int,
@@ -94,10 +151,17 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
             with steps.entered(steps.of_rows(step, seed, x, y, rows=len(y), first=0, targets=targets,
                                              packing=bool(packing))):
                 logits = model(x)
-                training_loss(cross_entropy, model, logits, y)[0].backward()
-                with torch.no_grad():  # (documents: each shard's loss under the step's global count)
-                    rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
-                    losses.append([cross_entropy(logits[a:b], y[a:b]).item() for a, b in zip(rows, rows[1:])])
+            # the loss straight from torch, not from the run's training/losses.py: the mean over the global
+            # batch's targets, under documents over its valid ones (ignore_index), which is what every layout's
+            # pieces must add up to
+            flat, labels = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            valid = (labels != IGNORE).sum().item()
+            (F.cross_entropy(flat, labels, ignore_index=IGNORE) if valid else flat.sum() * 0.0).backward()
+            with torch.no_grad():  # each shard's loss as its rank reports it (losses.py's module docstring)
+                per_target = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none").view(len(y), -1)
+                rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
+                losses.append([(per_target[a:b].sum() * len(y) / ((b - a) * valid) if packing is not None and valid
+                                else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])])
         else:
             total = sum(len(s[1]) for s in shards)
             kept_buffers = None

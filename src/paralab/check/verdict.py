@@ -37,9 +37,10 @@ import torch.nn as nn
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
 from ..training import step as steps
+from ..training.lr_schedule import LRSchedule
 from . import kept
-from .reference import (ADAMS, TOLERANCES, Comparison, bits_deviation, compare_optimizer, compare_tensors,
-                        optimizer_state, reference_train, worst)
+from .reference import (ADAMS, TOLERANCES, Comparison, TorchSchedule, bits_deviation, compare_optimizer,
+                        compare_tensors, optimizer_state, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
 KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
@@ -101,7 +102,10 @@ class Reference:
         self.optimizer = optim_fn(list(self.model.parameters()))
         self.replicas, _ = strategy.replicas()
         self.microbatches, self.bn_rule = strategy.microbatches, strategy.bn_rule
-        self.source, self.lr_for = source, lr_for
+        self.source = source
+        # the run's schedule rebuilt from torch's schedulers (not the run's code), where torch's can express it
+        self.own_schedule = isinstance(lr_for, LRSchedule) and TorchSchedule.expressible(lr_for)
+        self.lr_for = TorchSchedule(lr_for) if self.own_schedule else lr_for
         self.packing = source.packing if source.documents else None  # documents: packed, padded; None: not
         self.step = 0
         self.losses: dict[int, list[float]] = {}  # step -> each shard's training loss
@@ -163,6 +167,10 @@ class Check:
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")
+        if not self.ref.own_schedule and isinstance(lr_for, LRSchedule) and lr_for.warmup_steps:
+            say(f"check: the reference takes the run's own learning-rate schedule (a cosine warm-up of "
+                f"{lr_for.warmup_steps:g} steps, which torch's schedulers cannot express), so the schedule itself "
+                "is not checked: a --warmup-epochs of a whole number of steps is")
 
     # ------------------------------------------------------------ at the checked steps
     def after_step(self, step: int) -> None:

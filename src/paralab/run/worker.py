@@ -34,7 +34,7 @@ from ..models import build_model, count_parameters, model_shape
 from ..progress import Progress
 from ..recorder import Recorder
 from ..training import recompute
-from ..training.lr_schedule import lr_at, set_lr
+from ..training.lr_schedule import LRSchedule, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
@@ -77,10 +77,9 @@ def build_model_factory(cfg: RunConfig, num_classes: int, built: list | None = N
     return make
 
 
-def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int, total_steps: int):
-    return functools.partial(lr_at, lr=cfg.lr, scaling=cfg.lr_scaling, global_batch=global_batch,
-                             warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps_per_epoch,
-                             schedule=cfg.lr_schedule, min_lr=cfg.min_lr, total_steps=total_steps)
+def make_lr_for(cfg: RunConfig, global_batch: int, steps_per_epoch: int, total_steps: int) -> LRSchedule:
+    return LRSchedule(cfg.lr, cfg.lr_scaling, global_batch, cfg.warmup_epochs, steps_per_epoch, cfg.lr_schedule,
+                    cfg.min_lr, total_steps)
 
 
 def init_group(cfg: RunConfig, rank: int, world: int, device: torch.device, init_method: str | None):
@@ -155,7 +154,7 @@ class Setup:
     model_fn: object        # the seeded model factory (the reference builds its model from it)
     roots: list             # a replay's: the models the strategy built from it (their modules, named)
     optimizers: list        # every optimizer the strategy made, for the learning-rate schedule
-    lr_for: object          # step -> learning rate
+    lr_for: LRSchedule        # step -> learning rate
     dtype: torch.dtype       # the run's float type (inputs are cast to it)
     global_batch: int
     total_steps: int

@@ -24,6 +24,7 @@ checkpoint's identity).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 REFERENCE_BATCH = 256
 
@@ -44,6 +45,30 @@ def lr_at(step: int, *, lr: float, scaling: str, global_batch: int, warmup_epoch
     if warmup_steps <= 0 or step >= warmup_steps:
         return target
     return lr + (target - lr) * step / warmup_steps
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """A run's schedule, as its options and data fix it: ``schedule(step)`` is step ``step``'s rate
+    (:func:`lr_at`). The fields are what ``check/reference.py`` rebuilds the same schedule from with torch's
+    own schedulers, so the reference shares none of this code with the run."""
+    lr: float
+    scaling: str
+    global_batch: int
+    warmup_epochs: float
+    steps_per_epoch: int
+    kind: str = "constant"      # --lr-schedule
+    min_lr: float = 0.0
+    total_steps: int = 0
+
+    @property
+    def warmup_steps(self) -> float:
+        return self.warmup_epochs * self.steps_per_epoch
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, lr=self.lr, scaling=self.scaling, global_batch=self.global_batch,
+                     warmup_epochs=self.warmup_epochs, steps_per_epoch=self.steps_per_epoch, schedule=self.kind,
+                     min_lr=self.min_lr, total_steps=self.total_steps)
 
 
 def set_lr(optimizers, value: float) -> None:
