@@ -11,6 +11,7 @@ import torch
 
 from conftest import run_paralab
 from paralab.check.diverge import DIRECTIONS, Finding, deviation, plain_name
+from paralab.strategies.context.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ["--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "4",
@@ -28,6 +29,10 @@ def test_a_rank_output_is_compared_with_the_slice_at_its_own_coordinate():
     # a balanced context split: cp rank 0 of 2 holds the sequence's quarters 0 and 3
     held = torch.cat([whole[:, 0:2], whole[:, 6:8]], 1)
     assert deviation(held, whole, {"tp": 0, "cp": 0}, {"tp": 1, "cp": 2}) == 0.0
+    # chunks dealt for packed documents (quarters 0 and 2 on cp rank 0): the rank's layout of the step maps them
+    dealt = Layout(8, 2, assignment=((0, 2), (1, 3)))
+    held = torch.cat([whole[:, 0:2], whole[:, 4:6]], 1)
+    assert deviation(held, whole, {"cp": 0}, {"cp": 2}, dealt) == 0.0 and deviation(held, whole, {"cp": 0}, {"cp": 2}) > 0
     # what maps to no slice is not compared (an expert's routed tokens)
     assert deviation(torch.zeros(5, 6), whole, {"tp": 0}, sizes) is None
 
@@ -57,11 +62,15 @@ LAYOUTS = {
                     "--virtual-stages", "2", "--layers", "4"),
     "zb-h1": ("pipeline", "--workers", "2", "--microbatches", "4", "--schedule", "zb-h1"),
     "ulysses": ("cp", "--workers", "2", "--cp-method", "all-to-all"),
+    # packed documents: step 2's chunks are dealt otherwise than the head + tail pairing (the replay once
+    # compared them with the pairing's and named a divergence of correct code)
+    "cp dealt": ("cp", "--workers", "2", "--dataset", "synthetic-docs", "--packing", "--context", "64",
+                 "--doc-length", "5"),
     "torch-fsdp x tp": ("torch-fsdp", "--workers", "4", "--tp", "2"),
     "dp x tp x pp": ("ddp", "--workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"),
     "recipe": ("ddp", "--workers", "2", "--clip-grad", "0.05", "--optimizer", "adamw", "--lr", "0.01"),
 }
-FAST = ("tp+sp", "pp 1f1b", "zero-1")
+FAST = ("tp+sp", "pp 1f1b", "zero-1", "cp dealt")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])

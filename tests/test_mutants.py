@@ -20,7 +20,12 @@ out (``check: not exercised: ...`` says so at run time):
 - PowerSGD starts after ``--powersgd-start-iter`` steps;
 - a ring of 2 cp ranks has next == previous (``--cp 4``);
 - 2 workers give fsdp no padding at this width (``--workers 3``);
-- recomputation's random state matters only with ``--dropout``.
+- recomputation's random state matters only with ``--dropout``;
+- equal microbatches hide their weights (``--accumulate`` M of a shard M divides);
+- a capacity that drops nothing hides what a drop does;
+- packed documents dealt as the head + tail pairing hide a dealt layout;
+- ASCII text never reaches tp rank 1's share of the byte vocabulary (``--dataset jargon`` does; its commands
+  skip where Debian's jargon-text is not installed).
 
 Every check runs at the default precision of ``--check`` (fp64): the fp32
 course setting moves the weights less than its tolerance for the small-gradient
@@ -242,6 +247,28 @@ MUTANTS = [
            docs("ddp", "--workers", "2"),
            "every layout's loss over all its targets, padding counted: the mean over the wrong count (the "
            "reference's loss is torch's cross-entropy with ignore_index)"),
+    # ---- paths only some data reaches (a smaller check says it left them out: HIDDEN)
+    Mutant("microbatches-weighted-equally", "strategies/base.py",
+           "return [(xs, ys, len(ys) / n) for xs, ys in", "return [(xs, ys, 1 / m) for xs, ys in",
+           gpt("ddp", "--workers", "2", "--accumulate", "3"),
+           "gradient accumulation's microbatches weighted 1/M, not by its share of the samples: wrong only where they differ in size"),
+    Mutant("ep-all-gather-computes-dropped-choices", "strategies/expert/dispatch.py",
+           "choice = torch.where(routing.kept, routing.expert, routing.expert.new_full((), -1)).contiguous()",
+           "choice = routing.expert.contiguous()",
+           gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--dispatcher",
+               "all-gather", "--capacity-factor", "1"),
+           "the all-gather dispatcher sends the choices the capacity dropped to their experts too"),
+    Mutant("cp-dealt-positions-rebound", "strategies/context/strategy.py",
+           "self.positions.copy_(self.layout.positions(self.comm.rank))",
+           "self.positions = self.layout.positions(self.comm.rank)",
+           docs("cp", "--workers", "2", "--packing", "--context", "32", "--doc-length", "5"),
+           "the dealt chunks' positions bound to a new tensor the modules never see (they keep the head + tail "
+           "pairing's): wrong only where a step is dealt otherwise"),
+    Mutant("tp-vocabulary-share-off-by-its-rank", "strategies/tensor/gpt.py",
+           "self.start = tp.rank * self.local_vocab", "self.start = tp.rank * (self.local_vocab + 1)",
+           gpt("tp", "--workers", "2", "--dataset", "jargon"),
+           "the vocabulary-parallel embedding's share on tp rank r starting r ids late: wrong only for tokens "
+           "past the first share (bytes of 128 or more, which ASCII text never has)"),
 ]
 
 
@@ -284,6 +311,10 @@ FIRST = {
     "ring-attends-across-documents": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
     "cosine-warmup-off-by-one": "step 1, rank 0, optimizer step of 0.0 (Conv2d) weight",
     "documents-loss-counts-padding": "step 1, rank 0, forward of the loss",
+    "microbatches-weighted-equally": "step 1, rank 0, forward of the loss",
+    "ep-all-gather-computes-dropped-choices": "step 1, rank 0, forward of 1.mlp (MoE) output",
+    "cp-dealt-positions-rebound": "step 2, rank 0, forward of 0 (Embedding) output",  # step 1 is paired
+    "tp-vocabulary-share-off-by-its-rank": "step 1, rank 0, forward of 0 (Embedding) output",  # once named at 1.ln1
 }
 
 
@@ -294,6 +325,13 @@ HIDDEN = [
     ("cp-ring-backwards", gpt("cp", "--workers", "2", "--cp-method", "ring"), "a ring of 2 ranks"),
     ("powersgd-no-error-feedback", cnn("ddp", "--workers", "2", "--compress", "powersgd"), "nothing was compressed"),
     ("recompute-forgets-the-generator", gpt("single", "--recompute", "full"), "draws no random numbers"),
+    ("microbatches-weighted-equally", gpt("ddp", "--workers", "2", "--accumulate", "2"),
+     "microbatches held equally many samples"),
+    ("ep-all-gather-computes-dropped-choices",
+     gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--dispatcher", "all-gather",
+         "--capacity-factor", "4"), "dropped no token's choice"),
+    ("cp-dealt-positions-rebound", docs("cp", "--workers", "2", "--packing"), "dealt as the head + tail pairing"),
+    ("tp-vocabulary-share-off-by-its-rank", gpt("tp", "--workers", "2"), "share of the vocabulary"),
 ]
 
 
@@ -331,8 +369,16 @@ def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
 
 @pytest.mark.parametrize("command", sorted({m.command for m in MUTANTS}), ids=lambda c: " ".join(c[:3]))
 def test_the_unchanged_package_passes_each_command(zygote, pristine, tmp_path, command):
+    needs_jargon(command)
     r = train(zygote, pristine, command, tmp_path / "run")
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def needs_jargon(command: tuple) -> None:
+    """A command over the Jargon File (real text, bytes past ASCII) skips where Debian's jargon-text is absent."""
+    from paralab.data import text
+    if "jargon" in command and text.text_path("jargon", None) is None:
+        pytest.skip("Debian's jargon-text is not installed (apt-get install jargon-text; CI installs it)")
 
 
 def mutated(pristine: Path, dest: Path, mutant: Mutant) -> Path:
@@ -347,6 +393,7 @@ def mutated(pristine: Path, dest: Path, mutant: Mutant) -> Path:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_check_catches_the_mutant(zygote, pristine, tmp_path, mutant):
+    needs_jargon(mutant.command)
     r = train(zygote, mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
     output = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{mutant.name} ({mutant.why}) not caught:\n{output}"

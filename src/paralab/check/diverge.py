@@ -133,9 +133,11 @@ def names_of(roots: list[nn.Module]) -> dict[int, str]:
     return {id(m): plain_name(name) for root in roots for name, m in root.named_modules() if name}
 
 
-def slices(whole: torch.Tensor, shape: torch.Size, coords: dict[str, int], sizes: dict[str, int]):
+def slices(whole: torch.Tensor, shape: torch.Size, coords: dict[str, int], sizes: dict[str, int], cp_layout=None):
     """The slices of ``whole`` a rank at ``coords`` may hold with ``shape``: the chunk at its tp or cp
-    coordinate along the one dimension that differs, or a balanced cp split's pair of chunks."""
+    coordinate along the one dimension that differs, or a balanced cp split's pair of chunks, or (``cp_layout``:
+    the context split the rank's strategy used this step, ``strategies/context/layout.py``) the chunks it says
+    the rank held, as dealt for packed documents."""
     if whole.shape == shape:
         return [whole]
     if whole.dim() != len(shape):
@@ -154,11 +156,13 @@ def slices(whole: torch.Tensor, shape: torch.Size, coords: dict[str, int], sizes
         halves = whole.chunk(2 * k, d)
         if len(halves) == 2 * k:
             out.append(torch.cat([halves[i], halves[2 * k - 1 - i]], d))
+        if dim == "cp" and cp_layout is not None and whole.shape[d] == cp_layout.context:
+            out.append(cp_layout.take(whole, i, dim=d))
     return out
 
 
-def deviation(mine: torch.Tensor, whole: torch.Tensor, coords, sizes) -> float | None:
-    candidates = [c for c in slices(whole, mine.shape, coords, sizes) if c.shape == mine.shape]
+def deviation(mine: torch.Tensor, whole: torch.Tensor, coords, sizes, cp_layout=None) -> float | None:
+    candidates = [c for c in slices(whole, mine.shape, coords, sizes, cp_layout) if c.shape == mine.shape]
     if not candidates:
         return None
     devs = [float((mine - c).abs().max()) if mine.numel() else 0.0 for c in candidates]
@@ -312,11 +316,13 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     coords = dict(mesh.coords)
     sizes = {d: mesh.size(d) for d in ("tp", "cp") if d in coords}
     skip_experts = "ep" in coords and mesh.size("ep") > 1  # an expert's rows are the tokens routed to it
+    cp = getattr(strategy, "cp", None)  # context parallelism: its split of this step (dealt for packed documents)
+    cp_layout = getattr(cp, "layout", None)
     for order, (name, k) in enumerate(expected.sequence):
         if skip_experts and ".experts." in f".{name}.":
             continue
         ours = mine.calls.get(name, [])
-        dev = deviation(ours[k], expected.calls[name][k], coords, sizes) if k < len(ours) else None
+        dev = deviation(ours[k], expected.calls[name][k], coords, sizes, cp_layout) if k < len(ours) else None
         if dev is not None and dev > tol["outputs"]:
             return finding(0, order, name, "output", dev)
     if loss is not None and not abs(loss - ref_loss) <= tol["loss"]:

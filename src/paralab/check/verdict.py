@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ..data.loader import to_device
 from ..strategies.compression import reference_for
+from ..strategies.tensor.strategy import tp_of
 from ..training import step as steps
 from ..training.lr_schedule import LRSchedule
 from . import kept
@@ -72,7 +73,8 @@ def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
     if cfg.recompute != "none" and MODALITY[cfg.model] == "text" and not cfg.dropout:
         notes.append(f"--recompute {cfg.recompute}: the gpt draws no random numbers (--dropout 0), so what a "
                      "recompute restores for them is not exercised: --dropout 0.1")
-    return notes + strategy.unexercised()
+    tp = tp_of(strategy)
+    return notes + strategy.unexercised() + (tp.unexercised() if tp is not None else [])
 
 
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
@@ -150,6 +152,9 @@ class Check:
         self.kept: dict[int, kept.Snapshot] | None = None  # loaded from --check-cache: no training
         self.keeping: dict[int, kept.Snapshot] = {}        # what rank 0 keeps for later runs
         self.norms: dict[int, float] = {}  # the reference's gradient norms (--clip-grad), on every rank at the end
+        # what this rank's steps reached (:meth:`saw`): choices the capacity dropped, whether a step routed tokens
+        # (a mixture of experts) or was cut into microbatches of unequal sizes
+        self.seen = {"dropped": 0, "routed": False, "uneven": False}
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
             return
@@ -178,6 +183,14 @@ class Check:
         (:meth:`finish` compares the last). Collective; outside the step's timing."""
         if step in self.steps and step != self.total:
             self.compare_at(step)
+
+    def saw(self, step: steps.Step, result) -> None:
+        """A step the loop took (its value and the strategy's ``StepResult``): what it reached, for the paths
+        the verdict says were not exercised."""
+        self.seen["dropped"] += sum(layer["dropped"] for layer in result.moe or ())
+        self.seen["routed"] |= bool(result.moe)
+        m = self.strategy.microbatches
+        self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
 
     def reference_at(self, step: int) -> kept.Snapshot:
         if self.kept is not None:
@@ -319,13 +332,14 @@ class Check:
                 "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
                 "worst_weight": by_kind["weights"].worst,
                 "max": {k: c.max_abs for k, c in by_kind.items()}, "history": sorted(history.items()),
-                "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped()}
+                "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped(),
+                "seen": self.seen}
         verdicts = self.comm.all_gather_objects(mine)
         for v in verdicts:
             self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
         passed = all(v["passed"] for v in verdicts)
         self.say(f"check: {'PASS' if passed else 'FAIL'}")
-        notes = list(dict.fromkeys(n for v in verdicts for n in v["unexercised"]))
+        notes = list(dict.fromkeys([n for v in verdicts for n in v["unexercised"]] + self.unreached(verdicts)))
         for note in notes:
             self.say(f"check: not exercised: {note}")
         self.explain(verdicts)
@@ -342,6 +356,23 @@ class Check:
                 "max_output_dev": largest["outputs"],
                 "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
                 "unexercised": notes, "ranks": verdicts}
+
+    def unreached(self, verdicts: list[dict]) -> list[str]:
+        """Paths that depend on the data, over every rank's steps (:meth:`saw`): a capacity that dropped nothing,
+        microbatches that were all of one size."""
+        notes = []
+        seen = [v["seen"] for v in verdicts]
+        factor = getattr(self.cfg, "capacity_factor", None)
+        if factor is not None and any(s["routed"] for s in seen) and not any(s["dropped"] for s in seen):
+            notes.append(f"--capacity-factor {factor:g} dropped no token's choice, so what a drop does (the choice's "
+                         "expert output left out, the capacity's order of first and second choices) is not "
+                         "exercised: a smaller --capacity-factor (e.g. 0.5)")
+        m = self.strategy.microbatches
+        if m > 1 and not self.strategy.equal_microbatches and not any(s["uneven"] for s in seen):
+            notes.append(f"every step's {m} microbatches held equally many samples, so microbatches of unequal "
+                         "sizes (each weighted by its share of the samples) are not exercised: a --batch-size whose "
+                         f"shards {m} does not divide")
+        return notes
 
     def unclipped(self) -> list[str]:
         """``--clip-grad`` that never clipped (every norm of the checked steps at or below it): the norm was

@@ -214,6 +214,7 @@ class Checked(Listener):
         self.check = check
 
     def end_step(self, taken: Taken) -> None:
+        self.check.saw(taken.step, taken.result)
         self.check.after_step(taken.step.index + 1)
 
 

@@ -38,6 +38,7 @@ from ..training.lr_schedule import LRSchedule, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
+from ..strategies.tensor.strategy import tp_of
 
 
 def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -252,13 +253,15 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     replicas, replica = s.strategy.replicas()
     ref = Reference(s.strategy, s.source, build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg),
                     s.lr_for, cfg.seed)
+    tp = tp_of(s.strategy)  # the modules tp built in a unit's place are hooked too, under the unit's name
+    roots = s.roots + ([tp.modules()] if tp is not None else [])
     progress = Progress(s.total_steps, "first divergence", enabled=rank == 0 and cfg.progress)
     found = None
     for step in range(s.total_steps):
         set_lr(s.optimizers, s.lr_for(step))
         x, y = s.source.batch(step)
         x, y = to_device(x, device, s.dtype), y.to(device)
-        mine = diverge.locate(step, x, y, s.strategy, s.roots, s.optimizers, ref, s.mesh, replica, cfg.precision)
+        mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, cfg.precision)
         every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
         progress.update(step + 1)
         if every:

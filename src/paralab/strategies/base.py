@@ -225,6 +225,8 @@ class Strategy:
     #: gradients and the optimizer step, and steps its optimizers with ``ctx.update`` (or honours
     #: ``ctx.skipping``); :meth:`run_step` puts the norm and the skip into the step's result
     clips: bool = False
+    #: it refuses microbatches of unequal sizes (a pipeline), so they are no path of it a check could leave out
+    equal_microbatches: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx

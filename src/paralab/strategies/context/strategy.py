@@ -80,6 +80,7 @@ class ContextParallelism:
         self.positions = layout.positions(comm.rank)  # the modules hold this tensor: a new layout updates it in place
         self.by_documents = by_documents and layout.balanced and method == "ring"
         self.spreads: list[tuple[float, float]] = []  # per step: the ring's blocks over the even share, dealt and paired
+        self.dealt = 0  # steps whose chunks were dealt otherwise than the head + tail pairing
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention of this rank's tokens over the whole sequence (ring or Ulysses), in the current layout."""
@@ -94,6 +95,7 @@ class ContextParallelism:
         pairs = tuple(fixed.chunks_of(r) for r in range(fixed.size))  # head + tail
         work = balance.block_work(ids, fixed.chunks)
         self.layout = dataclasses.replace(fixed, assignment=balance.deal(work, pairs))
+        self.dealt += self.layout.assignment != pairs
         self.positions.copy_(self.layout.positions(self.comm.rank))
         even = balance.even_time(work, fixed.size)
         self.spreads.append((balance.ring_time(work, self.layout.assignment) / even,
@@ -155,6 +157,7 @@ class ContextParallel(Strategy):
         inner_ctx = dataclasses.replace(ctx, cp=self.cp, mesh=_GradientMesh(ctx.mesh))
         self.inner = inner_cls(inner_ctx, model_fn, optim_fn, **(inner_kwargs or {}))
         self.microbatches, self.bn_rule = self.inner.microbatches, self.inner.bn_rule
+        self.equal_microbatches = self.inner.equal_microbatches
         self.replicated = True  # every cp rank holds the same parameters
 
     # ------------------------------------------------------------ declarations
@@ -253,7 +256,11 @@ class ContextParallel(Strategy):
         ring = ["cp: a ring of 2 ranks, where each rank's next is also its previous, so the direction K/V travel "
                 "is not exercised: --cp 4 (and --workers 4)"] if self.cp.method == "ring" and self.cp.comm.world == 2 \
             else []
-        return ring + self.inner.unexercised()
+        paired = ["cp: every step's chunks were dealt as the head + tail pairing (no better deal for where "
+                  "its documents end), so a dealt layout (other chunks, in another order, on each rank) is not "
+                  "exercised: more chunks (--cp 4, and --workers 4) or more document ends in a sequence (a longer "
+                  "--context, a shorter --doc-length)"] if self.cp.spreads and not self.cp.dealt else []
+        return ring + paired + self.inner.unexercised()
 
     def extra_summary(self):
         layout = self.cp.layout

@@ -76,6 +76,7 @@ class PipelineOptions(PartitionOptions):
 
 class Pipeline(Strategy):
     name = "pipeline"
+    equal_microbatches = True  # validate() refuses a shard its microbatches do not divide
     options = (PipelineOptions,)
     moe = True  # stage.py carries the load-balancing loss on each unit's output
     clips = True

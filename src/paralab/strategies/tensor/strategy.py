@@ -79,6 +79,7 @@ class TensorParallelism:
             for path, module in unit.named_modules():
                 for key, dim in getattr(module, "split", {}).items():
                     self.layout[f"{i}.{path}.{key}" if path else f"{i}.{key}"] = dim
+        self.built: dict[int, nn.Module] = {}  # the units shard() replaced by a new module, by index (not the above)
 
     # ------------------------------------------------------------ what strategies ask (ctx.tp)
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
@@ -87,7 +88,25 @@ class TensorParallelism:
             twins = {i: tp_gpt.shard_unit(self.group, u) for i, u in units.items()}
         else:
             twins = {i: tp_vgg.shard_unit(self.group, i, u, self.roles) for i, u in units.items()}
+        self.built = {**getattr(self, "built", {}), **{i: t for i, t in twins.items() if t is not units[i]}}
         return recompute.apply(twins, self.recompute)
+
+    def unexercised(self) -> list[str]:
+        """A share of the vocabulary no token of the run fell in (tp rank 1 of 2 holds bytes 128-255, which ASCII
+        text never has): the embedding's and the loss's offsets past the first share are then not exercised."""
+        notes = []
+        for e in (t for t in self.built.values() if isinstance(t, tp_gpt.TPEmbedding)):
+            if int(e.reached) == 0:
+                notes.append(f"tp: no token of this run fell in tp rank {self.group.rank}'s share of the vocabulary "
+                             f"(ids {e.start}-{e.start + e.local_vocab - 1}), so the vocabulary-parallel embedding "
+                             "and loss past the first share are not exercised: a text with such bytes (--dataset "
+                             "jargon, whose UTF-8 reaches 255)")
+        return notes
+
+    def modules(self) -> nn.ModuleDict:
+        """The modules shard() built in a unit's place (the gpt's embedding and head), named by the unit's index as
+        the whole model names it: what the first divergence hooks beside the models' own."""
+        return nn.ModuleDict({str(i): t for i, t in sorted(self.built.items())})
 
     def activation_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-sample shape entering unit ``index`` (``len(model)``: the output) once sharded."""
@@ -118,6 +137,12 @@ class TensorParallelism:
         return whole
 
 
+def tp_of(strategy) -> TensorParallelism | None:
+    """A strategy's tp dimension: composed (``ctx.tp``) or pure (``tp``'s own); None without one."""
+    tp = getattr(strategy.ctx, "tp", None) or getattr(strategy, "tp", None)
+    return tp if isinstance(tp, TensorParallelism) else None
+
+
 class TensorParallel(Strategy):
     name = "tp"
     options = (TensorOptions,)
@@ -136,6 +161,7 @@ class TensorParallel(Strategy):
         self.inner = inner_cls(dataclasses.replace(ctx, tp=self.tp), model_fn, optim_fn, **(inner_kwargs or {}))
         # what the reference replays and the records read: the inner strategy's
         self.microbatches, self.bn_rule = self.inner.microbatches, self.inner.bn_rule
+        self.equal_microbatches = self.inner.equal_microbatches
         self.replicated = True  # full_state_dict is gathered whole on every rank: all must agree
 
     # ------------------------------------------------------------ declarations
