@@ -70,7 +70,7 @@ LAYOUTS = {
     "dp x tp x pp": ("ddp", "--workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"),
     "recipe": ("ddp", "--workers", "2", "--clip-grad", "0.05", "--optimizer", "adamw", "--lr", "0.01"),
 }
-FAST = ("tp+sp", "pp 1f1b", "zero-1", "cp dealt")
+FAST = ("tp+sp", "pp 1f1b", "zero-1")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])

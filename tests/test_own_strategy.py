@@ -175,6 +175,33 @@ def test_collectives_called_from_torch_distributed_directly_work_and_are_counted
     assert all("untimed_collectives" not in d for d in r.summary["strategy_details"].values())
 
 
+COUNTS = '''import torch
+from paralab.strategies.replicas import Replicas
+
+
+class ForgetsFromTheSecondStep(Replicas):
+    """Averages at its first step; from its second on it forgets to divide (it counts its own steps)."""
+    steps = 0
+
+    @torch.no_grad()
+    def finish(self):
+        self.steps += 1
+        for p in self.params:
+            self.comm.all_reduce(p.grad)
+            if self.steps < 2:
+                p.grad /= self.comm.world
+'''
+
+
+def test_a_users_strategy_that_counts_its_own_steps_is_named_at_the_step_it_goes_wrong(tmp_path):
+    """The replay takes each step twice (probed, then for real) and puts back what the user's object held between
+    (its step count here): the bug is named at step 2, where the run goes wrong, not at step 1."""
+    (tmp_path / "counts.py").write_text(COUNTS)
+    r = run_paralab("train", str(tmp_path / "counts.py"), *CNN, out=tmp_path / "run")
+    assert r.returncode == 1 and "check: FAIL" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "check: first divergence: step 2, rank 0, backward of" in r.stdout, r.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operation(tmp_path):
     (tmp_path / "hangs.py").write_text(HANGS)

@@ -250,19 +250,67 @@ def fits(t: torch.Tensor) -> bool:
     return local.untyped_storage().nbytes() >= local.numel() * local.element_size()
 
 
+def _plain(v) -> bool:
+    """A value copied and put back as it is: numbers, strings, None, and containers of them."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(_plain(k) and _plain(x) for k, x in v.items())
+    return False
+
+
+def users_objects(strategy) -> list:
+    """The objects of classes from a user's file (``strategies/user.py``) a strategy holds: itself, its
+    data-parallel flavour, an inner strategy's (followed through paralab's own objects, not modules or
+    tensors)."""
+    from ..strategies.user import PREFIX
+    found, seen, todo = [], set(), [strategy]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if type(o).__module__.startswith(PREFIX):
+            found.append(o)
+        for v in getattr(o, "__dict__", {}).values():
+            if type(v).__module__.startswith(("paralab.", PREFIX)) and not isinstance(v, (nn.Module, torch.Tensor)):
+                todo.append(v)
+    return found
+
+
+class UsersState:
+    """What a user's objects hold in plain values (a step count, a flag), kept before the probed step and put
+    back after it: the replay takes each step twice, and a user's strategy counting its own steps would
+    otherwise count two a step and go wrong a step early. (Their tensors are put back as every strategy's are.)"""
+
+    def __init__(self, strategy):
+        self.kept = [(o, copy.deepcopy({k: v for k, v in vars(o).items() if _plain(v)}))
+                     for o in users_objects(strategy)]
+
+    def restore(self) -> None:
+        for o, state in self.kept:
+            for k in [k for k, v in vars(o).items() if _plain(v) and k not in state]:
+                delattr(o, k)  # set by the probed step (a count a class attribute started)
+            vars(o).update(copy.deepcopy(state))
+
+
 def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: list):
     """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``before -
     after`` of ``full_state_dict`` under ``w -= g``), then, every tensor put back, for real. Returns (the
     module outputs, the gradients by name, the loss reported, the weights after). What a parameter holds in
     ``.grad`` when the step starts is put back too: a gradient a strategy wrongly keeps from one step to the
     next is then seen in the next step's gradients, where the run first differs, not doubled by the probe
-    into this step's update."""
+    into this step's update; what a user's strategy holds in plain values is put back too (:class:`UsersState`)."""
     held = weights_of(strategy, roots, optimizers)
     kept = [t.detach().clone() for t in held]
     grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in held if t.requires_grad]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
+    users = UsersState(strategy)
     with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
         strategy.run_step(step.x, step.y)
+    users.restore()
     probed = strategy.full_state_dict()
     gradients = {k: before[k] - probed[k].detach() for k in before}
     with torch.no_grad():
