@@ -191,6 +191,9 @@ class Check:
         self.seen["routed"] |= bool(result.moe)
         m = self.strategy.microbatches
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
+        tp = tp_of(self.strategy)
+        if tp is not None and step.x is not None and not step.x.is_floating_point():  # tokens: which shares they hit
+            tp.saw(step.x)
 
     def reference_at(self, step: int) -> kept.Snapshot:
         if self.kept is not None:

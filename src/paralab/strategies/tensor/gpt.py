@@ -84,12 +84,11 @@ class TPEmbedding(nn.Module):
         self.tokens.weight = nn.Parameter(tp.shard(plain.tokens.weight, 0))
         self.positions = plain.positions
         self.position_ids = plain.position_ids  # context parallelism's global positions, if set
-        self.reached = torch.zeros((), dtype=torch.long)  # tokens of this rank's share its forwards saw (a check's note)
+        self.reached = 0  # tokens of this rank's share a check saw in the steps' batches (TensorParallelism.saw)
 
     def forward(self, idx):
         local = idx - self.start
         mine = (local >= 0) & (local < self.local_vocab)
-        self.reached = self.reached.to(mine.device) + mine.sum()  # no sync: read once, at the end
         # the table read directly, not through self.tokens(...): its rows are a partial sum before tp's, which no
         # single process computes (the first divergence compares every module called; row-parallel layers alike)
         rows = F.embedding(local.clamp(0, self.local_vocab - 1), self.tokens.weight)

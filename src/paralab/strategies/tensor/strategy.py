@@ -91,12 +91,17 @@ class TensorParallelism:
         self.built = {**getattr(self, "built", {}), **{i: t for i, t in twins.items() if t is not units[i]}}
         return recompute.apply(twins, self.recompute)
 
+    def saw(self, tokens: torch.Tensor) -> None:
+        """A step's tokens (``--check``'s listener, outside the step): how many fell in each embedding's share."""
+        for e in (t for t in self.built.values() if isinstance(t, tp_gpt.TPEmbedding)):
+            e.reached += int(((tokens >= e.start) & (tokens < e.start + e.local_vocab)).sum())
+
     def unexercised(self) -> list[str]:
         """A share of the vocabulary no token of the run fell in (tp rank 1 of 2 holds bytes 128-255, which ASCII
         text never has): the embedding's and the loss's offsets past the first share are then not exercised."""
         notes = []
         for e in (t for t in self.built.values() if isinstance(t, tp_gpt.TPEmbedding)):
-            if int(e.reached) == 0:
+            if e.reached == 0:
                 notes.append(f"tp: no token of this run fell in tp rank {self.group.rank}'s share of the vocabulary "
                              f"(ids {e.start}-{e.start + e.local_vocab - 1}), so the vocabulary-parallel embedding "
                              "and loss past the first share are not exercised: a text with such bytes (--dataset "
