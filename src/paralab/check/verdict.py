@@ -73,8 +73,7 @@ def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
     if cfg.recompute != "none" and MODALITY[cfg.model] == "text" and not cfg.dropout:
         notes.append(f"--recompute {cfg.recompute}: the gpt draws no random numbers (--dropout 0), so what a "
                      "recompute restores for them is not exercised: --dropout 0.1")
-    tp = tp_of(strategy)
-    return notes + strategy.unexercised() + (tp.unexercised() if tp is not None else [])
+    return notes + strategy.unexercised()
 
 
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
@@ -153,8 +152,11 @@ class Check:
         self.keeping: dict[int, kept.Snapshot] = {}        # what rank 0 keeps for later runs
         self.norms: dict[int, float] = {}  # the reference's gradient norms (--clip-grad), on every rank at the end
         # what this rank's steps reached (:meth:`saw`): choices the capacity dropped, whether a step routed tokens
-        # (a mixture of experts) or was cut into microbatches of unequal sizes
-        self.seen = {"dropped": 0, "routed": False, "uneven": False}
+        # (a mixture of experts) or was cut into microbatches of unequal sizes, and per share of the vocabulary this
+        # rank's tp embedding holds, [tp rank, first id, last id, tokens of the steps in it]
+        tp = tp_of(strategy)
+        self.seen = {"dropped": 0, "routed": False, "uneven": False,
+                     "shares": [[tp.group.rank, a, b, 0] for a, b in tp.vocabulary_shares()] if tp else []}
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
             return
@@ -172,7 +174,7 @@ class Check:
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")
-        if not self.ref.own_schedule and isinstance(lr_for, LRSchedule) and lr_for.warmup_steps:
+        if not self.ref.own_schedule and isinstance(lr_for, LRSchedule):  # a fractional cosine warm-up
             say(f"check: the reference takes the run's own learning-rate schedule (a cosine warm-up of "
                 f"{lr_for.warmup_steps:g} steps, which torch's schedulers cannot express), so the schedule itself "
                 "is not checked: a --warmup-epochs of a whole number of steps is")
@@ -191,9 +193,9 @@ class Check:
         self.seen["routed"] |= bool(result.moe)
         m = self.strategy.microbatches
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
-        tp = tp_of(self.strategy)
-        if tp is not None and step.x is not None and not step.x.is_floating_point():  # tokens: which shares they hit
-            tp.saw(step.x)
+        if step.x is not None and not step.x.is_floating_point():  # tokens: how many fell in each share
+            for share in self.seen["shares"]:
+                share[3] += int(((step.x >= share[1]) & (step.x <= share[2])).sum())
 
     def reference_at(self, step: int) -> kept.Snapshot:
         if self.kept is not None:
@@ -362,7 +364,8 @@ class Check:
 
     def unreached(self, verdicts: list[dict]) -> list[str]:
         """Paths that depend on the data, over every rank's steps (:meth:`saw`): a capacity that dropped nothing,
-        microbatches that were all of one size."""
+        microbatches that were all of one size, a tp rank's share of the vocabulary no token fell in (tp rank 1 of 2
+        holds bytes 128-255, which ASCII text never has)."""
         notes = []
         seen = [v["seen"] for v in verdicts]
         factor = getattr(self.cfg, "capacity_factor", None)
@@ -375,6 +378,11 @@ class Check:
             notes.append(f"every step's {m} microbatches held equally many samples, so microbatches of unequal "
                          "sizes (each weighted by its share of the samples) are not exercised: a --batch-size whose "
                          f"shards {m} does not divide")
+        for rank, first, last, tokens in (share for s in seen for share in s["shares"]):
+            if tokens == 0:
+                notes.append(f"tp: no token of this run fell in tp rank {rank}'s share of the vocabulary (ids "
+                             f"{first}-{last}), so the vocabulary-parallel embedding and loss past the first share "
+                             "are not exercised: a text with such bytes (--dataset jargon, whose UTF-8 reaches 255)")
         return notes
 
     def unclipped(self) -> list[str]:

@@ -155,7 +155,7 @@ class Setup:
     model_fn: object        # the seeded model factory (the reference builds its model from it)
     roots: list             # a replay's: the models the strategy built from it (their modules, named)
     optimizers: list        # every optimizer the strategy made, for the learning-rate schedule
-    lr_for: LRSchedule        # step -> learning rate
+    lr_for: LRSchedule      # step -> learning rate
     dtype: torch.dtype       # the run's float type (inputs are cast to it)
     global_batch: int
     total_steps: int

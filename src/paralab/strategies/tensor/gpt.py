@@ -84,7 +84,6 @@ class TPEmbedding(nn.Module):
         self.tokens.weight = nn.Parameter(tp.shard(plain.tokens.weight, 0))
         self.positions = plain.positions
         self.position_ids = plain.position_ids  # context parallelism's global positions, if set
-        self.reached = 0  # tokens of this rank's share a check saw in the steps' batches (TensorParallelism.saw)
 
     def forward(self, idx):
         local = idx - self.start

@@ -73,13 +73,14 @@ class TensorParallelism:
             raise UsageError("--sequence-parallel splits a transformer's sequence; the CNNs have none: drop it")
         self.units = len(model)
         self.roles = None if self.transformer else tp_vgg.conv_roles(model)
+        self.built: dict[int, nn.Module] = {}  # the units shard() replaced by a new module, by index
         # where every split tensor's slices go, for the whole model (any rank may be asked for all of it)
         self.layout: dict[str, int] = {}
         for i, unit in self.shard(dict(enumerate(model))).items():
             for path, module in unit.named_modules():
                 for key, dim in getattr(module, "split", {}).items():
                     self.layout[f"{i}.{path}.{key}" if path else f"{i}.{key}"] = dim
-        self.built: dict[int, nn.Module] = {}  # the units shard() replaced by a new module, by index (not the above)
+        self.built = {}  # not that throwaway model's: the strategy's own shard() fills it
 
     # ------------------------------------------------------------ what strategies ask (ctx.tp)
     def shard(self, units: dict[int, nn.Module]) -> dict[int, nn.Module]:
@@ -88,25 +89,14 @@ class TensorParallelism:
             twins = {i: tp_gpt.shard_unit(self.group, u) for i, u in units.items()}
         else:
             twins = {i: tp_vgg.shard_unit(self.group, i, u, self.roles) for i, u in units.items()}
-        self.built = {**getattr(self, "built", {}), **{i: t for i, t in twins.items() if t is not units[i]}}
+        self.built.update({i: t for i, t in twins.items() if t is not units[i]})
         return recompute.apply(twins, self.recompute)
 
-    def saw(self, tokens: torch.Tensor) -> None:
-        """A step's tokens (``--check``'s listener, outside the step): how many fell in each embedding's share."""
-        for e in (t for t in self.built.values() if isinstance(t, tp_gpt.TPEmbedding)):
-            e.reached += int(((tokens >= e.start) & (tokens < e.start + e.local_vocab)).sum())
-
-    def unexercised(self) -> list[str]:
-        """A share of the vocabulary no token of the run fell in (tp rank 1 of 2 holds bytes 128-255, which ASCII
-        text never has): the embedding's and the loss's offsets past the first share are then not exercised."""
-        notes = []
-        for e in (t for t in self.built.values() if isinstance(t, tp_gpt.TPEmbedding)):
-            if e.reached == 0:
-                notes.append(f"tp: no token of this run fell in tp rank {self.group.rank}'s share of the vocabulary "
-                             f"(ids {e.start}-{e.start + e.local_vocab - 1}), so the vocabulary-parallel embedding "
-                             "and loss past the first share are not exercised: a text with such bytes (--dataset "
-                             "jargon, whose UTF-8 reaches 255)")
-        return notes
+    def vocabulary_shares(self) -> list[tuple[int, int]]:
+        """The first and last token id of the vocabulary share each embedding shard() built holds (tp rank r of
+        T: ids r V / T .. (r + 1) V / T - 1); none for a CNN, or a pipeline stage without the embedding."""
+        return [(e.start, e.start + e.local_vocab - 1) for e in self.built.values()
+                if isinstance(e, tp_gpt.TPEmbedding)]
 
     def modules(self) -> nn.ModuleDict:
         """The modules shard() built in a unit's place (the gpt's embedding and head), named by the unit's index as
