@@ -16,6 +16,7 @@ having run nothing. Steps, each recorded even when it fails:
    (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker; the recipe
    (AdamW, cosine schedule, --clip-grad firing every step) under eight layouts; the example strategies
    from the user's own files (examples/strategies/); the non-finite guard (a NaN injected: stop, skip);
+   ``--jobs N`` runs N of the checks at a time, each its own process on the same GPU(s);
 3. the warm start: a ``--check`` forked from a ``paralab serve`` server (which
    must not have initialised CUDA), timed beside the same run started cold;
 4. benchmarks at 1 GPU: samples/s of ``single``, ``ddp``, ``torch-ddp``,
@@ -197,29 +198,41 @@ def check_row(name: str, workers: int, extra: list[str], out: Path, rc: int, tex
     return row
 
 
-def strategy_checks(gpus: int, tmp: Path) -> list[dict]:
-    rows = []
+def strategy_checks(gpus: int, tmp: Path, jobs: int = 1) -> list[dict]:
+    """Every check of the plan, ``jobs`` at a time (each its own process on the same GPU(s); the models are
+    small, so several share a device), one row each in the plan's order."""
+    rows: list[dict | None] = []
+    runs: list[tuple[int, str, int, list[str], list[str], Path]] = []  # (row, name, workers, shown, args, out)
     for name, workers, extra, why in plan_checks(gpus):
         if why:
             rows.append({"strategy": name, "status": "left out", "why": why})
             print(f"gpu-check: {name}: left out ({why})", flush=True)
             continue
         out = tmp / f"check-{name}"
-        rc, text, seconds = paralab("train", name, "--workers", str(workers), *CHECK_ARGS, *extra, "--out", str(out),
-                                    timeout=600)
-        rows.append(check_row(name, workers, extra, out, rc, text, seconds))
+        runs.append((len(rows), name, workers, extra, [name, "--workers", str(workers), *CHECK_ARGS, *extra], out))
+        rows.append(None)
     for i, (name, extra) in enumerate(DIMENSIONS):
         out = tmp / f"gpt-{i}-{name}"
-        rc, text, seconds = paralab("train", name, "--workers", "1", *GPT_CHECK, *extra, "--out", str(out))
-        rows.append(check_row(name, 1, ["--model", "gpt", *extra], out, rc, text, seconds))
+        runs.append((len(rows), name, 1, ["--model", "gpt", *extra], [name, "--workers", "1", *GPT_CHECK, *extra], out))
+        rows.append(None)
     for i, (name, extra) in enumerate(RECIPE_LAYOUTS):
         out = tmp / f"recipe-{i}-{name}"
-        rc, text, seconds = paralab("train", name, "--workers", "1", *GPT_CHECK, *RECIPE, *extra, "--out", str(out))
-        rows.append(check_row(name, 1, ["--model", "gpt", *RECIPE, *extra], out, rc, text, seconds))
+        runs.append((len(rows), name, 1, ["--model", "gpt", *RECIPE, *extra],
+                     [name, "--workers", "1", *GPT_CHECK, *RECIPE, *extra], out))
+        rows.append(None)
     for path in OWN:
         out = tmp / f"own-{Path(path).stem}"
-        rc, text, seconds = paralab("train", path, "--workers", "1", *CHECK_ARGS, "--out", str(out))
-        rows.append(check_row(path, 1, [], out, rc, text, seconds))
+        runs.append((len(rows), path, 1, [], [path, "--workers", "1", *CHECK_ARGS], out))
+        rows.append(None)
+
+    def one(run):
+        at, name, workers, shown, args, out = run
+        rc, text, seconds = paralab("train", *args, "--out", str(out), timeout=600)
+        rows[at] = check_row(name, workers, shown, out, rc, text, seconds)
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(one, runs))
     return rows
 
 
@@ -350,6 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="leave out the CUDA-marked tests")
     p.add_argument("--skip-checks", action="store_true", help="leave out the strategies' --check runs")
     p.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="checks run at a time, each its own process on the same GPU (default 1)")
     p.add_argument("--bench-steps", type=int, default=200, help="training steps per benchmark run (5 warm-up)")
     a = p.parse_args(argv)
     if os.environ.get("PARALAB_GPU_CHECK_CHILD") != "1":
@@ -380,7 +395,7 @@ def main(argv=None) -> int:
                   flush=True)
             write("gpu-check.json", result)
         if not a.skip_checks:
-            result["checks"] = strategy_checks(gpus, tmp)
+            result["checks"] = strategy_checks(gpus, tmp, a.jobs)
             failed |= any(r["status"] == "FAILED" for r in result["checks"])
             write("gpu-check.json", result)
             result["guard"] = guard(tmp)

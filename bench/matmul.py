@@ -15,7 +15,9 @@ ranks, a block's forward GEMMs (``x @ w``, ``x`` m x k, ``w`` k x n):
     up    k = h      n = 4 h / t    (the MLP's first matrix)
     down  k = 4 h/t  n = h          (its second)
 
-each the median of ``--repeats`` timed calls after a warm-up, as achieved
+each timed after a warm-up as ``--repeats`` calls queued back to back (the device's time per call, the
+host launching ahead as in a step that is not host-bound; one call alone, which also waits for its
+launch, is kept beside it as ``seconds_alone``), as achieved
 FLOP/s (``2 m n k`` per call) and, where the device's dense peak is known
 (``gpu_check.PEAKS``), its fraction of it, and the ramp a cluster file's
 ``matmul`` takes (the median fraction by FLOPs; the planner then times a
@@ -46,27 +48,46 @@ def shape(name: str, m: int, h: int, t: int) -> tuple[int, int, int]:
     return m, k, n
 
 
-def seconds_of(m: int, k: int, n: int, device: str, dtype, repeats: int) -> float:
-    """The median seconds of ``repeats`` calls of an (m x k) @ (k x n) matmul, after two untimed."""
+def seconds_of(m: int, k: int, n: int, device: str, dtype, repeats: int) -> tuple[float, float]:
+    """(queued, alone): seconds per call of an (m x k) @ (k x n) matmul, after two untimed calls.
+
+    *queued*: ``repeats`` calls issued back to back between two events, divided by ``repeats``, queued behind
+    a sleeping kernel so none waits for its launch: the device's own time, the host launching ahead of it as it does in a training step that is not host-bound (the
+    planner's ``launch_us`` prices the host separately). *alone*: the median of ``repeats`` single calls, each
+    between its own events, so a small matmul also waits for its launch. On a CPU the two are the same
+    wall-clock measure, by ``time.perf_counter``."""
     import torch
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(k, n, device=device, dtype=dtype)
     for _ in range(2):
         x @ w
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            x @ w
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device != "cuda":
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             x @ w
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(times), statistics.median(times)
+
+    def events():
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    alone = []
+    for _ in range(repeats):
+        start, end = events()
+        start.record()
+        x @ w
+        end.record()
+        end.synchronize()
+        alone.append(start.elapsed_time(end) / 1e3)
+    torch.cuda.synchronize()
+    start, end = events()
+    torch.cuda._sleep(repeats * 200_000)  # the device busy (about 0.1 ms a call) while the host queues them all
+    start.record()
+    for _ in range(repeats):
+        x @ w
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats, statistics.median(alone)
 
 
 def measure(device: str, *, tokens=None, widths=None, tp=None, repeats: int = 10, peak: float | None = None,
@@ -83,14 +104,16 @@ def measure(device: str, *, tokens=None, widths=None, tp=None, repeats: int = 10
                     continue
                 for name in GEMMS:
                     m_, k, n = shape(name, m, h, t)
-                    s = seconds_of(m_, k, n, device, dtype, repeats)
+                    s, alone = seconds_of(m_, k, n, device, dtype, repeats)
                     flops = 2 * m_ * n * k
                     row = {"gemm": name, "tokens": m, "width": h, "tp": t, "m": m_, "k": k, "n": n,
                            "flops": flops, "seconds": s, "flops_per_s": flops / s,
-                           "fraction_of_peak": flops / s / peak if peak else None}
+                           "fraction_of_peak": flops / s / peak if peak else None,
+                           "seconds_alone": alone, "fraction_of_peak_alone": flops / alone / peak if peak else None}
                     rows.append(row)
                     say(f"  {name:<5} m {m_:>6} k {k:>6} n {n:>6}: {flops / s / 1e12:8.3f} TFLOP/s"
-                        + (f" ({100 * row['fraction_of_peak']:.1f} % of peak)" if peak else ""))
+                        + (f" ({100 * row['fraction_of_peak']:.1f} % of peak; one call alone "
+                           f"{100 * row['fraction_of_peak_alone']:.1f} %)" if peak else ""))
     return rows
 
 
