@@ -496,6 +496,44 @@ def test_context_parallel_layouts_and_their_cost():
     assert got.memory_parts["activations"] == pytest.approx(predict(w, one, H100, setting).memory_parts["activations"] / 2)
 
 
+def test_a_cp_group_spans_nodes_where_its_ranks_keep_long_chunks():
+    """A cp x tp group larger than a node is listed where each rank keeps CP_ACROSS_NODES_TOKENS tokens or
+    more (a ring step's transfer then hides under its attention), and pinned with --cp at any length."""
+    from paralab.analysis.plan.layouts import CP_ACROSS_NODES_TOKENS
+    assert CP_ACROSS_NODES_TOKENS == 1024
+    long = gpt_workload(2, 128, 8, 8192, 256)
+    spans = {(x.cp, x.tp) for x in enumerate_layouts(long, 64, 64, 4) if x.cp * x.tp > 4}
+    assert (8, 1) in spans and (2, 4) in spans and (8, 4) in spans  # 1,024 tokens a rank: across nodes
+    assert not [c for c, _ in spans if 8192 // c < 1024]  # cp 16 keeps 512: listed only inside a node
+    assert all(x.cp * x.tp <= 4 for x in enumerate_layouts(long, 64, 64, 4) if x.cp == 16)
+    short = gpt_workload(2, 128, 8, 1024, 256)
+    assert all(x.cp * x.tp <= 4 for x in enumerate_layouts(short, 64, 64, 4) if x.cp > 1)
+    pinned = enumerate_layouts(short, 64, 64, 4, fixed={"cp": 16, "tp": 2})
+    assert pinned and all((x.cp, x.tp) == (16, 2) for x in pinned)  # 64 tokens a rank, across 8 nodes
+
+
+def test_cp_messages_carry_grouped_query_keys_and_values_at_their_width():
+    """Keys and values are h G / a wide under grouped-query attention: the ring's sends and Ulysses's k and v
+    all-to-alls shrink by G / a, its q and output do not; the planner prices what they carry."""
+    import dataclasses
+
+    from paralab.analysis.context import cp_messages
+    full = cp_messages(2, 1024, 512, 3, 4, "ring", 2, 2)
+    gqa = cp_messages(2, 1024, 512, 3, 4, "ring", 2, 2, kv=512 * 2 // 8)
+    assert full == cp_messages(2, 1024, 512, 3, 4, "ring", 2, 2, kv=512)
+    assert {n: (c, b // 4) for n, (c, b) in full.items()} == gqa
+    a2a, a2a_gqa = (cp_messages(2, 1024, 512, 3, 4, "all-to-all", 2, 2, kv=k) for k in (512, 128))
+    assert {n: a2a[n][1] // (4 if n.startswith(("cp_a2a_k", "cp_a2a_v")) else 1) for n in a2a} == \
+        {n: b for n, (_, b) in a2a_gqa.items()}
+    # a slow link, nothing hidden: the ring's exposed time falls with the key/value heads
+    slow = dataclasses.replace(H100, intra_gbps=1.0, inter_gbps=1.0, intra_latency_us=0, inter_latency_us=0)
+    setting = Setting(16, "mixed", "adam")
+    mha, gq = (gpt_workload(2, 512, 8, 1024, 256, kv_heads=g) for g in (8, 2))
+    lay = next(x for x in enumerate_layouts(mha, 8, 16, 8) if x.cp == 4 and x.tp == 2 and x.cp_method == "ring")
+    assert predict(gq, lay, slow, setting).cp_comm == pytest.approx(predict(mha, lay, slow, setting).cp_comm / 4,
+                                                                    rel=1e-3)
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_paralab_gpt_activations_recomputed(recompute):
     """What --recompute keeps of paralab's gpt blocks (training/recompute.py), against the planner's count."""
@@ -637,10 +675,11 @@ def test_a_layout_for_other_workers_is_refused_before_this_machine_is_measured(c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["mixtral", "llama"])
+@pytest.mark.parametrize("example", ["mixtral", "llama", "llama-128k"])
 def test_the_pages_other_examples_give_the_first_row_they_print(capsys, example):
-    """docs/plan.md's Mixtral-like and Llama 3 405B examples, run as printed: their first row's layout and MFU
-    are the page's (the Mixtral table's first line; the Llama paragraph's "first row is ..., MFU ...")."""
+    """docs/plan.md's Mixtral-like and Llama 3 405B examples, at 8K and 128K, run as printed: their first row's
+    layout and MFU are the page's (the Mixtral table's first line; the Llama paragraphs' "first row is ...,
+    MFU ...")."""
     import re
     import shlex
     from pathlib import Path
@@ -649,13 +688,25 @@ def test_the_pages_other_examples_give_the_first_row_they_print(capsys, example)
     if example == "mixtral":
         command = re.search(r"(paralab plan --model gpt --layers 32 .*?--global-batch 256)", flat).group(1)
         layout, mfu = re.search(r"\| (dp\S.*?) \| \d+ \|.*?\| ([\d.]+) % \|", page.split("The first three:")[1]).groups()
-    else:
+    elif example == "llama":
         command = re.search(r"(paralab plan --model gpt --layers 126 .*?--top 5)", flat).group(1)
         layout, mfu = re.search(r"first row is `([^`]+)`, MFU ([\d.]+) %", flat).groups()
+    else:
+        command = re.search(r"(paralab plan --model gpt --layers 126 [^`]*?--context 131072 [^`]*?--top 5)",
+                            flat).group(1)
+        layout, mfu = re.search(r"at 128K the first row is `([^`]+)`, MFU ([\d.]+) %", flat).groups()
     assert main(shlex.split(command)[1:]) == 0
     out = capsys.readouterr().out
     first = re.search(r"^ ?1  (\S.*?)\s{2,}\S+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", out, re.M)
     assert first.groups() == (layout, mfu), out
+    if example == "llama-128k":  # the published layout, pinned as the page prints it, at the MFU it says
+        pinned = re.search(r"(paralab plan --model gpt --layers 126 [^`]*?--context 131072 [^`]*?--layout \"[^\"]+\")",
+                           flat).group(1)
+        said = re.search(r"pinned as `--layout \"([^\"]+)\"`, is predicted at ([\d.]+) %", flat).groups()
+        assert main(shlex.split(pinned)[1:]) == 0
+        out = capsys.readouterr().out
+        row = re.search(r"^1  (\S.*?)\s{2,}\S+\s.*\s(\d+\.\d)\s+[\d.]+e\+\d+$", out, re.M)
+        assert row.groups() == said and said[0] in pinned, out
 
 
 @pytest.mark.slow

@@ -25,17 +25,21 @@ from __future__ import annotations
 from .cost import Formula, fmt_bytes
 
 
-def cp_messages(b: int, s: int, h: int, layers: int, cp: int, method: str, tp: int = 1, e: int = 4) -> dict:
+def cp_messages(b: int, s: int, h: int, layers: int, cp: int, method: str, tp: int = 1, e: int = 4,
+                kv: int | None = None) -> dict:
     """Per microbatch (forward + backward) on one rank: ``{span name: (sends or calls, bytes)}`` as paralab
-    records them (for the ring, the sends; each is matched by a receive of the same size)."""
-    local = b * (h // tp) * (s // cp) * e  # one of q, k, v or the output, this rank's tokens and heads
+    records them (for the ring, the sends; each is matched by a receive of the same size). ``kv``: the key
+    (and the value) projection's width, ``h`` unless grouped-query attention shares G key/value heads among
+    the a query heads (``h G / a``: the planner's shapes; paralab's gpt has as many as heads)."""
+    local = b * (h // tp) * (s // cp) * e  # one of q or the output, this rank's tokens and heads
+    local_kv = b * ((h if kv is None else kv) // tp) * (s // cp) * e  # one of k or v
     if method == "ring":
-        kv = 2 * local
-        return {"cp_ring_kv": ((cp - 1) * layers, (cp - 1) * layers * kv),
-                "cp_ring_kv_backward": ((cp - 1) * layers, (cp - 1) * layers * kv),
-                "cp_ring_dkv_backward": (cp * layers, cp * layers * kv)}
-    names = ("cp_a2a_q", "cp_a2a_k", "cp_a2a_v", "cp_a2a_out")
-    return {n + suffix: (layers, layers * local) for n in names for suffix in ("", "_backward")}
+        pair = 2 * local_kv
+        return {"cp_ring_kv": ((cp - 1) * layers, (cp - 1) * layers * pair),
+                "cp_ring_kv_backward": ((cp - 1) * layers, (cp - 1) * layers * pair),
+                "cp_ring_dkv_backward": (cp * layers, cp * layers * pair)}
+    sizes = {"cp_a2a_q": local, "cp_a2a_k": local_kv, "cp_a2a_v": local_kv, "cp_a2a_out": local}
+    return {n + suffix: (layers, layers * size) for n, size in sizes.items() for suffix in ("", "_backward")}
 
 
 def cp_communication(b: int, s: int, h: int, layers: int, cp: int, method: str, tp: int = 1, e: int = 4) -> Formula:

@@ -255,11 +255,19 @@ def _zero_replicate(zeros: list[int], dp: int, cp: int, per_node: int, fixed: di
     return out
 
 
+#: the fewest tokens a rank of a cp group larger than a node keeps for the search to list it (``--cp`` pinned
+#: plans any): across nodes a ring step's transfer, a chunk's keys and values over the NIC, hides under the
+#: step's attention arithmetic only for long chunks (the arithmetic grows as the chunk squared, the bytes as
+#: the chunk), and listing every divisor of the workers priced thousands of layouts with chunks of a few
+#: tokens (docs/plan.md, "Context parallelism across nodes")
+CP_ACROSS_NODES_TOKENS = 1024
+
+
 def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) -> list[tuple[int, int, str]]:
     """(pp, cp, cp method) dividing the workers over tp: cp for the gpt only, its balanced chunks dividing
-    the context (2 cp of them), Ulysses's query and key/value heads per rank (a / tp, G / tp) too; cp x tp
-    inside a node unless pinned (every attention layer talks over cp). No cp (cp 1) asks nothing of the
-    context or of where tp's ranks sit."""
+    the context (2 cp of them), Ulysses's query and key/value heads per rank (a / tp, G / tp) too; a cp x tp
+    group larger than a node only where each rank keeps ``CP_ACROSS_NODES_TOKENS`` tokens or more, unless
+    pinned. No cp (cp 1) asks nothing of the context or of where tp's ranks sit."""
     out = []
     if workers % tp:
         return out
@@ -269,7 +277,8 @@ def _pp_cp(work: Workload, workers: int, tp: int, per_node: int, fixed: dict) ->
         cps = [1]
         if work.kind == "gpt" and not work.moe:  # paralab's cp does not compose with a mixture of experts
             cps += [c for c in divisors(workers // (tp * pp)) if c > 1 and work.shape["context"] % (2 * c) == 0
-                    and (c * tp <= per_node or "cp" in fixed)]
+                    and (c * tp <= per_node or work.shape["context"] // c >= CP_ACROSS_NODES_TOKENS
+                         or "cp" in fixed)]
         for cp in ([fixed["cp"]] if fixed.get("cp") is not None else cps):
             if cp not in cps:
                 continue

@@ -409,14 +409,16 @@ def model_states(params: int, shards: int, zero: int, pipelined: bool, optimizer
 def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, float], cluster: Cluster,
                rate: float, split: bool = False) -> float:
     """One block's context-parallel communication left exposed per microbatch (forward + backward), from
-    ``analysis/context.py``'s messages: the ring's sends go out while the block's attention computes (each
+    ``analysis/context.py``'s messages (keys and values at the grouped-query width, ``h G / a``): the ring's
+    sends go out while the block's attention computes (each
     hop overlaps one chunk's scores; its send and receive cost the processor ``p2p_overhead_us`` each, which
     nothing hides), Ulysses's all-to-alls are synchronous. Under a split backward
     (``split``: zero bubble) both its passes walk back through the attention: the backward's messages and
     the attention's backward happen twice. ``rate``: the arithmetic's FLOP/s (forward + backward)."""
     from ..context import cp_messages
     sh, C = work.shape, lay.cp
-    msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e)
+    kv = sh["embed"] * (sh.get("kv_heads") or sh["heads"]) // sh["heads"]  # grouped-query: G of a heads' width
+    msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e, kv=kv)
     times = {name: 2 if split and name.endswith("_backward") else 1 for name in msgs}
     if lay.cp_method == "ring":
         sends = sum(times[name] * n for name, (n, _) in msgs.items())
