@@ -162,7 +162,7 @@ def ddp_exposed(runs: list[tuple[int, float]], seconds: list[float], backward: f
 def stage_of_rank(layout: Layout) -> list[list[int]]:
     """The stages each pipeline rank holds (one, or v interleaved: stage s on rank s mod p)."""
     p, v = layout.pp, layout.virtual
-    return [[s for s in range(p * v) if s % p == r] for r in range(p)]
+    return [list(range(r, p * v, p)) for r in range(p)]
 
 
 def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True,
@@ -219,9 +219,12 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         return f, back * (1 + REWALK if split else 1), comm + cp + ep, cp, ep
 
     # a gpt's blocks are alike: stages with the same ends and as many blocks are the same work, timed once
+    # (and ranks holding such stages keep the same memory, counted once below)
+    kind_of = (lambda lo, hi: (lo == 0, hi == len(work.units), hi - lo)) if work.kind == "gpt" else \
+        (lambda lo, hi: (lo, hi))
     alike: dict[tuple, tuple] = {}
     for lo, hi in stages:
-        kind = (lo == 0, hi == len(work.units), hi - lo) if work.kind == "gpt" else (lo, hi)
+        kind = kind_of(lo, hi)
         if kind not in alike:
             alike[kind] = stage_times(lo, hi)
         f, back, comm, cp, ep = alike[kind]
@@ -231,7 +234,15 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         cpc.append(cp)
         epc.append(ep)
     ranks = stage_of_rank(lay)
-    busy = [sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in held) for held in ranks]
+    kinds = [tuple(kind_of(*stages[s]) for s in held) for held in ranks]
+    first = {}  # one rank of each kind: what depends on a rank's stages alone is worked out for it, once
+    for r, k in enumerate(kinds):
+        first.setdefault(k, r)
+
+    def by_kind(f) -> list:
+        done = {k: f(r) for k, r in first.items()}
+        return [done[k] for k in kinds]
+    busy = by_kind(lambda r: sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in ranks[r]))
     r_max = max(range(p), key=lambda r: busy[r])
     compute = sum(m * (fwd[s] + bwd[s]) for s in ranks[r_max])
     cp_comm = sum(m * cpc[s] for s in ranks[r_max])
@@ -288,16 +299,16 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     else:
         pipe = busy[0]
     # ---------------------------------------------------------------- data parallelism
-    stage_params = [sum(work.parameters_in(*stages[s]) for s in held) for held in ranks]
+    stage_params = by_kind(lambda r: sum(work.parameters_in(*stages[s]) for s in ranks[r]))
     # a mixture of experts: per rank (the rest, experts) held; the MoE layers whole over tp, experts over ep
-    moe_held = [tuple(map(sum, zip(*(work.held_parameters(*stages[s], t, lay.ep) for s in h)))) for h in ranks
-                ] if work.moe else None
+    moe_held = by_kind(lambda r: tuple(map(sum, zip(*(work.held_parameters(*stages[s], t, lay.ep)
+                                                       for s in ranks[r]))))) if work.moe else None
     local = stage_params[r_max] / t if moe_held is None else sum(moe_held[r_max])
     grad_bytes = local * e
     dp_total = dp_exposed = 0.0
     last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
     first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
-    units_of = [sum(work.units_with_parameters(*stages[s]) for s in held) for held in ranks]
+    units_of = by_kind(lambda r: sum(work.units_with_parameters(*stages[s]) for s in ranks[r]))
     units_with_params = units_of[r_max]
     R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
@@ -338,17 +349,19 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         unit_max = max((work.largest_unit(*stages[s]) for s in ranks[r]), default=0)
         return model_states(stage_params[r], d * C // R, lay.zero, p > 1, setting.optimizer, setting.precision,
                             unit_max, t, e, m)
-    moe_states = [expert_states(lay, setting, *moe_held[r], e) for r in range(p)] if moe_held else None
+    moe_states = by_kind(lambda r: expert_states(lay, setting, *moe_held[r], e)) if moe_held else None
     if moe_states:  # a mixture of experts: its two parameter sets' states, ddp's buckets included
         optimizer = 2 * moe_states[r_max][0] / (cluster.memory_gbs * 1e9)
     else:
-        est = states_of(r_max)[0]
+        states_by_rank = by_kind(states_of)
+        est = states_by_rank[r_max][0]
         optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
     alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
     acts = []
-    for r, held in enumerate(ranks):
-        per_mb = sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in held) / len(held) / C
-        again = max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in held) / C
+    kept = by_kind(lambda r: (  # per microbatch alive, and a recomputation's transient
+        sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in ranks[r]) / len(ranks[r]) / C,
+        max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in ranks[r]) / C))
+    for r, (per_mb, again) in enumerate(kept):
         acts.append(per_mb * alive[r] + again)
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
@@ -356,7 +369,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         if moe_states:
             states = moe_states[r][1]
         else:
-            states = states_of(r)[1]
+            states = states_by_rank[r][1]
             if lay.zero == 0:  # ddp's buckets: a flat copy of the rank's gradients, kept between steps
                 states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
