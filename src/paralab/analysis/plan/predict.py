@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ...strategies.pipeline.schedules import build_schedule, spec_of
-from ...strategies.pipeline.simulate import simulate
+from ...strategies.pipeline.simulate import finish_times
 from ..memory import memory_per_worker
 from .cluster import Cluster
 from .layouts import Layout
@@ -489,9 +489,8 @@ def makespan(name: str, p: int, m: int, v: int, F: tuple, B: tuple, transfer: fl
     zero-bubble schedule's backward split as :func:`split_backward` says), each transfer taking ``transfer`` s,
     ``wire`` of them on its sender's link. Layouts that differ only outside the pipeline (ZeRO stage, data
     parallelism) share one simulation."""
-    timeline = simulate(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, wire_time=wire,
-                        **_split(name, B))
-    return max((x.t1 for row in timeline for x in row), default=0.0)
+    return max(finish_times(_schedule(name, p, m, v), list(F), list(B), transfer, check=False, wire_time=wire,
+                            **_split(name, B)), default=0.0)
 
 
 @lru_cache(maxsize=4096)

@@ -155,6 +155,24 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
     of a schedule. ``check=False`` skips :func:`check_local` on each list (a
     caller replaying a registry builder's schedule many times: the planner).
     """
+    return _play(schedule, forward_time, backward_time, comm_time, input_time, weight_time, check, wire_time,
+                 record=True)[0]
+
+
+def finish_times(schedule: Schedule | list[list[Action]], forward_time: float | list[float] = 1.0,
+                 backward_time: float | list[float] = 2.0, comm_time: float = 0.0,
+                 input_time: float | list[float] | None = None,
+                 weight_time: float | list[float] | None = None, check: bool = True,
+                 wire_time: float = 0.0) -> list[float]:
+    """When each rank finishes, as :func:`simulate` plays the lists (the same arguments, the same errors),
+    without keeping a timeline: the planner asks for the makespan of thousands of actions many times."""
+    return _play(schedule, forward_time, backward_time, comm_time, input_time, weight_time, check, wire_time,
+                 record=False)[1]
+
+
+def _play(schedule, forward_time, backward_time, comm_time, input_time, weight_time, check, wire_time,
+          record: bool) -> tuple[list[list[Timed]], list[float]]:
+    """:func:`simulate`'s loop: (the timeline, kept where ``record``; each rank's clock at its end)."""
     sched = as_schedule(schedule)
     world, stages = sched.ranks, sched.stages
     for rank, acts in enumerate(sched if check else ()):
@@ -197,7 +215,8 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
                                             f"{message[2]} for stage {message[1]} (sends and receives on "
                                             f"{a.peer}->{rank} are out of order)")
                     clock[rank] = max(t, ready)
-                timeline[rank].append(Timed(rank, sched[rank][pos[rank]], t, clock[rank]))
+                if record:
+                    timeline[rank].append(Timed(rank, sched[rank][pos[rank]], t, clock[rank]))
                 pos[rank] += 1
                 progressed = True
         if all(pos[r] == len(sched[r]) for r in range(world)):
@@ -208,7 +227,7 @@ def simulate(schedule: Schedule | list[list[Action]], forward_time: float | list
     left = {k: list(q) for k, q in channels.items() if q}
     if left:
         raise ScheduleError(f"messages never received: {left}")
-    return timeline
+    return timeline, clock
 
 
 def simulated_bubble(timeline: list[list[Timed]]) -> list[float]:
