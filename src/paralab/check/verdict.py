@@ -276,9 +276,15 @@ class Check:
         return Comparison("replicas", bits_deviation(mine, root), "bit-identical to rank 0", 0.0, step)
 
     def optimizer_comparison(self, states: list[dict], ref: kept.Snapshot, step: int) -> Comparison:
-        """Every rank's saved state, put together by the strategy's own ``portable``, against the reference."""
+        """Every rank's saved state, put together by the strategy's own ``portable``, against the reference.
+        ``portable`` takes the model for its structure (names, shapes, units, a tp twin's slices it loads the
+        states into), never its fresh weights, so it is built on the meta device and given memory unfilled: no
+        weights drawn (at 134M parameters a real build took about 1.8 s at every checked step)."""
         try:
-            mine = type(self.strategy).portable(states, self.model_fn()).optimizer
+            with torch.device("meta"):
+                model = self.model_fn()
+            model = model.to_empty(device="cpu")
+            mine = type(self.strategy).portable(states, model).optimizer
         except Exception as exc:  # noqa: BLE001 - a state that cannot be put together is a failed comparison
             return Comparison("optimizer", float("inf"), f"the ranks' states could not be put together "
                               f"({type(exc).__name__}: {exc})", self.tol["optimizer"], step)
