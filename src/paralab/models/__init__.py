@@ -85,11 +85,12 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def parameters_of(name: str, **kw) -> int | None:
-    """How many parameters ``build_model(name, **kw)`` would have, without allocating them: the model is built
-    on the meta device with its in-place initialisers skipped (they compute nothing there, and the first
-    ``normal_`` on the meta device costs over a second of imports). None where a tensor's size overflows
-    (``--width 1e9``)."""
+def structure_only():
+    """A context in which modules are built on the meta device with their in-place initialisers skipped
+    (``normal_``, ``uniform_``, ``zero_``, ... compute nothing there, and the first ``normal_`` on the meta
+    device costs over a second of imports): a model's names, shapes and units, no weights."""
+    import contextlib
+
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -100,8 +101,17 @@ def parameters_of(name: str, **kw) -> int | None:
             if name.endswith("_") and not name.endswith("__") and getattr(target, "is_meta", False):
                 return target  # normal_, uniform_, zero_, fill_ ... of a meta tensor: nothing to compute
             return func(*args, **kwargs)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device("meta"))
+    stack.enter_context(SkipInit())
+    return stack
+
+
+def parameters_of(name: str, **kw) -> int | None:
+    """How many parameters ``build_model(name, **kw)`` would have, without allocating them (built
+    :func:`structure_only`). None where a tensor's size overflows (``--width 1e9``)."""
     try:
-        with torch.device("meta"), SkipInit():
+        with structure_only():
             return count_parameters(build_model(name, **kw))
     except (RuntimeError, TypeError, OverflowError) as exc:  # a size past torch's 64-bit counts
         if "overflow" in str(exc).lower():

@@ -30,7 +30,7 @@ from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
 from ..training.evaluate import evaluate, headline
-from ..models import build_model, count_parameters, model_shape
+from ..models import build_model, count_parameters, model_shape, structure_only
 from ..progress import Progress
 from ..recorder import Recorder
 from ..training import recompute
@@ -311,7 +311,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     source = BatchSource(data, per_rank_batch=global_batch // replicas, replicas=replicas,
                          rank=replica, seed=cfg.seed, augment=cfg.augment, drop_last=cfg.drop_last)
     total_steps = cfg.num_batches or cfg.epochs * source.steps_per_epoch
-    parameters = count_parameters(build_model_factory(cfg, len(data.classes))())
+    with structure_only():  # the count, not the weights
+        parameters = count_parameters(build_model_factory(cfg, len(data.classes))())
     if rank == 0 and not replay:
         print(f"paralab: {cfg.strategy} on {world} worker(s), {backend}, {device.type}; {cfg.model} "
               f"(width {cfg.width}, norm {cfg.norm}, {parameters:,} parameters); {data.describe()}; "
