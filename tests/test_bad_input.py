@@ -20,6 +20,7 @@ def refused(capsys, tmp_path, *argv):
 
 @pytest.mark.parametrize("argv,message", [
     (["warp-drive"], "unknown strategy 'warp-drive'"),
+    (["ddpp"], "unknown strategy 'ddpp' (did you mean 'ddp'?)"),
     (["single", "--model", "alexnet"], "unknown model 'alexnet'"),
     (["single", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["single", "--batch-size", "0"], "--batch-size must be positive"),

@@ -72,6 +72,14 @@ BAD = {
     "plain.py": ("class Mine:\n    pass\n", "plain.py:1: Mine is not a paralab strategy"),
     "nofinish.py": ("from paralab.strategies.replicas import Replicas\n\n\nclass Lazy(Replicas):\n    pass\n",
                     "nofinish.py:4: Lazy does not define finish()"),
+    # a whole Strategy (a parameter server, say) with a train step alone: refused before start, every missing
+    # method named, where it used to train and then die in the checkpoint with a bare NotImplementedError
+    "server.py": ("from paralab.strategies.base import Strategy\n\n\nclass Server(Strategy):\n"
+                  "    def train_step(self, x, y):\n        raise AssertionError('never reached')\n\n"
+                  "    def predict(self, x):\n        return None\n",
+                  "server.py:4: Server subclasses Strategy but does not define full_state_dict(), state_dict(), "
+                  "load_state_dict(): a run is checked and exported with full_state_dict(), checkpoints with "
+                  "state_dict(), resumes with load_state_dict()"),
 }
 
 

@@ -44,7 +44,10 @@ def get_strategy(name: str):
     if user.is_file(name):
         return user.load(name)
     if name not in REGISTRY:
-        raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(REGISTRY)}, or a file of your "
+        import difflib
+        near = difflib.get_close_matches(name, list(REGISTRY), n=1)
+        guess = f" (did you mean {near[0]!r}?)" if near else ""
+        raise UsageError(f"unknown strategy {name!r}{guess}; choose one of {', '.join(REGISTRY)}, or a file of your "
                          "own, PATH.py[:CLASS] (docs/own-strategy.md)")
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)

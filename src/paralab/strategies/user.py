@@ -178,8 +178,15 @@ def _wrap(name: str, cls: type, path: Path) -> type:
     from .replicas import Replicas
     line = inspect.getsourcelines(cls)[1]
     if issubclass(cls, Strategy):
-        if cls.train_step is Strategy.train_step:
-            raise UsageError(f"{path}:{line}: {cls.__name__} subclasses Strategy but does not define train_step()")
+        needed = {"train_step": "trains a step", "predict": "evaluates", "full_state_dict": "is checked and exported",
+                  "state_dict": "checkpoints", "load_state_dict": "resumes"}
+        missing = [m for m in needed if getattr(cls, m) is getattr(Strategy, m)]
+        if missing:  # refused before start, not a NotImplementedError after training
+            raise UsageError(f"{path}:{line}: {cls.__name__} subclasses Strategy but does not define "
+                             f"{', '.join(m + '()' for m in missing)}: a run "
+                             + ", ".join(f"{needed[m]} with {m}()" for m in missing)
+                             + " (paralab/strategies/base.py says what each returns; a data-parallel strategy "
+                             "subclasses Replicas and defines finish() alone: docs/own-strategy.md)")
         return _untimed_summary(cls)
     if not issubclass(cls, Replicas):
         raise UsageError(f"{path}:{line}: {cls.__name__} is not a paralab strategy: subclass paralab.strategies."
