@@ -148,3 +148,25 @@ def test_on_an_h100_large_matmuls_keep_the_efficiency_and_small_ones_slow_down()
     assert slower > 1.1
     fp32 = Setting(128, precision="fp32")
     assert predict(small, lay, h100, fp32).step == predict(small, lay, flat, fp32).step
+
+
+def test_the_h200_measured_cluster_file_is_the_preset_with_the_ramp_the_gpu_measured():
+    """examples/clusters/h200-measured.toml: every figure the h200 preset's but the ramp, which is the one
+    bench/results/gpu-matmul.json holds (measured on a lent H200); with it the planner times a small gpt's
+    matmuls faster than the presets' capped table does (the device reached more than 0.6)."""
+    import json
+    from pathlib import Path
+
+    from paralab.analysis.plan.cluster import load_cluster
+    root = Path(__file__).resolve().parent.parent
+    mine = load_cluster(str(root / "examples" / "clusters" / "h200-measured.toml"))
+    measured = json.loads((root / "bench" / "results" / "gpu-matmul.json").read_text())
+    assert measured["device"] == "NVIDIA H200" and [list(p) for p in mine.matmul] == measured["cluster_matmul"]
+    preset = PRESETS["h200"]
+    skip = {"name", "source", "matmul"}
+    assert {f.name: getattr(mine, f.name) for f in dataclasses.fields(mine) if f.name not in skip} == \
+        {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset) if f.name not in skip}
+    work = gpt_workload(24, 2048, 16, 2048, 50257)
+    setting = Setting(512, "mixed", "adam")
+    lay = Layout(dp=64, tp=1, pp=1, microbatch=8, microbatches=1, zero=3, replicate=8)
+    assert predict(work, lay, mine, setting).compute < predict(work, lay, preset, setting).compute
