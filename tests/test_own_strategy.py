@@ -178,9 +178,16 @@ def test_collectives_called_from_torch_distributed_directly_work_and_are_counted
     for rank in ("0", "1"):  # one all-reduce per gradient per step, on each rank; none of paralab's own counted
         assert r.summary["strategy_details"][rank]["untimed_collectives"] == {"all_reduce": 3 * tensors}
     assert f"called torch.distributed itself (all_reduce x{3 * tensors} on rank 0)" in r.stdout
+    assert "so the time split counts these as other" in r.stdout
     # paralab's timed collectives are not counted: the example through self.comm has none
     r = run_paralab("train", str(EXAMPLES / "allreduce.py"), *CNN, out=tmp_path / "timed")
     assert all("untimed_collectives" not in d for d in r.summary["strategy_details"].values())
+
+    def split(run: str, key: str) -> float:  # the median over every (step, rank) of one part of the time split
+        rows = [json.loads(line)["split"][key] for line in (tmp_path / run / "steps.jsonl").read_text().splitlines()]
+        return sorted(rows)[len(rows) // 2]
+    # as the line says: the untimed all-reduces are the step's "other", the timed ones its "comm"
+    assert split("run", "other") > split("timed", "other") and split("timed", "comm") > split("run", "comm")
 
 
 COUNTS = '''import torch

@@ -231,8 +231,8 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
 def untimed_line(untimed: dict) -> str:
     calls = ", ".join(f"{op} x{n}" for op, n in untimed.items())
     return (f"paralab: the strategy's file called torch.distributed itself ({calls} on rank 0): paralab times "
-            "only self.comm's collectives, so these count as computation in the time split and the timelines "
-            "(docs/own-strategy.md)")
+            "only self.comm's collectives, so the time split counts these as other (as computation where a "
+            "gradient hook calls them inside backward) and the timelines do not draw them (docs/own-strategy.md)")
 
 
 def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
