@@ -52,10 +52,10 @@ def seconds_of(m: int, k: int, n: int, device: str, dtype, repeats: int) -> tupl
     """(queued, alone): seconds per call of an (m x k) @ (k x n) matmul, after two untimed calls.
 
     *queued*: ``repeats`` calls issued back to back between two events, divided by ``repeats``, queued behind
-    a sleeping kernel so none waits for its launch: the device's own time, the host launching ahead of it as it does in a training step that is not host-bound (the
-    planner's ``launch_us`` prices the host separately). *alone*: the median of ``repeats`` single calls, each
-    between its own events, so a small matmul also waits for its launch. On a CPU the two are the same
-    wall-clock measure, by ``time.perf_counter``."""
+    a sleeping kernel so none waits for its launch: the device's own time, the host launching ahead of it as
+    in a training step that is not host-bound (the planner's ``launch_us`` prices the host separately).
+    *alone*: the median of ``repeats`` single calls, each between its own events, so a small matmul also
+    waits for its launch. On a CPU the two are the same wall-clock measure, by ``time.perf_counter``."""
     import torch
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(k, n, device=device, dtype=dtype)

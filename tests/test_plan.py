@@ -501,11 +501,11 @@ def test_a_cp_group_spans_nodes_where_its_ranks_keep_long_chunks():
     more (a ring step's transfer then hides under its attention), and pinned with --cp at any length."""
     from paralab.analysis.plan.layouts import CP_ACROSS_NODES_TOKENS
     assert CP_ACROSS_NODES_TOKENS == 1024
-    long = gpt_workload(2, 128, 8, 8192, 256)
-    spans = {(x.cp, x.tp) for x in enumerate_layouts(long, 64, 64, 4) if x.cp * x.tp > 4}
+    long = enumerate_layouts(gpt_workload(2, 128, 8, 8192, 256), 64, 64, 4)
+    spans = {(x.cp, x.tp) for x in long if x.cp * x.tp > 4}
     assert (8, 1) in spans and (2, 4) in spans and (8, 4) in spans  # 1,024 tokens a rank: across nodes
     assert not [c for c, _ in spans if 8192 // c < 1024]  # cp 16 keeps 512: listed only inside a node
-    assert all(x.cp * x.tp <= 4 for x in enumerate_layouts(long, 64, 64, 4) if x.cp == 16)
+    assert all(x.cp * x.tp <= 4 for x in long if x.cp == 16)
     short = gpt_workload(2, 128, 8, 1024, 256)
     assert all(x.cp * x.tp <= 4 for x in enumerate_layouts(short, 64, 64, 4) if x.cp > 1)
     pinned = enumerate_layouts(short, 64, 64, 4, fixed={"cp": 16, "tp": 2})

@@ -430,7 +430,7 @@ def cp_exposed(work: Workload, lay: Layout, b: int, e: int, link: tuple[float, f
     the attention's backward happen twice. ``rate``: the arithmetic's FLOP/s (forward + backward)."""
     from ..context import cp_messages
     sh, C = work.shape, lay.cp
-    kv_width = sh["embed"] * (sh.get("kv_heads") or sh["heads"]) // sh["heads"]  # grouped-query: G of a heads
+    kv_width = sh["embed"] * sh["kv_heads"] // sh["heads"]  # grouped-query: G of the a heads (as Workload.matmuls)
     msgs = cp_messages(b, sh["context"], sh["embed"], 1, C, lay.cp_method, lay.tp, e, kv=kv_width)
     times = {name: 2 if split and name.endswith("_backward") else 1 for name in msgs}
     if lay.cp_method == "ring":
