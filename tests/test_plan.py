@@ -748,3 +748,11 @@ def test_a_calibration_file_that_is_not_one_is_refused_not_replaced(capsys, tmp_
     assert "is not a calibration file paralab wrote" in err and notes.read_text() == '{"mine": 1}\n'
     assert "is not a calibration file" in refused(capsys, "--workers", "2", "--cluster", "this-machine",
                                                   "--calibration", str(tmp_path))
+
+
+def test_the_blocks_rate_is_the_slope_above_its_measured_fixed_cost():
+    """fit_block recovers the rate of exact times t(b) = fixed + b x flops / rate, whatever the fixed cost."""
+    from paralab.analysis.plan.calibrate import block_flops, fit_block
+    for fixed in (0.0, 6e-4, 2e-3):
+        times = {str(b): fixed + block_flops(b) / 7e10 for b in (1, 2, 4, 8)}
+        assert fit_block(times, fixed) == pytest.approx(7e10)

@@ -5,10 +5,13 @@ Five measurements, each the best (a unit's, a transfer's: the median) of a few r
 - matmul FLOP/s in the run's dtype on one core (one worker of paralab's
   launcher is pinned to its share of the cores): ``2 n^3 / t`` for n = 512;
 - a real unit: the course gpt's block (width 128, 64 tokens) forward and
-  backward on 1, 2, 4 and 8 sequences; ``t(b) = fixed + b x flops / rate``
-  through them gives the rate its arithmetic achieves and its fixed cost
-  (dispatch: what makes small microbatches slow; a third of it is a
-  forward's). Once per worker count (cached) the block on 8 sequences runs
+  backward. Its fixed cost (dispatch: what makes small microbatches slow; a
+  third of it is a forward's) is timed directly, on one sequence of one
+  token, whose arithmetic is negligible; the rate its arithmetic achieves
+  is the slope of ``t(b) = fixed + b x flops / rate`` through 1, 2, 4 and 8
+  sequences. (An intercept fitted through those four times instead swings
+  from 0.4 to 1.7 ms between runs on a 2-core VM, and below zero on a
+  slower one.) Once per worker count (cached) the block on 8 sequences runs
   in as many processes at once as the plan has workers (the best of three):
   its slowdown against one alone divides the rate and multiplies the fixed
   cost (workers sharing cores, and whatever else runs here). The rate over the matmul's x
@@ -162,15 +165,35 @@ def at_speed(cal: dict, factor: float) -> dict:
     return out
 
 
-def fit_block(times: dict) -> tuple[float, float]:
-    """(FLOP/s, fixed seconds) of ``t(b) = fixed + b x flops / rate`` through the batches' times (least
-    squares): the rate a unit's arithmetic achieves and what it costs whatever its size (dispatch)."""
-    pts = [(int(b), t) for b, t in times.items()]
-    n = len(pts)
-    mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
-    slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
-    slope = max(slope, 1e-12)
-    return block_flops(1) / slope, max(my - slope * mx, 0.0)
+def dispatch_time(dtype: str, repeats: int = 21) -> float:
+    """Seconds of the calibration's block forward and backward on one sequence of one token (the median of
+    ``repeats``): its arithmetic is negligible, so this is what a unit costs whatever its size."""
+    import torch
+
+    from ...models.gpt import Block
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block = Block(128, 4).to(kind)
+        x = torch.randn(1, 1, 128, dtype=kind, requires_grad=True)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fit_block(times: dict, fixed: float) -> float:
+    """FLOP/s of ``t(b) = fixed + b x flops / rate`` through the batches' times with the fixed cost measured
+    (least squares through the origin of ``t - fixed``): the rate a unit's arithmetic achieves."""
+    pts = [(int(b), t - fixed) for b, t in times.items()]
+    slope = max(sum(b * t for b, t in pts) / sum(b * b for b, _ in pts), 1e-12)
+    return block_flops(1) / slope
 
 
 def block_rate(dtype: str) -> float:
@@ -290,7 +313,8 @@ def measure(dtype: str, progress: bool = True) -> dict:
     rate = matmul_rate(dtype)
     bar.update(1, f"matmul {rate / 1e9:.1f} GFLOP/s ({dtype}, one core)")
     blocks = block_times(dtype)
-    unit, fixed = fit_block(blocks)
+    fixed = dispatch_time(dtype)
+    unit = fit_block(blocks, fixed)
     bar.update(2, f"a gpt block {unit / 1e9:.1f} GFLOP/s + {fixed * 1e6:.0f} us fixed (forward and backward)")
     mem = copy_rate()
     bar.update(3, f"copy {mem / 1e9:.1f} GB/s")
