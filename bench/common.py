@@ -2,8 +2,8 @@
 
 - :func:`training_options` / :func:`parse_runs`: the options of a benchmark that
   trains one model under several strategies (dp.py, fsdp.py), in their order;
-- :func:`paralab_train`: one ``python -m paralab train ...`` in a subprocess,
-  with ``src`` on its PYTHONPATH; :func:`train` adds those options' values
+- :func:`paralab_train`: one ``paralab train ...`` from ``src``, in a child of
+  a warm forkserver; :func:`train` adds those options' values
   (synthetic data sized to the run, a bounded evaluation, no progress bar)
   and returns the run's summary.json and steps.jsonl rows;
 - :func:`selected`, :func:`interleaved`, :func:`best_of`: the names asked
@@ -105,12 +105,26 @@ def best_of(bench: str, names: list[str], repeats: int,
 
 def paralab_train(argv: list[str], out: Path, *, env: dict[str, str] | None = None,
                   cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m paralab train ARGV --out OUT`` with ``src`` first on PYTHONPATH (and ``env`` added);
-    output captured."""
-    cmd = [sys.executable, "-m", "paralab", "train", *argv, "--out", str(out)]
+    """``paralab train ARGV --out OUT`` from ``src``, ``env`` added, output captured: a child of this process's
+    warm forkserver (``paralab.run.warm.start``, as ``compare`` starts its runs), so a benchmark of many runs
+    imports torch once, not once per run. What a run measures starts after its warm-up steps, so where it
+    started does not change it; ``bench/startup.py`` times the starts themselves, cold and warm."""
+    if str(SRC) not in sys.path:
+        sys.path.insert(0, str(SRC))
+    from paralab.cli import main
+    from paralab.run import runner, warm
+    cmd = ["paralab", "train", *argv, "--out", str(out)]
     env = {**os.environ, **(env or {}),
            "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="paralab-bench-") as scratch:
+        stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
+        proc = warm.start(main, (cmd[1:],), output=str(stdout), errors=str(stderr), env=env,
+                          cwd=str(cwd or os.getcwd()))
+        try:
+            proc.join()
+        finally:
+            runner.stop(proc)  # interrupted: the run and its ranks with it
+        return subprocess.CompletedProcess(cmd, proc.exitcode, stdout.read_text(), stderr.read_text())
 
 
 def train(label: str, strategy: list[str], args: argparse.Namespace, out: Path, *, workers: int | None = None,

@@ -72,11 +72,31 @@ def test_the_pages_print_checks_and_each_is_run_once():
     assert len({(c.values[1], c.values[2]) for c in CASES}) == len(CASES) < len(found)
 
 
+@pytest.fixture
+def scratch(tmp_path):
+    """A folder for a command's runs: in memory (/dev/shm) where it has room, since a full-size model's
+    checkpoints (two 1 GB files at 134M parameters) are written and fsynced, which is the disk's time,
+    not the command's; else the test's own folder."""
+    import os
+    import shutil
+    import tempfile
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shutil.disk_usage(shm).free < 8 * 2 ** 30 or not os.access(shm, os.W_OK):
+        yield tmp_path
+        return
+    folder = Path(tempfile.mkdtemp(prefix="paralab-doc-", dir=shm))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.parametrize("where,command,fails", CASES)
-def test_a_printed_check_passes_as_printed(where, command, fails, tmp_path, monkeypatch):
+def test_a_printed_check_passes_as_printed(where, command, fails, scratch, monkeypatch):
     reason = next((why for what, why in ELSEWHERE.items() if what in command), None)
     if reason:
         pytest.skip(f"{where}: {reason}")
+    tmp_path = scratch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
     r = run_paralab(*shlex.split(command)[1:], fast=False, timeout=900)

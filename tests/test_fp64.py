@@ -95,15 +95,12 @@ def test_fp32_drifts_where_fp64_holds(summaries):
 
 
 def test_deviation_plot_and_table(summaries, tmp_path):
-    import subprocess
-    import sys
+    from conftest import run_paralab
     runs = [summaries["fp32-ddp"]["_dir"], summaries["ddp"]["_dir"]]
-    table = subprocess.run([sys.executable, "-m", "paralab", "plot", "deviation", *runs],
-                           capture_output=True, text=True)
+    table = run_paralab("plot", "deviation", *runs)
     assert table.returncode == 0, table.stderr
     assert "fp32" in table.stdout and "fp64" in table.stdout and table.stdout.count("\n") >= 10
     png = tmp_path / "deviation.png"
-    drawn = subprocess.run([sys.executable, "-m", "paralab", "plot", "deviation", *runs, "-o", str(png)],
-                           capture_output=True, text=True)
+    drawn = run_paralab("plot", "deviation", *runs, "-o", str(png))
     assert drawn.returncode == 0, drawn.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000

@@ -119,6 +119,11 @@ def test_compare_measures_an_own_strategy_beside_paralabs(tmp_path):
     assert "forgot_to_average.py w2: first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient" \
         in report
     assert "direct.py w2: its file calls torch.distributed itself (all_reduce x" in report
+    # the settings name the files once, among the strategies (not an empty strategy_file beside them)
+    settings = (tmp_path / "cmp" / "report.md").read_text()
+    assert "strategy_file" not in settings, settings
+    row = next(line for line in settings.splitlines() if line.startswith("| strategies |"))
+    assert "allreduce," in row and "bucketed_ddp.py" in row and "direct.py" in row, row
 
 
 RAISES = '''import torch
@@ -222,7 +227,12 @@ def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operat
     (tmp_path / "hangs.py").write_text(HANGS)
     r = run_paralab("train", str(tmp_path / "hangs.py"), *SMALL, "--timeout", "10", out=tmp_path / "run")
     assert r.returncode != 0
-    assert "they disagree: rank 0 called all_reduce" in r.stderr, r.stderr[-3000:]
+    err = r.stderr
+    assert "they disagree: rank 0 called all_reduce" in err, err[-3000:]
+    # the disagreement leads, with the step it happened in, and nothing blames the network
+    assert "where the ranks disagree (in step 1; their op logs" in err, err[-3000:]
+    assert err.index("where the ranks disagree") < err.index("failed first"), err[-3000:]
+    assert "outside the ranks' Python code" not in err, err[-3000:]
 
 
 def test_train_takes_the_file_as_strategy_file_too(tmp_path, capsys):

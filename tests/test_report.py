@@ -10,6 +10,7 @@ import pytest
 from paralab.analysis.runs import Run, load_run
 from paralab.report.page import Report, markdown_table, merge_traces, results_table, text_table
 
+from conftest import run_paralab
 from report_runs import TINY, run_compare, tiny_compare
 
 
@@ -220,8 +221,8 @@ SWEEP = ["--dataset", "synthetic", "--width", "0.125", "--epoch-samples", "32",
 def test_sweep_batch_size_table(tmp_path):
     out = tmp_path / "s"
     checked = [*SWEEP[:-1], SWEEP[-1] + " --check"]  # and each run checked (the sweep's shared-reference folder)
-    p = subprocess.run([sys.executable, "-m", "paralab", "sweep", "batch-size", "--sizes", "16,32", "--out", str(out),
-                        "--lr-scaling", "linear", *checked], capture_output=True, text=True, timeout=300)
+    p = run_paralab("sweep", "batch-size", "--sizes", "16,32", "--out", str(out), "--lr-scaling", "linear", *checked,
+                    timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for name in ("b16", "b32"):  # two batch sizes: two references, each trained; none kept in the report
         log = (out / "logs" / f"{name}.log").read_text()

@@ -244,7 +244,8 @@ def plan(a) -> tuple[list[dict], list[str]]:
         if not wanted:
             raise UsageError(f"--strategies {a.strategies!r} names no strategy; name some (e.g. single,ddp), or "
                              "leave it out for every one")
-        a.strategies, a.strategy_file = ",".join(wanted), []  # one list from here on (the report's command too)
+        a.strategies = ",".join(wanted)  # one list from here on (the report's command and settings too)
+        vars(a).pop("strategy_file", None)
         for s in wanted:
             get_strategy(s)  # unknown name: UsageError listing the registered ones
     else:

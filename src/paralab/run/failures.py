@@ -160,7 +160,7 @@ def user_frame(traceback_text: str) -> str | None:
     return None
 
 
-def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
+def explain(endings: list[Ending], disagreement: bool = False) -> tuple[Ending, list[str]] | None:
     """The rank that failed first and the lines that say so, or None if no rank failed.
 
     The cause is the earliest failure that is not a lost peer (an exception,
@@ -168,7 +168,9 @@ def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
     launcher stopped are listed after it as its consequences. Only when
     every failure is a lost connection is the earliest of those named (the
     cause is then outside the ranks: the network, or a process killed
-    elsewhere).
+    elsewhere), unless ``disagreement``: the op logs show the ranks calling
+    different operations at one place (``hangs.first_mismatch``), so the
+    cause is the code that called them, and the caller prints that first.
     """
     failed = [e for e in endings if e.failed]
     if not failed:
@@ -178,7 +180,7 @@ def explain(endings: list[Ending]) -> tuple[Ending, list[str]] | None:
     why = cause.why()
     lines = [f"paralab: rank {cause.rank} failed first: {cause.what()}{f' ({why})' if why else ''}; "
              "all ranks stopped."]
-    if not own:
+    if not own and not disagreement:
         lines.append("paralab: every rank's error is a lost connection; the first is shown. The cause is "
                      "outside the ranks' Python code (the network, or a process ended from elsewhere)")
     if cause.kind == "exception":

@@ -137,13 +137,20 @@ def read_logs(run_dir) -> dict[int, RankLog]:
     return found
 
 
-def explain_hang(run_dir, ended: dict[int, str] | None = None) -> list[str]:
-    """The diagnosis from the logs in ``run_dir`` as ``paralab:`` lines ([] if there is nothing to say)."""
+def explain_hang(run_dir, ended: dict[int, str] | None = None, steps_done: int | None = None) -> list[str]:
+    """The diagnosis from the logs in ``run_dir`` as ``paralab:`` lines ([] if there is nothing to say).
+    ``steps_done``: how many steps the failing rank had finished (the diagnosis names the step it was in)."""
     lines = diagnose(read_logs(run_dir), ended)
     if not lines:
         return []
-    return ["paralab: where the ranks disagree (their op logs, " f"{Path(run_dir) / 'oplog'}):"] + \
+    during = f"in step {steps_done + 1}; " if steps_done is not None else ""
+    return ["paralab: where the ranks disagree (" f"{during}their op logs, {Path(run_dir) / 'oplog'}):"] + \
         [f"paralab:   {line}" for line in lines]
+
+
+def disagrees(lines: list[str]) -> bool:
+    """Whether :func:`explain_hang`'s lines found ranks calling different operations at one place."""
+    return any(line.startswith("paralab:   they disagree: ") for line in lines)
 
 
 # ---------------------------------------------------------------------------- the diagnosis

@@ -27,7 +27,7 @@ from ..progress import emit
 from . import restart
 from .config import RunConfig
 from .failures import Ending, describe, explain, resume_hint
-from .hangs import explain_hang
+from .hangs import disagrees, explain_hang
 from .rendezvous import loopback_interface, pin
 from .warm import die_with_parent, rank_context
 
@@ -151,7 +151,11 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         if r not in endings:
             endings[r] = Ending(r, procs[r].exitcode, seen, stopped=True)
         endings[r].report = received.get(r)
-    explained = explain([endings[r] for r in range(world)])
+    reports = [e.report for e in endings.values() if e.report and e.report.get("step") is not None]
+    first = min(reports, key=lambda rep: rep["time"], default=None)
+    hang = explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"},
+                        first["step"] if first else None)
+    explained = explain([endings[r] for r in range(world)], disagreement=disagrees(hang))
     reached = max((e.report.get("step") for e in endings.values() if e.report and e.report.get("step") is not None),
                   default=None)
     if explained is None:
@@ -167,7 +171,8 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         shutil.rmtree(Path(run_dir) / JOURNAL, ignore_errors=True)  # a journal its rank had no time to remove
         failed_check = (summary.get("check") or {}).get("result") == "FAIL"
         return (1 if failed_check or summary.get("error") else 0), None, reached
-    lines += explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"})
+    # ranks that called different operations: that disagreement is the cause, so it comes first
+    lines = hang + lines if disagrees(hang) else lines + hang
     print("\n".join(lines), file=sys.stderr, flush=True)
     if not final:
         return 1, cause, reached
