@@ -180,7 +180,7 @@ RECIPE_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence
                   ("ddp", ["--experts", "4", "--top-k", "2"])]
 #: strategies from the user's own files (docs/own-strategy.md), on the CNN as the course writes them
 OWN = ["examples/strategies/gather_scatter.py", "examples/strategies/allreduce.py",
-       "examples/strategies/bucketed_ddp.py"]
+       "examples/strategies/bucketed_ddp.py", "examples/strategies/parameter_server.py"]
 
 
 def check_row(name: str, workers: int, extra: list[str], out: Path, rc: int, text: str, seconds: float) -> dict:

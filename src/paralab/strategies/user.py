@@ -179,14 +179,19 @@ def _wrap(name: str, cls: type, path: Path) -> type:
     line = inspect.getsourcelines(cls)[1]
     if issubclass(cls, Strategy):
         needed = {"train_step": "trains a step", "predict": "evaluates", "full_state_dict": "is checked and exported",
-                  "state_dict": "checkpoints", "load_state_dict": "resumes"}
-        missing = [m for m in needed if getattr(cls, m) is getattr(Strategy, m)]
+                  "state_dict": "checkpoints", "load_state_dict": "resumes",
+                  "portable": "checks its optimizer state (every rank's state put together)"}
+
+        def own(method: str) -> bool:  # defined below Strategy (a classmethod is a new object at each lookup)
+            return next(k for k in cls.__mro__ if method in vars(k)) is not Strategy
+        missing = [m for m in needed if not own(m)]
         if missing:  # refused before start, not a NotImplementedError after training
             raise UsageError(f"{path}:{line}: {cls.__name__} subclasses Strategy but does not define "
                              f"{', '.join(m + '()' for m in missing)}: a run "
                              + ", ".join(f"{needed[m]} with {m}()" for m in missing)
-                             + " (paralab/strategies/base.py says what each returns; a data-parallel strategy "
-                             "subclasses Replicas and defines finish() alone: docs/own-strategy.md)")
+                             + " (docs/own-strategy.md, \"A whole strategy\", says what each returns, and "
+                             "examples/strategies/parameter_server.py defines them all; a data-parallel strategy "
+                             "subclasses Replicas and defines finish() alone)")
         return _untimed_summary(cls)
     if not issubclass(cls, Replicas):
         raise UsageError(f"{path}:{line}: {cls.__name__} is not a paralab strategy: subclass paralab.strategies."
