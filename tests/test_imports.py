@@ -31,6 +31,7 @@ LAYERS = [
     ("reading records, checking", ("paralab.analysis", "paralab.check")),
     ("one run", ("paralab.run",)),
     ("what people read", ("paralab.report",)),
+    ("grading a course", ("paralab.grading",)),
     ("commands", ("paralab.commands",)),
     ("the command line", ("paralab.cli", "paralab.__main__", "paralab.front")),
 ]

@@ -103,10 +103,12 @@ class Comm:
             peer, key = -1, self.key
         return self.log.enter(kind, self.name, key, size, tensor, peer, state)
 
-    def _timed(self, name: str, kind: str, size: int, fn, *args, **kwargs):
+    def _timed(self, name: str, kind: str, size: int, fn, *args, root: int | None = None, **kwargs):
+        """``fn(*args, **kwargs)`` timed as a ``comm`` span; ``root``: the group rank a rooted collective
+        (broadcast, gather, scatter) sends from or to, kept in the span (what it put on the wire depends on it)."""
         slot = self._enter(kind, size, args, kwargs)
         try:
-            with self.recorder.span("comm", name, size, op=kind):
+            with self.recorder.span("comm", name, size, op=kind, **({} if root is None else {"root": root})):
                 result = fn(*args, **kwargs)
         except BaseException:
             self.log.set_state(slot, FAILED)
@@ -161,17 +163,17 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, src: int = 0, name: str = "broadcast"):
         return self._timed(name, "broadcast", nbytes(t), dist.broadcast, t, src=self._global(src),
-                           group=self.group)
+                           group=self.group, root=src)
 
     def gather(self, t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0,
                name: str = "gather"):
         return self._timed(name, "gather", nbytes(t), dist.gather, t, gather_list=gather_list,
-                           dst=self._global(dst), group=self.group)
+                           dst=self._global(dst), group=self.group, root=dst)
 
     def scatter(self, t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0,
                 name: str = "scatter"):
         return self._timed(name, "scatter", nbytes(t), dist.scatter, t, scatter_list=scatter_list,
-                           src=self._global(src), group=self.group)
+                           src=self._global(src), group=self.group, root=src)
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, name: str = "all_gather",
                         async_op: bool = False, group=None):
