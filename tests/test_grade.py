@@ -190,3 +190,23 @@ def test_the_seeded_submissions_are_graded_as_intended_and_the_hostile_ones_cont
     assert connections == []
     left = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True).stdout.split()
     assert left == [], left
+
+
+#: a solution of each built-in assignment, from the examples the docs walk through
+SOLUTIONS = {"cs744-gather-scatter": EXAMPLES / "gather_scatter.py", "cs744-allreduce": EXAMPLES / "allreduce.py",
+             "cs744-ddp": EXAMPLES / "bucketed_ddp.py", "parameter-server": EXAMPLES / "parameter_server.py",
+             "cs1390-pipeline": ROOT / "examples" / "schedules" / "one_f_one_b.py"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_SANDBOX is not None, reason=f"no sandbox here: {NO_SANDBOX}")
+def test_each_built_in_assignment_gives_its_solution_full_marks(tmp_path):
+    assert set(SOLUTIONS) == set(A.built_in())
+    for name, solution in SOLUTIONS.items():
+        subs = tmp_path / name / "subs"
+        subs.mkdir(parents=True)
+        shutil.copy(solution, subs / solution.name)
+        r = run_paralab("grade", str(subs), "--assignment", name, "--out", str(tmp_path / name / "out"), timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results = json.loads((tmp_path / name / "out" / solution.stem / "results.json").read_text())
+        assert results["score"] == A.load(name).max_score, (name, results)
