@@ -92,7 +92,7 @@ class Result:
 
 
 def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, timeout: float = 240,
-                fast: bool = True) -> Result:
+                fast: bool = True, cwd: Path | None = None) -> Result:
     argv = list(args)
     if args and args[0] == "train":
         if fast:  # before the test's own options, so a test can override any of them
@@ -103,7 +103,7 @@ def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, ti
             argv += ["--check-cache", shared_references()]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if os.environ.get("PARALAB_TEST_COLD"):
-        p = subprocess.Popen([sys.executable, "-m", "paralab", *argv], stdout=subprocess.PIPE,
+        p = subprocess.Popen([sys.executable, "-m", "paralab", *argv], stdout=subprocess.PIPE, cwd=cwd,
                              stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
         try:
             stdout, stderr = p.communicate(timeout=timeout)
@@ -112,7 +112,7 @@ def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, ti
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         return Result(p.returncode, stdout, stderr, out or Path("."), p.pid)
-    return _run_warm(argv, full_env, timeout, out or Path("."))
+    return _run_warm(argv, full_env, timeout, out or Path("."), cwd)
 
 
 def session_processes(session: int | None) -> list[int]:
@@ -130,13 +130,13 @@ def session_processes(session: int | None) -> list[int]:
     return pids
 
 
-def _run_warm(argv: list[str], env: dict, timeout: float, out: Path) -> Result:
+def _run_warm(argv: list[str], env: dict, timeout: float, out: Path, cwd: Path | None = None) -> Result:
     import tempfile
     from paralab.cli import main
     from paralab.run import runner, warm
     with tempfile.TemporaryDirectory(prefix="paralab-test-") as scratch:
         stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
-        proc = warm.start(main, (argv,), output=str(stdout), errors=str(stderr), env=env, cwd=os.getcwd())
+        proc = warm.start(main, (argv,), output=str(stdout), errors=str(stderr), env=env, cwd=str(cwd or os.getcwd()))
         proc.join(timeout)
         if proc.exitcode is None:
             runner.stop(proc)

@@ -72,34 +72,57 @@ def test_the_pages_print_checks_and_each_is_run_once():
     assert len({(c.values[1], c.values[2]) for c in CASES}) == len(CASES) < len(found)
 
 
-@pytest.fixture
-def scratch(tmp_path):
-    """A folder for a command's runs: in memory (/dev/shm) where it has room, since a full-size model's
-    checkpoints (two 1 GB files at 134M parameters) are written and fsynced, which is the disk's time,
-    not the command's; else the test's own folder."""
+def scratch_root(tmp_path_factory) -> Path:
+    """Where the commands' folders go: in memory (/dev/shm) where it has room, since a full-size model's
+    checkpoints (two 1 GB files at 134M parameters) are written and fsynced, which is the disk's time, not the
+    command's; else the session's temporary folder."""
     import os
     import shutil
     import tempfile
     shm = Path("/dev/shm")
-    if not shm.is_dir() or shutil.disk_usage(shm).free < 8 * 2 ** 30 or not os.access(shm, os.W_OK):
-        yield tmp_path
-        return
-    folder = Path(tempfile.mkdtemp(prefix="paralab-doc-", dir=shm))
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 16 * 2 ** 30:
+        return Path(tempfile.mkdtemp(prefix="paralab-doc-", dir=shm))
+    return tmp_path_factory.mktemp("doc-commands")
+
+
+def run_printed(command: str, folder: Path):
+    folder.mkdir()
+    (folder / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
+    return run_paralab(*shlex.split(command)[1:], fast=False, timeout=900, cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def printed(request, tmp_path_factory):
+    """Every selected command's result, by its place: run two at a time, each in a folder of its own (a run's
+    ranks often wait, for each other or for rank 0's check, and the other command's compute meanwhile: on the
+    2-core VM the slow selection's commands took about a quarter less than one at a time)."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paralab.run.warm import forkserver
+    wanted = [item.callspec.params for item in request.session.items
+              if getattr(item, "originalname", "") == "test_a_printed_check_passes_as_printed"]
+    wanted = [(w["where"], w["command"]) for w in wanted if not elsewhere(w["command"])]
+    root = scratch_root(tmp_path_factory)
+    forkserver()
     try:
-        yield folder
+        with ThreadPoolExecutor(2) as pool:
+            results = pool.map(lambda wc: run_printed(wc[1], root / f"run{wanted.index(wc)}"), wanted)
+            yield {where: r for (where, _), r in zip(wanted, results)}
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def elsewhere(command: str) -> str | None:
+    return next((why for what, why in ELSEWHERE.items() if what in command), None)
 
 
 @pytest.mark.parametrize("where,command,fails", CASES)
-def test_a_printed_check_passes_as_printed(where, command, fails, scratch, monkeypatch):
-    reason = next((why for what, why in ELSEWHERE.items() if what in command), None)
+def test_a_printed_check_passes_as_printed(where, command, fails, printed):
+    reason = elsewhere(command)
     if reason:
         pytest.skip(f"{where}: {reason}")
-    tmp_path = scratch
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
-    r = run_paralab(*shlex.split(command)[1:], fast=False, timeout=900)
+    r = printed[where]
     output = r.stdout[-3000:] + r.stderr[-3000:]
     if fails:
         assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{where}: {command}\n{output}"
