@@ -109,6 +109,10 @@ def test_one_submission_gives_gradescopes_results_and_a_gradebook_row(tmp_path):
     subs = tmp_path / "subs"
     (subs / "alice").mkdir(parents=True)
     shutil.copy(EXAMPLES / "allreduce.py", subs / "alice" / "solution.py")
+    (subs / "bob.py").symlink_to(subs / "alice" / "solution.py")
+    (subs / "carol").mkdir()
+    for name in ("a.py", "b.py"):
+        shutil.copy(EXAMPLES / "allreduce.py", subs / "carol" / name)
     r = run_paralab("grade", str(subs), "--assignment", str(QUICK), "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "alice" / "results.json").read_text())
@@ -116,8 +120,12 @@ def test_one_submission_gives_gradescopes_results_and_a_gradebook_row(tmp_path):
         "loads", "check at 2 workers", "collectives", "bytes"}
     assert all({"name", "score", "max_score", "output"} <= set(t) for t in results["tests"])
     rows = list(csv.DictReader((tmp_path / "out" / "gradebook.csv").open()))
-    assert rows == [{"submission": "alice", "score": "10", "max_score": "10", "loads": "1",
-                     "check at 2 workers": "6", "collectives": "2", "bytes": "1"}]
+    assert rows[0] == {"submission": "alice", "score": "10", "max_score": "10", "loads": "1",
+                       "check at 2 workers": "6", "collectives": "2", "bytes": "1"}
+    # bob links to alice's file (the sandbox would show it him), carol's folder holds two: neither is run
+    assert [(r["submission"], r["score"]) for r in rows[1:]] == [("bob", "0"), ("carol", "0")]
+    bob = json.loads((tmp_path / "out" / "bob" / "results.json").read_text())["tests"][0]["output"]
+    assert "is a symbolic link" in bob and not (tmp_path / "out" / "bob" / "w2").exists()
     assert "alice" in (tmp_path / "out" / "report.html").read_text()
 
 

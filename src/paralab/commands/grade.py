@@ -46,11 +46,13 @@ def entries(folder: Path) -> list[tuple[str, Path]]:
     for entry in sorted(folder.iterdir()):
         if entry.name.startswith("."):
             continue
-        if entry.is_file() and entry.suffix == ".py":
+        if entry.is_symlink():  # it could name another student's file, which the sandbox would then show it
+            found.append((entry.stem if entry.suffix == ".py" else entry.name, entry))
+        elif entry.is_file() and entry.suffix == ".py":
             found.append((entry.stem, entry))
         elif entry.is_dir():
             files = sorted(entry.glob("*.py"))
-            found.append((entry.name, files[0] if len(files) == 1 else entry))
+            found.append((entry.name, files[0] if len(files) == 1 and not files[0].is_symlink() else entry))
     return found
 
 
@@ -111,10 +113,12 @@ def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandbo
 
     def one(entry) -> Graded:
         sid, file = entry
-        if not file.is_dir():
+        if not file.is_dir() and not file.is_symlink():
             return grade(file.resolve(), sid, a, out / sid, sandboxed=sandboxed,
                          hidden=[subs.resolve(), out.resolve()], reference_seconds=reference_seconds)
-        g = Graded(sid, [Test("loads", 0.0, a.max_score, f"{file.name}/ must hold exactly one .py file")])
+        why = (f"{file.name} is a symbolic link: submit the file itself" if file.is_symlink() else
+               f"{file.name}/ must hold exactly one .py file (and not a link)")
+        g = Graded(sid, [Test("loads", 0.0, a.max_score, why)])
         (out / sid).mkdir()
         (out / sid / "results.json").write_text(json.dumps(g.results(), indent=1))
         return g
