@@ -246,7 +246,7 @@ def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operat
     err = r.stderr
     assert "they disagree: rank 0 called all_reduce" in err, err[-3000:]
     # the disagreement leads, with the step it happened in, and nothing blames the network
-    assert "where the ranks disagree (in step 1; their op logs" in err, err[-3000:]
+    assert "where the ranks disagree (rank 0 in step 1; rank 1 in step 1; their op logs" in err, err[-3000:]
     assert err.index("where the ranks disagree") < err.index("failed first"), err[-3000:]
     assert "outside the ranks' Python code" not in err, err[-3000:]
 

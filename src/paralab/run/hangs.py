@@ -137,13 +137,17 @@ def read_logs(run_dir) -> dict[int, RankLog]:
     return found
 
 
-def explain_hang(run_dir, ended: dict[int, str] | None = None, steps_done: int | None = None) -> list[str]:
+def explain_hang(run_dir, ended: dict[int, str] | None = None, steps_done: dict[int, int] | None = None,
+                 total: int | None = None) -> list[str]:
     """The diagnosis from the logs in ``run_dir`` as ``paralab:`` lines ([] if there is nothing to say).
-    ``steps_done``: how many steps the failing rank had finished (the diagnosis names the step it was in)."""
+    ``steps_done``: per rank that reported it, how many steps it had finished, so the diagnosis says where
+    each was (``total``: the run's steps, after which a rank is past its last)."""
     lines = diagnose(read_logs(run_dir), ended)
     if not lines:
         return []
-    during = f"in step {steps_done + 1}; " if steps_done is not None else ""
+    where = [f"rank {r} " + (f"in step {d + 1}" if total is None or d < total else "after its last step")
+             for r, d in sorted((steps_done or {}).items())]
+    during = "; ".join(where) + "; " if where else ""
     return ["paralab: where the ranks disagree (" f"{during}their op logs, {Path(run_dir) / 'oplog'}):"] + \
         [f"paralab:   {line}" for line in lines]
 

@@ -151,10 +151,9 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         if r not in endings:
             endings[r] = Ending(r, procs[r].exitcode, seen, stopped=True)
         endings[r].report = received.get(r)
-    reports = [e.report for e in endings.values() if e.report and e.report.get("step") is not None]
-    first = min(reports, key=lambda rep: rep["time"], default=None)
-    hang = explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"},
-                        first["step"] if first else None)
+    steps = {e.rank: e.report["step"] for e in endings.values() if e.report and e.report.get("step") is not None}
+    hang = explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"}, steps,
+                        cfg.num_batches)
     explained = explain([endings[r] for r in range(world)], disagreement=disagrees(hang))
     reached = max((e.report.get("step") for e in endings.values() if e.report and e.report.get("step") is not None),
                   default=None)
