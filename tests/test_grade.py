@@ -75,6 +75,17 @@ def test_bytes_on_the_wire_follow_each_collectives_algorithm():
     assert wire_bytes("send", 100, 0, None, 2) == 100 and wire_bytes("all_gather", 100, 0, None, 4) == 75
 
 
+def test_the_sandbox_puts_back_the_interpreter_and_paralab_where_it_empties_a_folder(monkeypatch, tmp_path):
+    """A clone in /tmp (as CI's may be) or a Python under the home: bound again over the emptied folder."""
+    import sys
+    monkeypatch.setattr(sys, "prefix", "/tmp/clone/.venv")
+    argv = sandbox.command(["python"], workdir=tmp_path, writable=tmp_path, readable=[], hidden=[])
+    binds = {argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"}
+    assert "/tmp/clone/.venv" in binds and argv.index("--tmpfs") < argv.index("/tmp/clone/.venv")
+    src = str(Path(sandbox.__file__).resolve().parents[2])
+    assert (src in binds) == any(src.startswith(f) for f in ("/tmp", str(Path.home().resolve()), "/dev/shm"))
+
+
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     subs = tmp_path / "subs"
     subs.mkdir()

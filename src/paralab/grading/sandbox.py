@@ -90,12 +90,14 @@ def command(argv: list[str], *, workdir: Path, writable: Path, readable: list[Pa
     """The ``bwrap`` command line around ``argv`` (see the module): ``hidden`` folders emptied, then
     ``readable`` files and the ``writable`` folder put back, ``workdir`` the working folder."""
     home = Path.home().resolve()
-    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--tmpfs", "/dev/shm", "--tmpfs", str(home)]
-    # the interpreter, its packages and paralab itself, where they sit in the emptied home
+    emptied = [Path("/tmp"), Path("/dev/shm"), home]
+    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for folder in emptied:
+        args += ["--tmpfs", str(folder)]
+    # the interpreter, its packages and paralab itself, where they sit in an emptied folder (a clone in /tmp)
     needed = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(__file__).resolve().parents[2]}
     for keep in sorted(needed):
-        if _under(keep, home):
+        if any(_under(keep, folder) for folder in emptied):
             args += ["--ro-bind", str(keep), str(keep)]
     for folder in hidden:
         args += ["--tmpfs", str(folder.resolve())]
