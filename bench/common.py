@@ -112,19 +112,12 @@ def paralab_train(argv: list[str], out: Path, *, env: dict[str, str] | None = No
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
     from paralab.cli import main
-    from paralab.run import runner, warm
+    from paralab.run import runner
     cmd = ["paralab", "train", *argv, "--out", str(out)]
     env = {**os.environ, **(env or {}),
            "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with tempfile.TemporaryDirectory(prefix="paralab-bench-") as scratch:
-        stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
-        proc = warm.start(main, (cmd[1:],), output=str(stdout), errors=str(stderr), env=env,
-                          cwd=str(cwd or os.getcwd()))
-        try:
-            proc.join()
-        finally:
-            runner.stop(proc)  # interrupted: the run and its ranks with it
-        return subprocess.CompletedProcess(cmd, proc.exitcode, stdout.read_text(), stderr.read_text())
+    done = runner.call(main, (cmd[1:],), env=env, cwd=cwd or os.getcwd())
+    return subprocess.CompletedProcess(cmd, done.exitcode, done.stdout, done.stderr)
 
 
 def train(label: str, strategy: list[str], args: argparse.Namespace, out: Path, *, workers: int | None = None,

@@ -131,17 +131,12 @@ def session_processes(session: int | None) -> list[int]:
 
 
 def _run_warm(argv: list[str], env: dict, timeout: float, out: Path, cwd: Path | None = None) -> Result:
-    import tempfile
     from paralab.cli import main
-    from paralab.run import runner, warm
-    with tempfile.TemporaryDirectory(prefix="paralab-test-") as scratch:
-        stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
-        proc = warm.start(main, (argv,), output=str(stdout), errors=str(stderr), env=env, cwd=str(cwd or os.getcwd()))
-        proc.join(timeout)
-        if proc.exitcode is None:
-            runner.stop(proc)
-            raise subprocess.TimeoutExpired(["paralab", *argv], timeout)
-        return Result(proc.exitcode, stdout.read_text(), stderr.read_text(), out, proc.pid)
+    from paralab.run import runner
+    done = runner.call(main, (argv,), env=env, cwd=cwd or os.getcwd(), timeout=timeout)
+    if done.exitcode is None:
+        raise subprocess.TimeoutExpired(["paralab", *argv], timeout)
+    return Result(done.exitcode, done.stdout, done.stderr, out, done.pid)
 
 
 @pytest.fixture

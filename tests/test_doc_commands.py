@@ -107,7 +107,7 @@ def printed(request, tmp_path_factory):
     forkserver()
     try:
         with ThreadPoolExecutor(2) as pool:
-            results = pool.map(lambda wc: run_printed(wc[1], root / f"run{wanted.index(wc)}"), wanted)
+            results = pool.map(lambda i: run_printed(wanted[i][1], root / f"run{i}"), range(len(wanted)))
             yield {where: r for (where, _), r in zip(wanted, results)}
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -41,21 +41,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path)
     # the ranks, killed with the launcher, hold the folder's lock until they have exited, which for a process
     # of torch's size takes a moment after wait() reaps the launcher (this test once ran the next command
     # inside that moment): wait, boundedly, for the lock to be free, then take the folder with a run
-    import fcntl
+    from paralab.run.folder import held
     deadline = time.monotonic() + 10
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break  # a lock still held 10 s after the kill: the run below says so and fails
-                time.sleep(0.05)
-    finally:
-        os.close(fd)
+    while held(out) and time.monotonic() < deadline:  # still held after 10 s: the run below says so and fails
+        time.sleep(0.05)
     # the lock went with the processes that held it: the folder takes a run again (no stale lock file)
     again = run_paralab("train", "single", *FAST, "--num-batches", "1", "--out", str(out), fast=False)
     assert again.returncode == 0, again.stderr[-2000:]

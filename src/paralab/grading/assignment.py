@@ -98,6 +98,10 @@ def load(name: str) -> Assignment:
     for key in ("root", "other"):
         if key in sent:
             formula_value(str(sent[key]), 2, where=f"{path}: bytes.{key}")
+        elif points.get("bytes"):
+            raise UsageError(f"{path}: points.bytes needs [bytes] {key} = a formula in N")
+    if points.get("speed") and not doc.get("reference"):
+        raise UsageError(f"{path}: points.speed needs reference = a paralab strategy to time against")
     limits = {k: need(k, (int, float), d) for k, d in (("time_limit_s", 120.0), ("memory_gb", 4.0),
                                                       ("processes", 64))}
     if not all(v > 0 for v in limits.values()):

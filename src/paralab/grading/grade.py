@@ -140,7 +140,7 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
     graded = Graded(sid)
     p = a.points
     loaded = runs[0].outcome.returncode != 2
-    if "loads" in p:
+    if p.get("loads"):
         graded.tests.append(Test("loads", p["loads"] if loaded else 0.0, p["loads"],
                                  "paralab accepted the file" if loaded else runs[0].how_it_ended(limits)))
     for run in runs if loaded else []:
@@ -154,7 +154,7 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
     if p.get("bytes"):
         graded.tests.append(bytes_test(runs, a, p["bytes"]) if loaded else
                             Test("bytes", 0.0, p["bytes"], "not run: the file did not load"))
-    if "speed" in p:
+    if p.get("speed"):
         graded.tests.append(speed_test(runs, p["speed"], reference_seconds, a.reference))
     (folder / "results.json").write_text(json.dumps(graded.results(), indent=1))
     return graded

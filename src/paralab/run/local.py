@@ -153,10 +153,9 @@ def _run_group(cfg: RunConfig, init_method: str, run_dir: str, final: bool = Tru
         endings[r].report = received.get(r)
     steps = {e.rank: e.report["step"] for e in endings.values() if e.report and e.report.get("step") is not None}
     hang = explain_hang(run_dir, {e.rank: e.what() for e in endings.values() if e.kind != "stopped"}, steps,
-                        cfg.num_batches)
+                        cfg.num_batches) if any(e.failed for e in endings.values()) else []
     explained = explain([endings[r] for r in range(world)], disagreement=disagrees(hang))
-    reached = max((e.report.get("step") for e in endings.values() if e.report and e.report.get("step") is not None),
-                  default=None)
+    reached = max(steps.values(), default=None)
     if explained is None:
         return max((e.code for e in endings.values() if e.code is not None), default=0), None, reached
 

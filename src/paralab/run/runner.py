@@ -224,6 +224,29 @@ def read_summary(run_dir) -> dict | None:
         return None
 
 
+@dataclass
+class Called:
+    """What :func:`call` gives back: the child's exit code (None: stopped at the timeout), pid and output."""
+    exitcode: int | None
+    pid: int
+    stdout: str
+    stderr: str
+
+
+def call(target, args: tuple, *, env: dict, cwd, timeout: float | None = None) -> Called:
+    """``target(*args)`` (a command line's ``main``) in a child of this process's warm forkserver, its output
+    captured, waited for; past ``timeout`` (or if the caller is interrupted) it and every process it started
+    are stopped. The suite and the benchmarks run ``paralab`` commands so, importing torch once."""
+    with tempfile.TemporaryDirectory(prefix="paralab-call-") as scratch:
+        stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
+        proc = warm.start(target, args, output=str(stdout), errors=str(stderr), env=env, cwd=str(cwd))
+        try:
+            proc.join(timeout)
+        finally:
+            stop(proc)  # nothing of it outlives the call: past the timeout, or the caller interrupted
+        return Called(proc.exitcode, proc.pid, stdout.read_text(), stderr.read_text())
+
+
 def stop(proc) -> None:
     """Stop a child started here and every process it started (its own session): SIGTERM, then SIGKILL."""
     if proc.exitcode is not None:

@@ -118,8 +118,8 @@ def block_flops(batch: int) -> float:
     return 3 * batch * gpt_workload(1, 128, 4, 64, 256).units[1].forward_flops
 
 
-def block_times(dtype: str, batches: tuple = BATCHES, repeats: int = 5) -> dict[int, float]:
-    """{sequences: median seconds} of the course gpt's block (width 128, 4 heads, 64 tokens), forward and
+def block_times(dtype: str, batches: tuple = BATCHES, repeats: int = 5, tokens: int = 64) -> dict[int, float]:
+    """{sequences: median seconds} of the course gpt's block (width 128, 4 heads, ``tokens`` tokens), forward and
     backward on one thread: its matmuls, its elementwise work and its fixed cost."""
     import torch
 
@@ -131,7 +131,7 @@ def block_times(dtype: str, batches: tuple = BATCHES, repeats: int = 5) -> dict[
         block = Block(128, 4).to(kind)
         out = {}
         for b in batches:
-            x = torch.randn(b, 64, 128, dtype=kind, requires_grad=True)
+            x = torch.randn(b, tokens, 128, dtype=kind, requires_grad=True)
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
@@ -168,24 +168,7 @@ def at_speed(cal: dict, factor: float) -> dict:
 def dispatch_time(dtype: str, repeats: int = 21) -> float:
     """Seconds of the calibration's block forward and backward on one sequence of one token (the median of
     ``repeats``): its arithmetic is negligible, so this is what a unit costs whatever its size."""
-    import torch
-
-    from ...models.gpt import Block
-    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        block = Block(128, 4).to(kind)
-        x = torch.randn(1, 1, 128, dtype=kind, requires_grad=True)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            block(x).sum().backward()
-            if i:  # the first is warm-up
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    finally:
-        torch.set_num_threads(threads)
+    return block_times(dtype, (1,), repeats, tokens=1)[1]
 
 
 def fit_block(times: dict, fixed: float) -> float:
