@@ -89,6 +89,23 @@ def test_ddp_timeline_shows_async_communication(runs_dir):
     assert plots.ideal_schedule_boxes(run)[0] is None  # no schedule to simulate
 
 
+def test_send_and_recv_without_a_completion_are_drawn_until_their_wait_not_as_overlap(runs_dir, tmp_path):
+    """The pipeline's isend/irecv on gloo: the backend reports no completion, so each interval ends at its
+    wait; the timeline calls them so (a dotted outline), the split and the trace never count them as overlap."""
+    from paralab.analysis.trace import chrome_trace
+    run = load_run(runs_dir / "pipeline-w2")
+    headers, rows = plots.timeline_table([run])
+    col = {h: i for i, h in enumerate(headers)}
+    kinds = {r[col["kind"]] for r in rows}
+    assert "unseen" in kinds and "async" not in kinds
+    assert {r[col["name"]] for r in rows if r[col["kind"]] == "unseen"} <= {"send_act", "recv_act", "send_grad",
+                                                                           "recv_grad"}
+    assert all(run.split(k)["comm_async"] == 0 for k in run.ranks) and not run.overlaps_communication
+    named = [e["name"] for e in chrome_trace(run.spans, 2)["traceEvents"] if e["ph"] == "X"]
+    assert any(n.endswith("(until its wait: completion not reported)") for n in named)
+    assert plots.plot_timeline([run], tmp_path / "t.png").stat().st_size > 0
+
+
 def test_memory_uses_what_each_rank_measured_it_holds(runs_dir):
     pipe = load_run(runs_dir / "pipeline-w2")
     mem = plots.memory_by_rank(pipe)

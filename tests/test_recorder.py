@@ -25,6 +25,17 @@ def test_split_by_category_keeps_async_apart():
     assert abs(split["comm_async"] - 1.7) < 1e-12  # union of [1.5, 2.5] and [2.0, 3.2]
 
 
+def test_an_operation_whose_completion_is_unseen_is_not_counted_as_overlap():
+    """gloo's isend/irecv report no completion: the span ends at the wait, which says nothing of overlap."""
+    rec = Recorder()
+    rec.step = 0
+    rec.add("compute", "forward", 0.0, 2.0)
+    rec.add("comm", "send", 0.5, 2.5, 10, **{"async": True, "unseen": True})
+    rec.add("comm", "wait:send", 2.0, 2.5, op="send")
+    split = rec.split(0)
+    assert split["comm_async"] == 0.0 and split["comm"] == 0.5 and split["compute"] == 2.0
+
+
 def test_nested_spans_count_each_moment_once_in_the_innermost():
     rec = Recorder()
     rec.step = 0

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import oplog, wire
+from .kinds import ASYNC, UNSEEN
 from .oplog import DONE, FAILED, IN_FLIGHT, WAITING
 from .recorder import Recorder
 
@@ -135,13 +136,14 @@ class Comm:
         pending = Pending(self, work, name, kind, size, t0, rec.step, slot=slot)
         log = self.log
 
-        def finished(_fut):
+        def finished(_fut, seen: bool = True):
             # runs on the backend's thread (on CUDA with the operation's stream current, so the mark is
             # its completion on the device): the span carries the step it was launched in, whatever
             # step the training thread has reached by now
             pending.done_at = rec.mark()
             log.set_state(slot, DONE)
-            rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind, **{"async": True})
+            rec.add("comm", name, t0, pending.done_at, size, step=pending.step, op=kind,
+                    **{ASYNC: True, **({} if seen else {UNSEEN: True})})
             return None
 
         if kind not in self._futureless:
@@ -152,7 +154,9 @@ class Comm:
                 # gloo's point-to-point work has no future; the refusal is a C++ exception (tens of
                 # microseconds), so each kind asks once
                 self._futureless.add(kind)
-        pending.on_wait = finished  # no future: the interval ends at wait()
+        # no future: the operation may have finished long before; all that is known is that it had by the
+        # time wait() returned, so the interval ends there and is marked so (not drawn or counted as overlap)
+        pending.on_wait = lambda fut: finished(fut, seen=False)
         return pending
 
     # ------------------------------------------------------------ collectives

@@ -42,6 +42,8 @@ BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 
 # span args and naming
 ASYNC = "async"          # args key: an asynchronous operation's in-flight interval
+UNSEEN = "unseen"        # args key, beside ASYNC: the backend reports no completion (gloo's send and recv), so
+                         # the interval ends where the rank's wait() returned: an upper bound, not an overlap
 WAIT_PREFIX = "wait:"    # name prefix: the rank blocked on an asynchronous operation
 
 # detail record keys (strategy_details[rank])

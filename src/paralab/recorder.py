@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .kinds import CATEGORIES  # noqa: F401  (re-exported: the span categories)
+from .kinds import ASYNC, CATEGORIES, UNSEEN  # noqa: F401  (CATEGORIES re-exported: the span categories)
 
 
 @dataclass
@@ -211,15 +211,20 @@ class Recorder:
         Asynchronous communication (``args['async']``) overlaps other spans, so it
         is reported apart as ``comm_async`` (the time during which at least one
         operation was in flight: the union of their intervals) and never added to
-        the step total. ``forward`` and ``backward`` break ``compute`` down.
+        the step total. An operation whose completion the backend does not report
+        (``args['unseen']``: gloo's send and recv) is not in it: its interval ends
+        at its wait, so it says nothing about overlap; the time the rank blocked in
+        that wait is ``comm`` as any wait is. ``forward`` and ``backward`` break
+        ``compute`` down.
         """
         out = {c: 0.0 for c in CATEGORIES} | {"forward": 0.0, "backward": 0.0, "comm_async": 0.0}
         spans = self.step_spans(step)
-        for s, seconds in exclusive_seconds([s for s in spans if not s.args.get("async")]):
+        for s, seconds in exclusive_seconds([s for s in spans if not s.args.get(ASYNC)]):
             out[s.category] += seconds
             if s.category == "compute" and s.name in ("forward", "backward"):
                 out[s.name] += seconds
-        out["comm_async"] = union_length([(s.t0, s.t1) for s in spans if s.args.get("async")])
+        out["comm_async"] = union_length([(s.t0, s.t1) for s in spans
+                                          if s.args.get(ASYNC) and not s.args.get(UNSEEN)])
         return out
 
     def dump(self, start: int = 0) -> list[dict]:

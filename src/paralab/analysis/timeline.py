@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..kinds import ASYNC, BACKWARD, BACKWARD_WEIGHT, COMPUTE, COMM, FORWARD, IDLE, WAIT_PREFIX
+from ..kinds import ASYNC, BACKWARD, BACKWARD_WEIGHT, COMPUTE, COMM, FORWARD, IDLE, UNSEEN, WAIT_PREFIX
 from ..recorder import union_length
 
 
@@ -56,8 +56,8 @@ def overlap(spans: list[dict], rank: int, warmup: int, op: str = "all_reduce") -
     for (r, step), mine in sorted(_by_rank_step(spans).items()):
         if r != rank:
             continue
-        flights = [(s["t0"], s["t1"]) for s in mine
-                   if s["category"] == COMM and s["args"].get(ASYNC) and s["args"].get("op") == op]
+        flights = [(s["t0"], s["t1"]) for s in mine if s["category"] == COMM and s["args"].get(ASYNC)
+                   and not s["args"].get(UNSEEN) and s["args"].get("op") == op]  # unseen: ends at its wait
         if not flights:
             continue
         waits = [(s["t0"], s["t1"]) for s in mine if s["category"] == COMM and s["name"].startswith(WAIT_PREFIX)

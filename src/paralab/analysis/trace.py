@@ -16,7 +16,8 @@ def chrome_trace(spans: list[dict], world: int) -> dict:
         tid = s["rank"] + (1000 if asynchronous else 0)
         events.append({
             "ph": "X", "pid": 0, "tid": tid, "cat": s["category"],
-            "name": s["name"] + (f" mb{s['args']['mb']}" if "mb" in s.get("args", {}) else ""),
+            "name": s["name"] + (f" mb{s['args']['mb']}" if "mb" in s.get("args", {}) else "")
+            + (" (until its wait: completion not reported)" if s.get("args", {}).get("unseen") else ""),
             "ts": round(s["t0"] * 1e6, 3), "dur": round((s["t1"] - s["t0"]) * 1e6, 3),
             "args": {"step": s["step"], "bytes": s["bytes"], **s.get("args", {})},
             "cname": COLORS.get(s["category"], "generic_work"),

@@ -261,7 +261,7 @@ def timeline_spans(run: Run, step: int | None = None):
 
 def _span_kind(s: dict) -> str:
     if s.get("args", {}).get("async"):
-        return "async"
+        return "unseen" if s["args"].get("unseen") else "async"
     if s["category"] == "compute":
         return s["name"] if s["name"] in PIPELINE_LETTERS else "compute"
     return s["category"]
@@ -285,6 +285,10 @@ def _draw_boxes(ax, boxes, total, y_of, height_of):
         y, h = y_of(rank, asynchronous), height_of(asynchronous)
         color = TIMELINE_COLORS.get(kind, "#cccccc")
         hatch = "xx" if kind == "idle" else None
+        if kind == "unseen":  # launched, done by its wait at the latest: an outline, never a filled overlap
+            ax.broken_barh([(a, max(b - a, total * 1e-4))], (y, h), facecolors="none",
+                           edgecolor=TIMELINE_COLORS["async"], linewidth=0.6, linestyle=":")
+            continue
         ax.broken_barh([(a, max(b - a, total * 1e-4))], (y, h), facecolors=color, edgecolor="white",
                        linewidth=0.3, hatch=hatch, alpha=0.85 if asynchronous else 1.0)
         if text and (b - a) > total * 0.025 and not asynchronous:
@@ -297,8 +301,11 @@ def _legend(ax, kinds):
     names = {"forward": "forward", "backward": "backward", "backward_input": "backward: input gradient (I)",
              "backward_weight": "backward: weight gradients (W)", "compute": "compute (other)",
              "comm": "communication (blocking)", "async": "async communication (overlapped)",
+             "unseen": "async send/recv, until its wait (completion not reported)",
              "optimizer": "optimizer", "data": "data", "idle": "idle (waiting on a peer)"}
-    handles = [Patch(facecolor=TIMELINE_COLORS[k], hatch="xx" if k == "idle" else None, label=names[k])
+    handles = [Patch(facecolor="none", edgecolor=TIMELINE_COLORS["async"], linestyle=":", label=names[k])
+               if k == "unseen" else
+               Patch(facecolor=TIMELINE_COLORS[k], hatch="xx" if k == "idle" else None, label=names[k])
                for k in names if k in kinds]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
@@ -316,7 +323,7 @@ def _run_boxes(run: Run, step: int | None):
         if kind == "comm" and (s["t1"] - s["t0"]) > 0:
             text = ""
         boxes.append((s["rank"], 1000 * (s["t0"] - t0), 1000 * (s["t1"] - t0), kind, text,
-                      kind == "async"))
+                      kind in ("async", "unseen")))
     return st, boxes
 
 
