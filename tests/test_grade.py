@@ -108,6 +108,51 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_assignment_whose_own_reference_cannot_train_grades_nothing(tmp_path, capsys):
+    """The grader's own run is every check's answer: an assignment whose settings do not train is refused."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    shutil.copy(EXAMPLES / "allreduce.py", subs / "alice.py")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(QUICK.read_text().replace('"--batch-size", "24"', '"--batch-size", "0"'))
+    out = tmp_path / "out"
+    assert main(["grade", str(subs), "--assignment", str(bad), "--out", str(out), "--no-sandbox"]) == 2
+    err = capsys.readouterr().err
+    assert "own reference (single) does not run with its train options" in err and "batch" in err, err
+    assert not out.exists()
+
+
+def test_final_weights_are_read_by_the_grader_and_compared_with_its_own(tmp_path):
+    """What a check's PASS must be borne out by: each rank's whole model, read with weights_only, bounded."""
+    import argparse
+
+    import torch
+    from conftest import commit_generation
+
+    from paralab.grading import weights as W
+    truth = {"w": torch.ones(3, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+
+    def rank(w, b=torch.zeros(2, dtype=torch.float64), step=2):
+        return {"state": {"model": {"w": w, "b": b}, "optimizer": {}}, "step": step}
+    commit_generation(tmp_path / "run", 2, {}, {0: rank(truth["w"].clone()), 1: rank(truth["w"] * 2)}, 2)
+    models, why = W.final_weights(tmp_path / "run", "replicas", truth, 2)
+    assert why == "" and len(models) == 2
+    assert W.deviation(models, truth) == (1.0, "w (rank 1)")
+    assert W.deviation(models[:1], truth) == (0.0, "")
+    assert W.deviation([{"w": truth["w"]}], truth) == (float("inf"), "b: missing or of another shape")
+    assert W.deviation([{"w": truth["w"] * float("nan"), "b": truth["b"]}], truth)[0] == float("inf")
+    assert W.final_weights(tmp_path / "run", "replicas", truth, 3)[1] == "its last checkpoint is at step 2, not 3"
+    assert W.final_weights(tmp_path / "none", "replicas", truth, 2)[1] == "the run left no committed checkpoint"
+    big = rank(torch.zeros(2_000_000))  # 8 MB: more than 16 x a 40-byte model + 1 MiB
+    commit_generation(tmp_path / "big", 2, {}, {0: big, 1: big}, 2)
+    assert "more than" in W.final_weights(tmp_path / "big", "replicas", truth, 2)[1]
+    code = rank(argparse.Namespace(x=1))  # not a tensor: the weights-only unpickler refuses to build it
+    commit_generation(tmp_path / "code", 2, {}, {0: code, 1: code}, 2)
+    assert "cannot be read" in W.final_weights(tmp_path / "code", "replicas", truth, 2)[1]
+    assert W.tolerance(["--precision", "fp64"]) == 2e-9 and W.tolerance(["--precision", "fp32"]) == 2e-5
+    assert W.precision_of([]) == "fp64"
+
+
 def test_without_a_sandbox_nothing_is_run_unless_asked(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     (tmp_path / "subs").mkdir()
@@ -153,6 +198,7 @@ EXPECTED = {
     "loops_forever": (1, 0, 0, 0),
     "fork_storm": (1, 0, 0, 0),      # capped: its ranks cannot start
     "reads_another": (1, 6, 2, 1), "writes_outside": (1, 6, 2, 1), "connects_out": (1, 6, 2, 1),
+    "loosens_the_check": (1, 0, 2, 1),  # its run says PASS; its final weights, read by the grader, do not
 }
 PORT = 47181  # connects_out.py tries it
 
@@ -201,6 +247,10 @@ def test_the_seeded_submissions_are_graded_as_intended_and_the_hostile_ones_cont
                 for sid in rows}
     assert "first divergence: step 1, rank 0, backward of" in feedback["no_average"]["check at 2 workers"]
     assert "stopped at the time limit" in feedback["loops_forever"]["check at 2 workers"]
+    forged = feedback["loosens_the_check"]["check at 2 workers"]
+    assert "check: PASS" in forged and "the run reported PASS, but its final weights differ from the grader's own" \
+        " reference" in forged, forged
+    assert "final weights equal the grader's own reference" in feedback["allreduce"]["check at 2 workers"]
     hang = feedback["skips_a_step"]["check at 2 workers"]  # rank 1 skipped step 2's all-reduces, then finished
     assert "they disagree" in hang and "(rank 0 in step 2; rank 1 after its last step;" in hang, hang
     assert "not allowed here: recv, send" in feedback["ring"]["collectives"]
@@ -224,12 +274,25 @@ SOLUTIONS = {"cs744-gather-scatter": EXAMPLES / "gather_scatter.py", "cs744-allr
 @pytest.mark.slow
 @pytest.mark.skipif(NO_SANDBOX is not None, reason=f"no sandbox here: {NO_SANDBOX}")
 def test_each_built_in_assignment_gives_its_solution_full_marks(tmp_path):
+    """Each assignment graded by its own `paralab grade`, two at a time (a run's ranks often wait, and the
+    other grader's compute meanwhile)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paralab.run.warm import forkserver
     assert set(SOLUTIONS) == set(A.built_in())
-    for name, solution in SOLUTIONS.items():
+
+    def grade(name):
+        solution = SOLUTIONS[name]
         subs = tmp_path / name / "subs"
         subs.mkdir(parents=True)
         shutil.copy(solution, subs / solution.name)
-        r = run_paralab("grade", str(subs), "--assignment", name, "--out", str(tmp_path / name / "out"), timeout=600)
+        return run_paralab("grade", str(subs), "--assignment", name, "--out", str(tmp_path / name / "out"),
+                           timeout=600)
+    forkserver()
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(SOLUTIONS, pool.map(grade, SOLUTIONS)))
+    for name, solution in SOLUTIONS.items():
+        r = done[name]
         assert r.returncode == 0, r.stderr[-3000:]
         tests = json.loads((tmp_path / name / "out" / solution.stem / "results.json").read_text())["tests"]
         # full marks; the speed test (a few steps on a shared machine: noisy) is measured against its reference

@@ -92,23 +92,29 @@ def run(args) -> int:
 
 
 def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandboxed: bool, jobs: int = 1) -> int:
+    from ..grading import sandbox, weights
     from ..grading.grade import Graded, Test, grade, reference_argv
-    from ..grading import sandbox
-    reference_seconds = {}
-    if a.points.get("speed") and a.reference:
-        workers = max(a.workers)
+    reference_seconds, truth = {}, None
+    if a.points.get("speed") or a.points.get("check"):
+        # paralab's own run, outside the sandbox: the time the speed test compares with, and the final weights
+        # every check compares with (a run's own verdict is written by processes the student's code shares)
+        workers = max(a.workers) if a.reference else 1
         ref = out / ".reference"
         ref.mkdir()
-        print(f"grade: timing the reference ({a.reference}) at {workers} workers", file=sys.stderr, flush=True)
+        print(f"grade: the reference ({a.reference or 'single'}) at {workers} worker(s)", file=sys.stderr, flush=True)
         outcome = sandbox.run(reference_argv(a, workers, ref / f"w{workers}"),
                               sandbox.Limits(a.time_limit_s * 2, 2 ** 40, 4096, int(a.time_limit_s * 4)),
                               sandboxed=False, env=None, workdir=ref)
         try:
             reference_seconds[workers] = json.loads((ref / f"w{workers}" / "summary.json").read_text())[
                 "seconds_per_iter_median"]
+            truth, why = weights.read_truth(ref / f"w{workers}", a.train)
         except (OSError, ValueError, KeyError):
-            print(f"grade: the reference did not run ({outcome.stderr.strip()[-300:]}); every speed test scores 0",
-                  file=sys.stderr)
+            why = f"exit code {outcome.returncode}: {outcome.stderr.strip()[-400:]}"
+        if truth is None:  # the assignment's own settings do not train: nothing can be graded against them
+            shutil.rmtree(out, ignore_errors=True)
+            raise UsageError(f"the assignment's own reference ({a.reference or 'single'}) does not run with its "
+                             f"train options, so nothing was graded ({why}); fix the assignment file")
         shutil.rmtree(ref, ignore_errors=True)
     t0 = time.monotonic()
 
@@ -116,7 +122,7 @@ def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandbo
         sid, file = entry
         if not file.is_dir() and not file.is_symlink():
             return grade(file.resolve(), sid, a, out / sid, sandboxed=sandboxed,
-                         hidden=[subs.resolve(), out.resolve()], reference_seconds=reference_seconds)
+                         hidden=[subs.resolve(), out.resolve()], reference_seconds=reference_seconds, truth=truth)
         why = (f"{file.name} is a symbolic link: submit the file itself" if file.is_symlink() else
                f"{file.name}/ must hold exactly one .py file (and not a link)")
         g = Graded(sid, [Test("loads", 0.0, a.max_score, why)])

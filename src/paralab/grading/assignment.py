@@ -11,7 +11,9 @@ An assignment is a TOML file (the built-in ones sit beside this module, ``assign
   itself always loses that test (paralab cannot count or time it);
 - ``[bytes]``: what each rank should send per step, as a formula in ``N`` (the workers) times the gradient's
   bytes, for the root (rank 0) and the others, with a relative tolerance;
-- ``reference``: a paralab strategy the submission's speed is measured against (reported);
+- ``reference``: a paralab strategy (a schedule, for ``schedule``) the grader runs itself, outside the
+  sandbox: the final weights every check is compared with, and the time the speed test is measured
+  against (without one, ``single`` on one worker gives the weights);
 - ``time_limit_s``, ``memory_gb``, ``processes``: the sandbox's limits per run;
 - ``[points]``: each test's points (``loads``, ``check``, ``collectives``, ``bytes``, ``speed``).
 """
@@ -100,6 +102,9 @@ def load(name: str) -> Assignment:
             formula_value(str(sent[key]), 2, where=f"{path}: bytes.{key}")
         elif points.get("bytes"):
             raise UsageError(f"{path}: points.bytes needs [bytes] {key} = a formula in N")
+    if form == "schedule" and (points.get("check") or points.get("speed")) and not doc.get("reference"):
+        raise UsageError(f"{path}: form schedule needs reference = a schedule (the grader's own run, the answer "
+                         "every check's final weights are compared with)")
     if points.get("speed") and not doc.get("reference"):
         raise UsageError(f"{path}: points.speed needs reference = a paralab strategy to time against")
     limits = {k: need(k, (int, float), d) for k, d in (("time_limit_s", 120.0), ("memory_gb", 4.0),

@@ -5,7 +5,9 @@ For each worker count of the assignment, the submission trains with ``--check`` 
 
 - ``loads``: the file passed paralab's start-up checks (a refusal, exit 2, is the feedback);
 - ``check``: at each worker count, ``check: PASS`` against the single-process reference (its share of the
-  points per count); the feedback is the check's lines and the first divergence, or how the run ended;
+  points per count), borne out by the run's final weights read outside the sandbox against paralab's own
+  run (``weights.py``: the verdict is written by processes the student's code shares); the feedback is the
+  check's lines and the first divergence, or how the run ended;
 - ``collectives``: every ``self.comm`` operation of the training steps (``spans.jsonl``, by name and count)
   among those the assignment allows, and no call to ``torch.distributed`` itself;
 - ``bytes``: each rank's bytes on the wire per step over the gradient's bytes, against the assignment's
@@ -25,10 +27,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import sandbox
+from . import sandbox, weights
 from .assignment import Assignment
 
 SPEED_FACTOR = 2.0  # the speed test passes within this multiple of the reference's step time
+EXPORTED = "model.pt"  # a strategy-form run's model, as `paralab export` wrote it in the sandbox
 ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "bf16": 4}  # a gradient's element (bf16 keeps fp32 gradients)
 
 
@@ -68,7 +71,9 @@ def train_argv(a: Assignment, file: Path, workers: int, out: Path) -> list[str]:
 
 
 def reference_argv(a: Assignment, workers: int, out: Path) -> list[str]:
-    form = ["pipeline", "--schedule", a.reference] if a.form == "schedule" else [a.reference]
+    """paralab's own run of the assignment: its ``reference`` (else ``single``, on one worker)."""
+    form = (["pipeline", "--schedule", a.reference] if a.form == "schedule" and a.reference else
+            [a.reference or "single"])
     return [sys.executable, "-m", "paralab", "train", *form, "--workers", str(workers), *a.train,
             "--no-progress", "--out", str(out)]
 
@@ -123,8 +128,9 @@ class Run:
 
 
 def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool, hidden: list[Path],
-          reference_seconds: dict[int, float]) -> Graded:
-    """Every test of ``a`` for the submission ``file`` (the student ``sid``), its runs in ``folder``."""
+          reference_seconds: dict[int, float], truth: weights.Truth | None = None) -> Graded:
+    """Every test of ``a`` for the submission ``file`` (the student ``sid``), its runs in ``folder``;
+    ``truth``: the final weights of paralab's own run, each check's answer."""
     folder.mkdir(parents=True)
     limits = sandbox.Limits(wall_s=a.time_limit_s, memory_bytes=int(a.memory_gb * 2 ** 30),
                             processes=a.processes, cpu_s=int(a.time_limit_s * 2))
@@ -135,6 +141,12 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
                               workdir=folder, writable=folder, readable=[file], hidden=hidden)
         (folder / f"w{workers}.log").write_text(outcome.stdout + outcome.stderr)
         runs.append(Run(workers, outcome, out))
+        if a.form == "strategy" and truth is not None and outcome.returncode == 0:
+            # the student's layout, put together by the student's consolidate(): in the sandbox too
+            done = sandbox.run([sys.executable, "-m", "paralab", "export", str(out), "-o", str(out / EXPORTED)],
+                               limits, sandboxed=sandboxed, env=sandbox_env(), workdir=folder, writable=folder,
+                               readable=[file], hidden=hidden)
+            (folder / f"w{workers}-export.log").write_text(done.stdout + done.stderr)
         if outcome.returncode == 2:  # refused at start: the same file is refused at every count
             break
     graded = Graded(sid)
@@ -145,7 +157,7 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
                                  "paralab accepted the file" if loaded else runs[0].how_it_ended(limits)))
     for run in runs if loaded else []:
         if p.get("check"):
-            graded.tests.append(check_test(run, p["check"] / len(a.workers), limits))
+            graded.tests.append(check_test(run, p["check"] / len(a.workers), limits, a.form, truth))
     if not loaded and p.get("check"):
         graded.tests.append(Test("check", 0.0, p["check"], "not run: the file did not load"))
     if p.get("collectives"):
@@ -160,13 +172,26 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
     return graded
 
 
-def check_test(run: Run, points: float, limits: sandbox.Limits) -> Test:
+def check_test(run: Run, points: float, limits: sandbox.Limits, form: str = "replicas",
+               truth: weights.Truth | None = None) -> Test:
+    """The run's own verdict (its lines, the first divergence) and, held outside the sandbox, its final
+    weights against ``truth``: a PASS the weights do not bear out scores nothing."""
     name = f"check at {run.workers} workers"
     s = run.summary
     check = (s or {}).get("check") or {}
     lines = [line for line in run.outcome.stdout.splitlines() if line.startswith("check")]
     if check.get("result") == "PASS" and run.outcome.returncode == 0:
-        return Test(name, points, points, "\n".join(lines[-3:]))
+        said = "\n".join(lines[-3:])
+        if truth is None:
+            return Test(name, points, points, said + "\n(the grader's reference gave no answer: the run's own verdict)")
+        models, why = weights.final_weights(run.folder, form, truth.tensors, truth.step, run.folder / EXPORTED)
+        if not models:
+            return Test(name, 0.0, points, f"{said}\nbut the grader cannot read its final weights: {why}")
+        worst, where = weights.deviation(models, truth.tensors)
+        if worst <= truth.tolerance:
+            return Test(name, points, points, said + "\n" + weights.describe(worst, where, truth.tolerance))
+        return Test(name, 0.0, points, f"{said}\nthe run reported PASS, but its "
+                                       f"{weights.describe(worst, where, truth.tolerance)}: the verdict was not paralab's")
     if check.get("result") == "FAIL":
         return Test(name, 0.0, points, "\n".join(lines))
     return Test(name, 0.0, points, "the run did not finish: " + run.how_it_ended(limits))
