@@ -139,6 +139,28 @@ def _run_warm(argv: list[str], env: dict, timeout: float, out: Path, cwd: Path |
     return Result(done.exitcode, done.stdout, done.stderr, out, done.pid)
 
 
+def selected(request, test_name: str) -> list[dict]:
+    """The parameters of every selected test called ``test_name`` (a module fixture's way to run only what the
+    session's selection needs)."""
+    return [item.callspec.params for item in request.session.items
+            if getattr(item, "originalname", "") == test_name and hasattr(item, "callspec")]
+
+
+def side_by_side(jobs: dict, root: Path, **kwargs) -> dict:
+    """``run_paralab("train", *argv, out=root/<i>, **kwargs)`` for each ``key -> argv`` of ``jobs``, two at a
+    time (a run's ranks often wait, for each other or for rank 0's check, and the other run computes
+    meanwhile), from the session's warm forkserver: key -> Result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paralab.run.warm import forkserver
+    forkserver()  # started once, before the threads ask for it
+    keys = list(jobs)
+    with ThreadPoolExecutor(2) as pool:
+        results = pool.map(lambda i: run_paralab("train", *jobs[keys[i]], out=root / f"run{i}", **kwargs),
+                           range(len(keys)))
+        return dict(zip(keys, results))
+
+
 @pytest.fixture
 def paralab(tmp_path):
     """``paralab("train", "ddp", "--workers", "2")`` -> Result with a fresh run directory."""

@@ -70,13 +70,26 @@ def _calc_matches(r, kinds):
         assert predicted == measured, (name, calc.stdout)
 
 
+def cp4_argv(method, setting, balance) -> tuple:
+    return ("allreduce", "--workers", "4", "--cp", "4", "--cp-method", method, balance, *GPT, *setting)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(request, tmp_path_factory):
+    """The slow selection's runs of this file (those its selected tests need), two at a time: argv -> Result."""
+    from conftest import selected, side_by_side
+    jobs = [cp4_argv(**p) for p in selected(request, "test_cp4_passes_check")]
+    jobs += [(*p["args"], *GPT, *FP64) for p in selected(request, "test_compositions_pass_check_in_fp64")]
+    jobs += [(*p["args"], *GPT, *COURSE) for p in selected(request, "test_compositions_pass_check_in_fp32_course")]
+    return side_by_side({argv: argv for argv in jobs}, tmp_path_factory.mktemp("context"), fast=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("balance", ["--cp-balance", "--no-cp-balance"])
 @pytest.mark.parametrize("method", ["ring", "all-to-all"])
 @pytest.mark.parametrize("setting", [FP64, COURSE], ids=["fp64-lr0.1-momentum-20", "fp32-course"])
-def test_cp4_passes_check(paralab, method, setting, balance):
-    _passed(paralab("train", "allreduce", "--workers", "4", "--cp", "4", "--cp-method", method, balance,
-                    *GPT, *setting, fast=False))
+def test_cp4_passes_check(slow_runs, method, setting, balance):
+    _passed(slow_runs[cp4_argv(method, setting, balance)])
 
 
 COMPOSITIONS = [
@@ -97,18 +110,18 @@ COMPOSED = ["dp2xcp2", "cp2xtp2", "cp2xtp2-a2a", "cp2xpp2", "cp2xpp2-zbh1", "dp2
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,shape", COMPOSITIONS, ids=COMPOSED)
-def test_compositions_pass_check_in_fp64(paralab, args, shape):
-    r = paralab("train", *args, *GPT, *FP64, fast=False)
+def test_compositions_pass_check_in_fp64(slow_runs, args, shape):
+    r = slow_runs[(*args, *GPT, *FP64)]
     assert _passed(r) == shape
     _calc_matches(r, 8 if "all-to-all" in args else 3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,shape", COMPOSITIONS, ids=COMPOSED)
-def test_compositions_pass_check_in_fp32_course(paralab, args, shape):
+def test_compositions_pass_check_in_fp32_course(slow_runs, args, shape):
     """The same layouts in float32 at the course setting (lr 1e-3, 2 steps), fp32's own tolerance: the gpt has
     no BatchNorm, so fp32 can vouch for its tp slices (``Strategy.check_limit`` refuses only BatchNorm CNNs)."""
-    r = paralab("train", *args, *GPT, *COURSE, fast=False)
+    r = slow_runs[(*args, *GPT, *COURSE)]
     assert _passed(r) == shape
     assert r.summary["check"]["precision"] == "fp32", r.summary["check"]
     _calc_matches(r, 8 if "all-to-all" in args else 3)

@@ -231,7 +231,7 @@ def test_the_seeded_submissions_are_graded_as_intended_and_the_hostile_ones_cont
     home_plant = Path.home().parent / "planted.txt"
     out = tmp_path / "grades"
     try:
-        r = run_paralab("grade", str(subs), "--assignment", str(QUICK), "--out", str(out), "--jobs", "2",
+        r = run_paralab("grade", str(subs), "--assignment", str(QUICK), "--out", str(out), "--jobs", "4",
                         timeout=900)
     finally:
         stop.set()

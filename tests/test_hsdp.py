@@ -104,6 +104,15 @@ def test_zero3_pp2_holds_only_shards_between_steps_and_whole_stage_inside(parala
     assert drawn and all(not estimated for rank in drawn.values() for _, estimated in rank["parts"].values())
 
 
+@pytest.fixture(scope="module")
+def slow_runs(request, tmp_path_factory):
+    """The composition checks the selected tests need, two at a time: argv -> Result."""
+    from conftest import selected, side_by_side
+    jobs = [tuple(p["args"]) for p in selected(request, "test_more_compositions_pass_check")]
+    jobs += [("fsdp", *p["args"]) for p in selected(request, "test_hsdp_compositions_pass_check")]
+    return side_by_side({argv: argv for argv in jobs}, tmp_path_factory.mktemp("hsdp"), fast=False)
+
+
 @pytest.mark.slow
 def test_zero3_tp2_pp2_3d_fp64(paralab):
     r = paralab("train", "fsdp", "--workers", "8", "--tp", "2", "--pp", "2", "--zero-stage", "3",
@@ -127,8 +136,8 @@ def test_zero3_tp2_pp2_3d_fp64(paralab):
     ["torch-fsdp", "--workers", "4", "--tp", "2", *GPT, *COURSE],
 ], ids=["3d-course", "zero3-pp2-zbh1", "vgg-zero3-tp2-fp64", "vgg-zero2-tp2-nonorm", "zero2-pp2-fp64",
         "zero3-interleaved", "zero2-zbh2", "zero3-tp2-course", "torch-fsdp-tp2-course"])
-def test_more_compositions_pass_check(paralab, args):
-    _passed(paralab("train", *args, fast=False), "fp64" if "fp64" in args else "fp32")
+def test_more_compositions_pass_check(slow_runs, args):
+    _passed(slow_runs[tuple(args)], "fp64" if "fp64" in args else "fp32")
 
 
 # ------------------------------------------------------------------ HSDP
@@ -159,8 +168,8 @@ def test_hsdp_2x2_passes_fp64_and_matches_plain_fsdp_on_4(paralab):
     ["--workers", "8", "--pp", "2", "--replicate", "2", "--zero-stage", "3", "--microbatches", "2", *GPT, *FP64],
     ["--workers", "8", "--tp", "2", "--replicate", "2", "--zero-stage", "1", *GPT, *FP64],
 ], ids=["hsdp-tp-fp64", "hsdp-tp-course", "hsdp-course", "hsdp-zero2-vgg-fp64", "hsdp-pp-zero3", "hsdp-tp-zero1"])
-def test_hsdp_compositions_pass_check(paralab, args):
-    shape = _passed(paralab("train", "fsdp", *args, fast=False), "fp64" if "fp64" in args else "fp32")
+def test_hsdp_compositions_pass_check(slow_runs, args):
+    shape = _passed(slow_runs[("fsdp", *args)], "fp64" if "fp64" in args else "fp32")
     assert shape["replicate"] == 2
 
 

@@ -333,6 +333,14 @@ def test_fp32_course_setting(paralab, args):
     _passed(paralab("train", *args, *GPT, *COURSE, fast=False))
 
 
+@pytest.fixture(scope="module")
+def slow_runs(request, tmp_path_factory):
+    """The 20-step fp64 runs the selected tests need, two at a time: argv -> Result."""
+    from conftest import selected, side_by_side
+    jobs = [(*p["args"], *GPT, *FP64) for p in selected(request, "test_fp64_lr0_1_20_steps")]
+    return side_by_side({argv: argv for argv in jobs}, tmp_path_factory.mktemp("moe"), fast=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["single", "--top-k", "2", "--capacity-factor", "1.0"],
@@ -383,8 +391,8 @@ def test_fp32_course_setting(paralab, args):
         "ep2xpp2-1f1b-top1-cap", "ep2xpp2-gpipe-top2", "ep2xpp2-all-gather", "ep2xpp2-zb-h1",
         "ep2xpp2-interleaved-cap", "dp2xep2xpp2", "tp2xep2xpp2", "zero1-edp2xep2", "zero1-ep2xpp2",
         "zero1-tp2xep2"])
-def test_fp64_lr0_1_20_steps(paralab, args):
-    s = _passed(paralab("train", *args, *GPT, *FP64, fast=False))
+def test_fp64_lr0_1_20_steps(slow_runs, args):
+    s = _passed(slow_runs[(*args, *GPT, *FP64)])
     assert s["check"]["max_weight_dev"] <= 1e-9
 
 

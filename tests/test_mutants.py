@@ -345,20 +345,57 @@ def pristine(tmp_path_factory) -> Path:
     return _copy(tmp_path_factory.mktemp("pristine"))
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    """Each command forked from one process that has imported torch but not paralab (tests/zygote.py)."""
-    z = Zygote()
-    yield z
-    z.close()
-
-
 def train(zygote: Zygote, root: Path, command: tuple, out: Path) -> subprocess.CompletedProcess:
     """``python -m paralab train ...`` with the copy ``root`` first on the path (forked from the zygote)."""
     env = {**os.environ, "PYTHONPATH": str(root), "PARALAB_SERVE": "off", "PYTHONUNBUFFERED": "1",
            "PYTHONDONTWRITEBYTECODE": "1"}
     # the layout's own options after the common ones, so they win (--num-batches)
     return zygote.run(root, ["train", command[0], *COMMON, *command[1:], "--out", str(out)], env, out.parent, 300)
+
+
+def _needs_missing_jargon(command: tuple) -> bool:
+    from paralab.data import text
+    return "jargon" in command and text.text_path("jargon", None) is None
+
+
+@pytest.fixture(scope="module")
+def ran(request, pristine, tmp_path_factory) -> dict:
+    """Every command the selected tests need, two at a time, each from one of two zygotes (a command's start,
+    importing its copy of the package, is one core's work; the other command uses the other core):
+    ("pristine", command) | ("mutant", name) | ("hidden", name) -> CompletedProcess."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import selected
+    root = tmp_path_factory.mktemp("ran")
+    by_name = {m.name: m for m in MUTANTS}
+    jobs = [(("pristine", p["command"]), None, p["command"])
+            for p in selected(request, "test_the_unchanged_package_passes_each_command")]
+    jobs += [(("mutant", p["mutant"].name), p["mutant"], p["mutant"].command)
+             for p in selected(request, "test_the_check_catches_the_mutant")]
+    jobs += [(("hidden", p["name"]), by_name[p["name"]], p["command"])
+             for p in selected(request, "test_a_smaller_check_misses_it_and_says_what_it_left_out")]
+    jobs = [j for j in jobs if not _needs_missing_jargon(j[2])]
+    zygotes: queue.Queue = queue.Queue()
+    for _ in range(2):
+        zygotes.put(Zygote())
+
+    def one(i):
+        key, mutant, command = jobs[i]
+        folder = root / f"job{i}"
+        folder.mkdir()
+        copy = pristine if mutant is None else mutated(pristine, folder / "copy", mutant)
+        z = zygotes.get()
+        try:
+            return key, train(z, copy, command, folder / "run")
+        finally:
+            zygotes.put(z)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            return dict(pool.map(one, range(len(jobs))))
+    finally:
+        while not zygotes.empty():
+            zygotes.get().close()
 
 
 def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
@@ -368,9 +405,9 @@ def test_there_are_enough_mutants_and_each_names_a_distinct_bug():
 
 
 @pytest.mark.parametrize("command", sorted({m.command for m in MUTANTS}), ids=lambda c: " ".join(c[:3]))
-def test_the_unchanged_package_passes_each_command(zygote, pristine, tmp_path, command):
+def test_the_unchanged_package_passes_each_command(ran, command):
     needs_jargon(command)
-    r = train(zygote, pristine, command, tmp_path / "run")
+    r = ran[("pristine", command)]
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -392,18 +429,18 @@ def mutated(pristine: Path, dest: Path, mutant: Mutant) -> Path:
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_the_check_catches_the_mutant(zygote, pristine, tmp_path, mutant):
+def test_the_check_catches_the_mutant(ran, mutant):
     needs_jargon(mutant.command)
-    r = train(zygote, mutated(pristine, tmp_path / "copy", mutant), mutant.command, tmp_path / "run")
+    r = ran[("mutant", mutant.name)]
     output = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 1 and "check: FAIL" in r.stdout, f"{mutant.name} ({mutant.why}) not caught:\n{output}"
     assert f"check: first divergence: {FIRST[mutant.name]}" in r.stdout, output
 
 
 @pytest.mark.parametrize("name,command,note", HIDDEN, ids=[h[0] for h in HIDDEN])
-def test_a_smaller_check_misses_it_and_says_what_it_left_out(zygote, pristine, tmp_path, name, command, note):
-    mutant = next(m for m in MUTANTS if m.name == name)
-    r = train(zygote, mutated(pristine, tmp_path / "copy", mutant), command, tmp_path / "run")
+def test_a_smaller_check_misses_it_and_says_what_it_left_out(ran, name, command, note):
+    needs_jargon(command)
+    r = ran[("hidden", name)]
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(line.startswith("check: not exercised:") and note in line for line in r.stdout.splitlines()), \
         r.stdout[-3000:]
