@@ -93,7 +93,7 @@ def run(args) -> int:
 
 def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandboxed: bool, jobs: int = 1) -> int:
     from ..grading import sandbox, weights
-    from ..grading.grade import Graded, Test, grade, reference_argv
+    from ..grading.grade import Graded, Test, grade, reference_argv, reference_name
     reference_seconds, truth = {}, None
     if a.points.get("speed") or a.points.get("check"):
         # paralab's own run, outside the sandbox: the time the speed test compares with, and the final weights
@@ -101,7 +101,7 @@ def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandbo
         workers = max(a.workers) if a.reference else 1
         ref = out / ".reference"
         ref.mkdir()
-        print(f"grade: the reference ({a.reference or 'single'}) at {workers} worker(s)", file=sys.stderr, flush=True)
+        print(f"grade: the reference ({reference_name(a)}) at {workers} worker(s)", file=sys.stderr, flush=True)
         outcome = sandbox.run(reference_argv(a, workers, ref / f"w{workers}"),
                               sandbox.Limits(a.time_limit_s * 2, 2 ** 40, 4096, int(a.time_limit_s * 4)),
                               sandboxed=False, env=None, workdir=ref)
@@ -113,7 +113,7 @@ def grade_all(a, found: list[tuple[str, Path]], subs: Path, out: Path, *, sandbo
             why = f"exit code {outcome.returncode}: {outcome.stderr.strip()[-400:]}"
         if truth is None:  # the assignment's own settings do not train: nothing can be graded against them
             shutil.rmtree(out, ignore_errors=True)
-            raise UsageError(f"the assignment's own reference ({a.reference or 'single'}) does not run with its "
+            raise UsageError(f"the assignment's own reference ({reference_name(a)}) does not run with its "
                              f"train options, so nothing was graded ({why}); fix the assignment file")
         shutil.rmtree(ref, ignore_errors=True)
     t0 = time.monotonic()

@@ -70,10 +70,15 @@ def train_argv(a: Assignment, file: Path, workers: int, out: Path) -> list[str]:
             "--no-progress", "--timeout", str(int(max(10, a.time_limit_s / 2))), "--out", str(out)]
 
 
+def reference_name(a: Assignment) -> str:
+    """What the grader runs itself: the assignment's ``reference``, else one process (``single``)."""
+    return a.reference or "single"
+
+
 def reference_argv(a: Assignment, workers: int, out: Path) -> list[str]:
-    """paralab's own run of the assignment: its ``reference`` (else ``single``, on one worker)."""
+    """paralab's own run of the assignment (:func:`reference_name`; ``single`` on one worker)."""
     form = (["pipeline", "--schedule", a.reference] if a.form == "schedule" and a.reference else
-            [a.reference or "single"])
+            [reference_name(a)])
     return [sys.executable, "-m", "paralab", "train", *form, "--workers", str(workers), *a.train,
             "--no-progress", "--out", str(out)]
 
