@@ -146,19 +146,25 @@ def selected(request, test_name: str) -> list[dict]:
             if getattr(item, "originalname", "") == test_name and hasattr(item, "callspec")]
 
 
-def side_by_side(jobs: dict, root: Path, **kwargs) -> dict:
-    """``run_paralab("train", *argv, out=root/<i>, **kwargs)`` for each ``key -> argv`` of ``jobs``, two at a
-    time (a run's ranks often wait, for each other or for rank 0's check, and the other run computes
-    meanwhile), from the session's warm forkserver: key -> Result."""
+def two_at_a_time(fn, items) -> list:
+    """``[fn(i, item) for i, item in enumerate(items)]``, two calls at a time: a run's ranks often wait (for each
+    other, for rank 0's check, for a sandboxed run's limit), and the other call computes meanwhile. The session's
+    warm forkserver is started first, before the threads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from paralab.run.warm import forkserver
-    forkserver()  # started once, before the threads ask for it
-    keys = list(jobs)
+    forkserver()
+    items = list(items)
     with ThreadPoolExecutor(2) as pool:
-        results = pool.map(lambda i: run_paralab("train", *jobs[keys[i]], out=root / f"run{i}", **kwargs),
-                           range(len(keys)))
-        return dict(zip(keys, results))
+        return list(pool.map(fn, range(len(items)), items))
+
+
+def side_by_side(jobs: dict, root: Path, **kwargs) -> dict:
+    """``run_paralab("train", *argv, out=root/<i>, **kwargs)`` for each ``key -> argv`` of ``jobs``, two at a
+    time (:func:`two_at_a_time`): key -> Result."""
+    results = two_at_a_time(lambda i, argv: run_paralab("train", *argv, out=root / f"run{i}", **kwargs),
+                            jobs.values())
+    return dict(zip(jobs, results))
 
 
 @pytest.fixture

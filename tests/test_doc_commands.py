@@ -97,18 +97,14 @@ def printed(request, tmp_path_factory):
     ranks often wait, for each other or for rank 0's check, and the other command's compute meanwhile: on the
     2-core VM the slow selection's commands took about a quarter less than one at a time)."""
     import shutil
-    from concurrent.futures import ThreadPoolExecutor
 
-    from paralab.run.warm import forkserver
-    wanted = [item.callspec.params for item in request.session.items
-              if getattr(item, "originalname", "") == "test_a_printed_check_passes_as_printed"]
-    wanted = [(w["where"], w["command"]) for w in wanted if not elsewhere(w["command"])]
+    from conftest import selected, two_at_a_time
+    wanted = [(w["where"], w["command"]) for w in selected(request, "test_a_printed_check_passes_as_printed")
+              if not elsewhere(w["command"])]
     root = scratch_root(tmp_path_factory)
-    forkserver()
     try:
-        with ThreadPoolExecutor(2) as pool:
-            results = pool.map(lambda i: run_printed(wanted[i][1], root / f"run{i}"), range(len(wanted)))
-            yield {where: r for (where, _), r in zip(wanted, results)}
+        results = two_at_a_time(lambda i, wc: run_printed(wc[1], root / f"run{i}"), wanted)
+        yield {where: r for (where, _), r in zip(wanted, results)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

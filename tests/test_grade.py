@@ -274,23 +274,18 @@ SOLUTIONS = {"cs744-gather-scatter": EXAMPLES / "gather_scatter.py", "cs744-allr
 @pytest.mark.slow
 @pytest.mark.skipif(NO_SANDBOX is not None, reason=f"no sandbox here: {NO_SANDBOX}")
 def test_each_built_in_assignment_gives_its_solution_full_marks(tmp_path):
-    """Each assignment graded by its own `paralab grade`, two at a time (a run's ranks often wait, and the
-    other grader's compute meanwhile)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from paralab.run.warm import forkserver
+    """Each assignment graded by its own `paralab grade`, two at a time (conftest.two_at_a_time)."""
+    from conftest import two_at_a_time
     assert set(SOLUTIONS) == set(A.built_in())
 
-    def grade(name):
+    def grade(_, name):
         solution = SOLUTIONS[name]
         subs = tmp_path / name / "subs"
         subs.mkdir(parents=True)
         shutil.copy(solution, subs / solution.name)
         return run_paralab("grade", str(subs), "--assignment", name, "--out", str(tmp_path / name / "out"),
                            timeout=600)
-    forkserver()
-    with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(SOLUTIONS, pool.map(grade, SOLUTIONS)))
+    done = dict(zip(SOLUTIONS, two_at_a_time(grade, SOLUTIONS)))
     for name, solution in SOLUTIONS.items():
         r = done[name]
         assert r.returncode == 0, r.stderr[-3000:]

@@ -354,6 +354,7 @@ def train(zygote: Zygote, root: Path, command: tuple, out: Path) -> subprocess.C
 
 
 def _needs_missing_jargon(command: tuple) -> bool:
+    """The command reads the Jargon File, and Debian's jargon-text is not installed here."""
     from paralab.data import text
     return "jargon" in command and text.text_path("jargon", None) is None
 
@@ -364,9 +365,8 @@ def ran(request, pristine, tmp_path_factory) -> dict:
     importing its copy of the package, is one core's work; the other command uses the other core):
     ("pristine", command) | ("mutant", name) | ("hidden", name) -> CompletedProcess."""
     import queue
-    from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import selected
+    from conftest import selected, two_at_a_time
     root = tmp_path_factory.mktemp("ran")
     by_name = {m.name: m for m in MUTANTS}
     jobs = [(("pristine", p["command"]), None, p["command"])
@@ -380,8 +380,8 @@ def ran(request, pristine, tmp_path_factory) -> dict:
     for _ in range(2):
         zygotes.put(Zygote())
 
-    def one(i):
-        key, mutant, command = jobs[i]
+    def one(i, job):
+        key, mutant, command = job
         folder = root / f"job{i}"
         folder.mkdir()
         copy = pristine if mutant is None else mutated(pristine, folder / "copy", mutant)
@@ -391,8 +391,7 @@ def ran(request, pristine, tmp_path_factory) -> dict:
         finally:
             zygotes.put(z)
     try:
-        with ThreadPoolExecutor(2) as pool:
-            return dict(pool.map(one, range(len(jobs))))
+        return dict(two_at_a_time(one, jobs))
     finally:
         while not zygotes.empty():
             zygotes.get().close()
@@ -413,8 +412,7 @@ def test_the_unchanged_package_passes_each_command(ran, command):
 
 def needs_jargon(command: tuple) -> None:
     """A command over the Jargon File (real text, bytes past ASCII) skips where Debian's jargon-text is absent."""
-    from paralab.data import text
-    if "jargon" in command and text.text_path("jargon", None) is None:
+    if _needs_missing_jargon(command):
         pytest.skip("Debian's jargon-text is not installed (apt-get install jargon-text; CI installs it)")
 
 

@@ -1,6 +1,8 @@
 """Chrome / Perfetto trace (JSON "X" events): one process, one track per rank."""
 from __future__ import annotations
 
+from ..kinds import UNSEEN
+
 COLORS = {"data": "grey", "compute": "thread_state_running", "comm": "rail_response",
           "optimizer": "good", "idle": "terrible"}
 
@@ -17,7 +19,7 @@ def chrome_trace(spans: list[dict], world: int) -> dict:
         events.append({
             "ph": "X", "pid": 0, "tid": tid, "cat": s["category"],
             "name": s["name"] + (f" mb{s['args']['mb']}" if "mb" in s.get("args", {}) else "")
-            + (" (until its wait: completion not reported)" if s.get("args", {}).get("unseen") else ""),
+            + (" (until its wait: completion not reported)" if s.get("args", {}).get(UNSEEN) else ""),
             "ts": round(s["t0"] * 1e6, 3), "dur": round((s["t1"] - s["t0"]) * 1e6, 3),
             "args": {"step": s["step"], "bytes": s["bytes"], **s.get("args", {})},
             "cname": COLORS.get(s["category"], "generic_work"),

@@ -36,6 +36,7 @@ from ..run.consolidate import consolidate
 
 HELP = "write a run's model as one plain state_dict, put together from any strategy's checkpoint"
 
+
 def add_arguments(p) -> None:
     p.add_argument("run", help="run directory (holds checkpoint/ and, once finished, config.json)")
     p.add_argument("-o", "--output", help="file to write (default RUN/model.pt; with --init RUN/model-init.pt)")

@@ -135,7 +135,7 @@ class Run:
 def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool, hidden: list[Path],
           reference_seconds: dict[int, float], truth: weights.Truth | None = None) -> Graded:
     """Every test of ``a`` for the submission ``file`` (the student ``sid``), its runs in ``folder``;
-    ``truth``: the final weights of paralab's own run, each check's answer."""
+    ``truth``: the final weights of paralab's own run, each check's answer (given whenever checks score)."""
     folder.mkdir(parents=True)
     limits = sandbox.Limits(wall_s=a.time_limit_s, memory_bytes=int(a.memory_gb * 2 ** 30),
                             processes=a.processes, cpu_s=int(a.time_limit_s * 2))
@@ -146,7 +146,7 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
                               workdir=folder, writable=folder, readable=[file], hidden=hidden)
         (folder / f"w{workers}.log").write_text(outcome.stdout + outcome.stderr)
         runs.append(Run(workers, outcome, out))
-        if a.form == "strategy" and truth is not None and outcome.returncode == 0:
+        if a.form == "strategy" and a.points.get("check") and outcome.returncode == 0:
             # the student's layout, put together by the student's consolidate(): in the sandbox too
             done = sandbox.run([sys.executable, "-m", "paralab", "export", str(out), "-o", str(out / EXPORTED)],
                                limits, sandboxed=sandboxed, env=sandbox_env(), workdir=folder, writable=folder,
@@ -177,8 +177,7 @@ def grade(file: Path, sid: str, a: Assignment, folder: Path, *, sandboxed: bool,
     return graded
 
 
-def check_test(run: Run, points: float, limits: sandbox.Limits, form: str = "replicas",
-               truth: weights.Truth | None = None) -> Test:
+def check_test(run: Run, points: float, limits: sandbox.Limits, form: str, truth: weights.Truth) -> Test:
     """The run's own verdict (its lines, the first divergence) and, held outside the sandbox, its final
     weights against ``truth``: a PASS the weights do not bear out scores nothing."""
     name = f"check at {run.workers} workers"
@@ -187,8 +186,6 @@ def check_test(run: Run, points: float, limits: sandbox.Limits, form: str = "rep
     lines = [line for line in run.outcome.stdout.splitlines() if line.startswith("check")]
     if check.get("result") == "PASS" and run.outcome.returncode == 0:
         said = "\n".join(lines[-3:])
-        if truth is None:
-            return Test(name, points, points, said + "\n(the grader's reference gave no answer: the run's own verdict)")
         models, why = weights.final_weights(run.folder, form, truth.tensors, truth.step, run.folder / EXPORTED)
         if not models:
             return Test(name, 0.0, points, f"{said}\nbut the grader cannot read its final weights: {why}")

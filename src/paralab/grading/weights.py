@@ -6,9 +6,9 @@ tolerances (one line), or writes a summary of its own, would pass. The grader th
 the answer itself, outside the sandbox and with paralab's own code (:func:`read_truth` of its run: the
 assignment's ``reference`` at its largest worker count, or ``single`` on one worker; in fp64 any correct
 layout ends where one process does), and reads each run's last committed checkpoint in its own process
-(:func:`final_weights`): ``torch.load(weights_only=True)``, so a checkpoint's bytes cannot run code, files
-larger than :data:`SIZE_FACTOR` times the answer refused unread, and the model put together by code the
-student did not write:
+(:func:`final_weights`, through ``run/checkpoint.read_all``): ``torch.load(weights_only=True)``, so a
+checkpoint's bytes cannot run code, files larger than :data:`SIZE_FACTOR` times the answer refused unread, and
+the model put together by code the student did not write:
 
 - ``replicas``: every rank's file holds the whole model (``DataParallel``'s state), and each is compared;
 - ``schedule``: the stages' tensors, put together as the pipeline strategy does (``Pipeline.consolidate``);
@@ -60,6 +60,7 @@ def read_truth(folder: Path, train: list[str]) -> tuple[Truth | None, str]:
 
 
 def _bounded_load(path: Path, limit: int):
+    """A file written in the sandbox, refused unread over ``limit`` bytes, loaded ``weights_only``."""
     import torch
     size = path.stat().st_size
     if size > limit:
@@ -82,18 +83,13 @@ def final_weights(run_dir: Path, form: str, truth: dict, step: int,
             return ([model] if isinstance(model, dict) else []), ("" if isinstance(model, dict) else
                                                                   "the exported file is not a state_dict")
         from ..run import generations
+        from ..run.checkpoint import read_all
         gen = generations.newest(run_dir, None, None)
         if gen is None:
             return [], "the run left no committed checkpoint"
         if gen.step != step:
             return [], f"its last checkpoint is at step {gen.step}, not {step}"
-        states = []
-        for rank in range(gen.world):
-            saved = _bounded_load(gen.verify(rank), limit)
-            state = saved.get("state") if isinstance(saved, dict) else None
-            if not isinstance(state, dict):
-                return [], f"rank {rank}'s checkpoint holds no state"
-            states.append(state)
+        states = [f["state"] for f in read_all(run_dir, at=gen.step, max_bytes=limit)]
         if form == "replicas":
             models = [s.get("model") for s in states]
             if not all(isinstance(m, dict) for m in models):

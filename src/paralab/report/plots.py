@@ -33,7 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.runs import Run, sort_runs
-from ..kinds import HELD
+from ..kinds import HELD, UNSEEN
 
 KINDS = ("throughput", "split-time", "timeline", "scaling", "memory", "deviation", "moe-load", "grad-norm")
 
@@ -261,7 +261,7 @@ def timeline_spans(run: Run, step: int | None = None):
 
 def _span_kind(s: dict) -> str:
     if s.get("args", {}).get("async"):
-        return "unseen" if s["args"].get("unseen") else "async"
+        return "unseen" if s["args"].get(UNSEEN) else "async"
     if s["category"] == "compute":
         return s["name"] if s["name"] in PIPELINE_LETTERS else "compute"
     return s["category"]

@@ -183,9 +183,11 @@ def describe(ident: dict) -> str:
     return f"{what} on {ident['world']} rank(s)" + (f", {' x '.join(dims)}" if dims else "")
 
 
-def read_all(run_dir: Path, tag: str | None = None, at: int | None = None) -> list[dict]:
+def read_all(run_dir: Path, tag: str | None = None, at: int | None = None,
+             max_bytes: int | None = None) -> list[dict]:
     """Every rank's file of ``run_dir``'s newest committed checkpoint (``at``: step ``at``'s; weights_only),
-    each checked against the manifest; UsageError naming what is missing or does not match."""
+    each checked against the manifest; UsageError naming what is missing or does not match, or a file over
+    ``max_bytes`` (refused unread: a file from someone else, as the grader reads a submission's)."""
     gen = generations.newest(run_dir, tag, at)
     if gen is None:
         torn = torn_note(run_dir) if not tag else None
@@ -193,7 +195,10 @@ def read_all(run_dir: Path, tag: str | None = None, at: int | None = None) -> li
                          + "; a run saves one when it finishes, and every N steps with --checkpoint-every N")
     files = []
     for rank in range(gen.world):
-        path = gen.verify(rank)
+        path = gen.path(rank)
+        if max_bytes is not None and path.exists() and path.stat().st_size > max_bytes:
+            raise UsageError(f"{path} holds {path.stat().st_size} bytes, more than {max_bytes} for this model")
+        gen.verify(rank)
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(saved.get("state"), dict) or int(saved["step"]) != gen.step:
