@@ -136,6 +136,25 @@ def test_the_chunked_deviation_is_the_whole_tensors(monkeypatch, dtype):
     assert worst.max_abs == float("inf") and not worst.ok
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_narrow_dtypes_deviation_is_exact_though_subtracted_in_its_own_dtype_first(dtype):
+    """max_abs_diff subtracts float32/16 tensors in their own dtype to find where the worst can be, then those
+    again in float64: the answer is float64's exactly, on values of every scale, near-ties (differences that
+    round alike) and a difference that overflows the dtype."""
+    from paralab.check import reference
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        scale = 10.0 ** int(torch.randint(-6, 4, (1,), generator=g))
+        m = (torch.randn(n, generator=g) * scale).to(dtype)
+        noise = torch.randn(n, generator=g, dtype=torch.float64) * scale * 10.0 ** int(torch.randint(-6, 0, (1,), generator=g))
+        r = (m.double() + noise).to(dtype)
+        assert reference.max_abs_diff(m, r) == float((m.double() - r.double()).abs().max()), trial
+    big = torch.finfo(dtype).max / 1.5
+    m, r = torch.tensor([big, 1.0], dtype=dtype), torch.tensor([-big, 1.0], dtype=dtype)
+    assert reference.max_abs_diff(m, r) == 2 * float(m[0].double())
+
+
 def test_the_replicas_comparison_reads_bits_and_a_differing_nan_fails():
     """check/verdict.py broadcasts rank 0's weights as bytes: equal bits (an equal NaN too) are 0, a one-ulp
     difference is its size as a number, a NaN on one side only is inf (a FAIL), across dtypes of odd sizes."""

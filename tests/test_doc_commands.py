@@ -86,9 +86,15 @@ def scratch_root(tmp_path_factory) -> Path:
 
 
 def run_printed(command: str, folder: Path):
+    """The command's result, run in ``folder``, which is removed after it: only the output is read, and a
+    full-size model's checkpoints would otherwise fill /dev/shm while the other commands run."""
+    import shutil
     folder.mkdir()
     (folder / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
-    return run_paralab(*shlex.split(command)[1:], fast=False, timeout=900, cwd=folder)
+    try:
+        return run_paralab(*shlex.split(command)[1:], fast=False, timeout=900, cwd=folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@
     <run>/checkpoint/init/...                                   the starting state (--save-init), alike
 
 A save is collective. Every rank writes its file (to a temporary name,
-flushed to disk, then renamed), reads it back for its SHA-256, and tells every
-other rank its size and sum, or the error it hit. Only when every rank's file
+flushed to disk, then renamed), summing it (SHA-256) as it goes, and tells
+every other rank its size and sum, or the error it hit. Only when every rank's file
 is complete does each rank write the manifest (the step, the run's identity,
 every file's size and SHA-256), again to a temporary name renamed into place:
 a generation with a manifest is complete, and one without is torn (a rank
@@ -28,7 +28,6 @@ error (:class:`WriteError`); what was committed before is intact.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -134,6 +133,37 @@ def torn(run_dir: Path) -> list[Path]:
     return [p for p in _steps(run_dir) if read_manifest(p) is None and (last is None or p.name > last.folder.name)]
 
 
+class _Summed:
+    """``torch.save`` into a file through this, which counts and sums (SHA-256) the bytes as they pass: the file
+    is written once and read never. An OSError of the file (a full disk, by name) is raised as itself, where
+    ``torch.save`` would report it as a RuntimeError of its own."""
+
+    def __init__(self):
+        self.sha, self.bytes, self.file, self.error = hashlib.sha256(), 0, None, None
+
+    def save(self, payload, file) -> None:
+        self.file = file
+        try:
+            torch.save(payload, self)
+        except RuntimeError:
+            if self.error is not None:
+                raise self.error from None
+            raise
+
+    def write(self, data) -> int:
+        try:
+            n = self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.sha.update(data)
+        self.bytes += memoryview(data).nbytes
+        return n
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _atomic_write(path: Path, write) -> None:
     """``write(file)`` into a temporary file beside ``path``, flushed to disk, renamed to ``path``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # each process its own: ranks may share the folder
@@ -175,11 +205,9 @@ def write(run_dir: Path, rank: int, step: int, payload: dict, comm, identity: di
     else:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            data = io.BytesIO()
-            torch.save(payload, data)  # in memory first: a full disk is then an OSError of the write, by name
-            _atomic_write(path, lambda f: f.write(data.getbuffer()))
-            entry = {"bytes": data.getbuffer().nbytes, "sha256": hashlib.sha256(data.getbuffer()).hexdigest()}
-            del data
+            summed = _Summed()
+            _atomic_write(path, lambda f: summed.save(payload, f))
+            entry = {"bytes": summed.bytes, "sha256": summed.sha.hexdigest()}
         except OSError as exc:
             error = f"{exc.strerror or type(exc).__name__} (rank {rank}: {path})"
             path.unlink(missing_ok=True)
