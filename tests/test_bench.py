@@ -28,29 +28,78 @@ def bench(tmp_path: Path, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+#: the benchmarks whose tests read only counts, bytes and the result's shape: run two at a time (a bench's ranks
+#: often wait, and the other's compute meanwhile), longest first, each test's (script, arguments)
+SIDE_BY_SIDE = {
+    "test_startup_bench": ("startup", "--repeats", "1", "--no-compare"),
+    "test_pipeline_bench": ("pipeline", "--width", "0.125", "--batch-size", "16", "--num-batches", "3", "--warmup",
+                            "1", "--microbatches", "1,2"),
+    "test_dp_bench": ("dp", *TOY, "--strategies", "single,ddp,torch-ddp"),
+    "test_fsdp_bench_memory_figures": ("fsdp", *TOY, "--variants", "ddp,fsdp3,fsdp3-step-at-end"),
+    "test_allreduce_bench": ("allreduce", "--max-mib", "0.25"),
+    "test_moe_bench": ("moe", "--embed", "32", "--context", "16", "--batch-size", "8", "--steps", "3", "--warmup", "1",
+                       "--repeats", "1", "--skews", "3"),
+    "test_mesh_bench": ("mesh", "--width", "0.125", "--batch-size", "16", "--steps", "2", "--microbatches", "2",
+                        "--layouts", "pipeline-pp2,ddp-dp2xpp2"),
+    "test_documents_bench": ("documents", "--dataset", "synthetic-docs", "--doc-length", "20", "--embed", "32",
+                             "--context", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1", "--repeats", "1"),
+    "test_hsdp_bench": ("hsdp", "--layers", "1", "--embed", "32", "--context", "16", "--batch-size", "8", "--steps",
+                        "3", "--warmup", "1", "--repeats", "1", "--variants", "fsdp3,hsdp3,fsdp3-tp2"),
+    "test_context_bench": ("context", "--embed", "32", "--context", "32", "--batch-size", "4", "--steps", "3",
+                           "--warmup", "1", "--repeats", "1"),
+    "test_recompute_bench": ("recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",
+                             "--gpt-batch", "4", "--vgg-batch", "8", "--steps", "3", "--warmup", "1", "--repeats", "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def benched(request, tmp_path_factory) -> dict:
+    """Test name -> its bench's result (or the AssertionError it failed with), for the selected tests of
+    :data:`SIDE_BY_SIDE`, two at a time."""
+    from conftest import two_at_a_time
+    chosen = {getattr(item, "originalname", "") for item in request.session.items}
+    wanted = [test for test in SIDE_BY_SIDE if test in chosen]
+    root = tmp_path_factory.mktemp("benches")
+
+    def one(i, test):
+        folder = root / test
+        folder.mkdir()
+        try:
+            return bench(folder, *SIDE_BY_SIDE[test])
+        except AssertionError as exc:
+            return exc
+    return dict(zip(wanted, two_at_a_time(one, wanted)))
+
+
+def result(benched: dict, test: str) -> dict:
+    d = benched[test]
+    if isinstance(d, AssertionError):
+        raise d
+    return d
+
+
 @pytest.mark.slow  # 7 s for a smoke test of the script; CI runs the slow suite
-def test_allreduce_bench(tmp_path):
-    d = bench(tmp_path, "allreduce", "--max-mib", "0.25")
+def test_allreduce_bench(benched):
+    d = result(benched, "test_allreduce_bench")
     assert d["rows"] and all(row["busbw_GBps"] > 0 for row in d["rows"])
 
 
 @pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
-def test_dp_bench(tmp_path):
-    d = bench(tmp_path, "dp", *TOY, "--strategies", "single,ddp,torch-ddp")
+def test_dp_bench(benched):
+    d = result(benched, "test_dp_bench")
     assert set(d["best"]) == {"single", "ddp", "torch-ddp"}
     assert d["ratios"]["ddp_over_torch_ddp"] > 0 and "scaling_efficiency_ddp" in d["ratios"]
 
 
 @pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
-def test_pipeline_bench(tmp_path):
-    d = bench(tmp_path, "pipeline", "--width", "0.125", "--batch-size", "16", "--num-batches", "3", "--warmup", "1",
-              "--microbatches", "1,2")
+def test_pipeline_bench(benched):
+    d = result(benched, "test_pipeline_bench")
     assert d["results"]
 
 
 @pytest.mark.slow  # 29 s: the default suite stays near 15 min; CI runs the slow suite too
-def test_fsdp_bench_memory_figures(tmp_path):
-    d = bench(tmp_path, "fsdp", *TOY, "--variants", "ddp,fsdp3,fsdp3-step-at-end")
+def test_fsdp_bench_memory_figures(benched):
+    d = result(benched, "test_fsdp_bench_memory_figures")
     targets = d["targets"]
     assert targets["fsdp3_resident_bytes"]["met"], targets
     at_end = d["contrast"]["fsdp3-step-at-end_resident_bytes"]["value"]
@@ -61,15 +110,14 @@ def test_fsdp_bench_memory_figures(tmp_path):
 
 
 @pytest.mark.slow  # a minute of the default suite's budget; CI runs it (make test-slow)
-def test_mesh_bench(tmp_path):
-    d = bench(tmp_path, "mesh", "--width", "0.125", "--batch-size", "16", "--steps", "2", "--microbatches", "2",
-              "--layouts", "pipeline-pp2,ddp-dp2xpp2")
+def test_mesh_bench(benched):
+    d = result(benched, "test_mesh_bench")
     assert d["best"]["ddp-dp2xpp2"]["workers"] == 4 and d["ratios"]["dp2xpp2_over_pp2"] > 0
 
 
 @pytest.mark.slow  # a few runs of each start-up path (no compare): about half a minute
-def test_startup_bench(tmp_path):
-    d = bench(tmp_path, "startup", "--repeats", "1", "--no-compare")
+def test_startup_bench(benched):
+    d = result(benched, "test_startup_bench")
     assert set(d["median_seconds"]) == {"import torch", "train (auto)", "train (spawn)", "warm run", "train (served)",
                                         "train (uncompiled)"}
     assert all(v > 0 for v in d["median_seconds"].values()) and d["over_import_torch"]["import torch"] == 1.0
@@ -77,9 +125,8 @@ def test_startup_bench(tmp_path):
 
 
 @pytest.mark.slow  # five 2-worker runs
-def test_moe_bench(tmp_path):
-    d = bench(tmp_path, "moe", "--embed", "32", "--context", "16", "--batch-size", "8", "--steps", "3",
-              "--warmup", "1", "--repeats", "1", "--skews", "3")
+def test_moe_bench(benched):
+    d = result(benched, "test_moe_bench")
     best = d["best"]
     assert set(best) == {"ep1", "ep2-a2a", "ep2-gather", "ep2-skew3"}
     # the recorded token all-to-all is exactly the routed rows (forward dispatch, both ranks)
@@ -89,18 +136,16 @@ def test_moe_bench(tmp_path):
 
 
 @pytest.mark.slow  # about 30 s: four variants, two of them on 2 workers
-def test_context_bench(tmp_path):
-    d = bench(tmp_path, "context", "--embed", "32", "--context", "32", "--batch-size", "4", "--steps", "3",
-              "--warmup", "1", "--repeats", "1")
+def test_context_bench(benched):
+    d = result(benched, "test_context_bench")
     assert set(d["best"]) == {"single", "cp2-ring", "cp2-ring-contiguous", "cp2-a2a"}
     assert set(d["best"]["cp2-ring"]["attention_s_per_rank"]) == {"0", "1"}  # each cp rank's attention was timed
     assert "cp2_ring_balanced_over_contiguous" in d["ratios"]
 
 
 @pytest.mark.slow  # about 25 s: five variants, three of them on 2 workers
-def test_documents_bench(tmp_path):
-    d = bench(tmp_path, "documents", "--dataset", "synthetic-docs", "--doc-length", "20", "--embed", "32",
-              "--context", "64", "--batch-size", "4", "--steps", "3", "--warmup", "1", "--repeats", "1")
+def test_documents_bench(benched):
+    d = result(benched, "test_documents_bench")
     assert set(d["best"]) == {"padded", "packed", "cp-dealt", "cp-head-tail", "cp-contiguous"}
     assert d["best"]["padded"]["valid_fraction"] < d["best"]["packed"]["valid_fraction"] <= 1  # padding left out
     assert set(d["best"]["cp-dealt"]["attention_s_per_rank"]) == {"0", "1"}
@@ -110,9 +155,8 @@ def test_documents_bench(tmp_path):
 
 
 @pytest.mark.slow  # about 20 s at toy sizes; CI runs the slow suite
-def test_recompute_bench(tmp_path):
-    d = bench(tmp_path, "recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",
-              "--gpt-batch", "4", "--vgg-batch", "8", "--steps", "3", "--warmup", "1", "--repeats", "1")
+def test_recompute_bench(benched):
+    d = result(benched, "test_recompute_bench")
     rows = d["rows"]
     assert set(rows) == {f"{m}-{r}" for m in ("gpt", "vgg11") for r in ("none", "selective", "full")}
     for m in ("gpt", "vgg11"):  # exact byte counts: full keeps least, then selective
@@ -121,9 +165,8 @@ def test_recompute_bench(tmp_path):
     assert all(r["saved_bytes"] == r["formula_bytes"] for k, r in rows.items() if k.startswith("gpt"))
 
 
-def test_hsdp_bench(tmp_path):
-    d = bench(tmp_path, "hsdp", "--layers", "1", "--embed", "32", "--context", "16", "--batch-size", "8",
-              "--steps", "3", "--warmup", "1", "--repeats", "1", "--variants", "fsdp3,hsdp3,fsdp3-tp2")
+def test_hsdp_bench(benched):
+    d = result(benched, "test_hsdp_bench")
     best = d["best"]
     assert set(best) == {"fsdp3", "hsdp3", "fsdp3-tp2"} and best["fsdp3"]["ratio"] == 1
     ops = best["hsdp3"]["comm_ops"]  # each reduced shard (half a unit) all-reduced across the replica groups
