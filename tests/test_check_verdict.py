@@ -249,3 +249,37 @@ def test_a_replica_is_compared_bit_by_bit_where_its_tensors_are_rank_0s(change, 
         change(mine)
     c = Check.replicas_comparison(SimpleNamespace(comm=_RankOne(rank0)), mine, step=1)
     assert (c.what, c.max_abs, c.worst, c.step) == ("replicas", deviation, where, 1)
+
+
+def test_an_epochs_short_last_batch_is_said_where_no_step_held_one(paralab):
+    """A check whose steps all held the full batch says so with the --num-batches that reaches the epoch's short
+    last batch; the same run taken there (a step of 4 rows per rank instead of 8) says nothing of it."""
+    common = ("train", "ddp", "--workers", "2", "--synthetic-size", "40", "--batch-size", "16", "--check")
+    before = paralab(*common, "--num-batches", "2")
+    reached = paralab(*common, "--num-batches", "3")
+    assert before.returncode == 0 and reached.returncode == 0, before.stderr[-2000:] + reached.stderr[-2000:]
+    note = ("the run ends at step 2, before the epoch's short last batch (step 3: 8 samples, the others 16), so an "
+            "epoch's short last batch (fewer rows on every rank than the batch configured) is not exercised: "
+            "--num-batches 3")
+    assert f"check: not exercised: {note}" in before.stdout and note in before.summary["check"]["unexercised"][-1]
+    assert "short last batch" not in reached.stdout
+    assert not any("short last batch" in n for n in reached.summary["check"]["unexercised"])
+
+
+def test_a_dataset_that_divides_into_full_batches_is_said_and_drop_last_never():
+    from types import SimpleNamespace
+
+    from paralab.check.verdict import short_batch_note
+    from paralab.data.loader import BatchSource
+
+    def source(name, n, drop_last=False):
+        data = SimpleNamespace(name=name, train_y=torch.zeros(n, dtype=torch.long))
+        return SimpleNamespace(data=data, per_rank_batch=8, replicas=2, drop_last=drop_last,
+                               steps_per_epoch=BatchSource.steps_per_epoch.fget(
+                                   SimpleNamespace(data=data, replicas=2, per_rank_batch=8, drop_last=drop_last)))
+    whole, = short_batch_note(source("fashion-mnist", 64), 3)
+    assert whole.startswith("every batch held all 16 samples (the 64 training samples divide into them)")
+    assert whole.endswith("a --batch-size that does not divide 64, with --num-batches reaching an epoch's end")
+    synthetic, = short_batch_note(source("synthetic", 64), 3)
+    assert "--synthetic-size 40 and --num-batches 3" in synthetic
+    assert short_batch_note(source("synthetic", 40, drop_last=True), 1) == []

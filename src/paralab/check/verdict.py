@@ -79,6 +79,24 @@ def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
     return notes + strategy.unexercised()
 
 
+def short_batch_note(source, total: int) -> list[str]:
+    """An epoch's short last batch (its rows fewer than the others', each rank's share too) when the run's steps
+    held none: why, and what would reach one. Nothing with --drop-last, whose batches are all full by design."""
+    n, B = len(source.data.train_y), source.per_rank_batch * source.replicas
+    synthetic = source.data.name.startswith("synthetic")
+    if source.drop_last:
+        return []
+    what = "so an epoch's short last batch (fewer rows on every rank than the batch configured) is not exercised"
+    if n % B == 0:
+        smaller = f"--synthetic-size {2 * B + B // 2} and --num-batches 3, or " if synthetic else ""
+        return [f"every batch held all {B} samples (the {n} training samples divide into them), {what}: "
+                f"{smaller}a --batch-size that does not divide {n}, with --num-batches reaching an epoch's end"]
+    s = source.steps_per_epoch
+    smaller = f" (or a smaller --synthetic-size, e.g. {2 * B + B // 2} with --num-batches 3)" if synthetic else ""
+    return [f"the run ends at step {total}, before the epoch's short last batch (step {s}: {n - (s - 1) * B} "
+            f"samples, the others {B}), {what}: --num-batches {s}{smaller}"]
+
+
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
     """Names of the biases that feed a BatchNorm directly (in training it subtracts them right back)."""
     names = set()
@@ -158,7 +176,7 @@ class Check:
         # (a mixture of experts) or was cut into microbatches of unequal sizes, and per share of the vocabulary this
         # rank's tp embedding holds, [tp rank, first id, last id, tokens of the steps in it]
         tp = tp_of(strategy)
-        self.seen = {"dropped": 0, "routed": False, "uneven": False,
+        self.seen = {"dropped": 0, "routed": False, "uneven": False, "short": False,
                      "shares": [[tp.group.rank, a, b, 0] for a, b in tp.vocabulary_shares()] if tp else []}
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
@@ -196,6 +214,7 @@ class Check:
         self.seen["routed"] |= bool(result.moe)
         m = self.strategy.microbatches
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
+        self.seen["short"] |= 0 < step.rows < self.source.per_rank_batch * self.source.replicas
         if step.x is not None and not step.x.is_floating_point():  # tokens: how many fell in each share
             for share in self.seen["shares"]:
                 share[3] += int(((step.x >= share[1]) & (step.x <= share[2])).sum())
@@ -395,6 +414,8 @@ class Check:
             notes.append(f"every step's {m} microbatches held equally many samples, so microbatches of unequal "
                          "sizes (each weighted by its share of the samples) are not exercised: a --batch-size whose "
                          f"shards {m} does not divide")
+        if not any(s["short"] for s in seen):
+            notes += short_batch_note(self.source, self.total)
         for rank, first, last, tokens in (share for s in seen for share in s["shares"]):
             if tokens == 0:
                 notes.append(f"tp: no token of this run fell in tp rank {rank}'s share of the vocabulary (ids "
