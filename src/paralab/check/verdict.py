@@ -30,7 +30,6 @@ step, on any rank: a deviation that comes and goes still fails.
 from __future__ import annotations
 
 import hashlib
-
 from pathlib import Path
 
 import torch
@@ -82,10 +81,10 @@ def unexercised(cfg, strategy, start: int, total: int) -> list[str]:
 def short_batch_note(source, total: int) -> list[str]:
     """An epoch's short last batch (its rows fewer than the others', each rank's share too) when the run's steps
     held none: why, and what would reach one. Nothing with --drop-last, whose batches are all full by design."""
-    n, B = len(source.data.train_y), source.per_rank_batch * source.replicas
-    synthetic = source.data.name.startswith("synthetic")
     if source.drop_last:
         return []
+    n, B = len(source.data.train_y), source.per_rank_batch * source.replicas
+    synthetic = source.data.name.startswith("synthetic")
     what = "so an epoch's short last batch (fewer rows on every rank than the batch configured) is not exercised"
     if n % B == 0:
         smaller = f"--synthetic-size {2 * B + B // 2} and --num-batches 3, or " if synthetic else ""
