@@ -292,14 +292,15 @@ class Check:
         mine = [v.detach().contiguous().reshape(-1) for v in whole.values()]
         if not mine:
             return Comparison("replicas", 0.0, "bit-identical to rank 0", 0.0, step)
-        # every rank's SHA-256 of its bits first (a few bytes each): where all equal rank 0's, the copies are
-        # bit-identical and nothing model-sized crosses; else rank 0's bits come over and say how far each is
-        digest = hashlib.sha256()
-        for t in mine:
-            digest.update(t.view(torch.uint8).cpu().numpy())
-        digests = self.comm.all_gather_objects(digest.hexdigest())
-        if all(d == digests[0] for d in digests):
-            return Comparison("replicas", 0.0, "bit-identical to rank 0", 0.0, step)
+        if mine[0].device.type == "cpu":  # where hashing the model's bytes costs less than sending them (gloo)
+            # every rank's SHA-256 of its bits first (a few bytes each): where all equal rank 0's, the copies are
+            # bit-identical and nothing model-sized crosses; else rank 0's bits come over and say how far each is
+            digest = hashlib.sha256()
+            for t in mine:
+                digest.update(t.view(torch.uint8).numpy())
+            digests = self.comm.all_gather_objects(digest.hexdigest())
+            if all(d == digests[0] for d in digests):
+                return Comparison("replicas", 0.0, "bit-identical to rank 0", 0.0, step)
         root = torch.cat([t.view(torch.uint8) for t in mine])  # the weights' bits, whatever their dtypes
         self.comm.broadcast(root, 0, name="check_replicas")
         return Comparison("replicas", bits_deviation(mine, root), "bit-identical to rank 0", 0.0, step)
