@@ -274,7 +274,7 @@ def test_a_dataset_that_divides_into_full_batches_is_said_and_drop_last_never():
 
     def source(name, n, drop_last=False):
         data = SimpleNamespace(name=name, train_y=torch.zeros(n, dtype=torch.long))
-        return SimpleNamespace(data=data, per_rank_batch=8, replicas=2, drop_last=drop_last,
+        return SimpleNamespace(data=data, per_rank_batch=8, replicas=2, global_batch=16, drop_last=drop_last,
                                steps_per_epoch=BatchSource.steps_per_epoch.fget(
                                    SimpleNamespace(data=data, replicas=2, per_rank_batch=8, drop_last=drop_last)))
     whole, = short_batch_note(source("fashion-mnist", 64), 3)

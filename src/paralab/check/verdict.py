@@ -83,15 +83,16 @@ def short_batch_note(source, total: int) -> list[str]:
     held none: why, and what would reach one. Nothing with --drop-last, whose batches are all full by design."""
     if source.drop_last:
         return []
-    n, B = len(source.data.train_y), source.per_rank_batch * source.replicas
+    n, B = len(source.data.train_y), source.global_batch
     synthetic = source.data.name.startswith("synthetic")
+    size = 2 * B + B // 2  # a synthetic epoch of three steps, the third half full
     what = "so an epoch's short last batch (fewer rows on every rank than the batch configured) is not exercised"
     if n % B == 0:
-        smaller = f"--synthetic-size {2 * B + B // 2} and --num-batches 3, or " if synthetic else ""
+        smaller = f"--synthetic-size {size} and --num-batches 3, or " if synthetic else ""
         return [f"every batch held all {B} samples (the {n} training samples divide into them), {what}: "
                 f"{smaller}a --batch-size that does not divide {n}, with --num-batches reaching an epoch's end"]
     s = source.steps_per_epoch
-    smaller = f" (or a smaller --synthetic-size, e.g. {2 * B + B // 2} with --num-batches 3)" if synthetic else ""
+    smaller = f" (or a smaller --synthetic-size, e.g. {size} with --num-batches 3)" if synthetic else ""
     return [f"the run ends at step {total}, before the epoch's short last batch (step {s}: {n - (s - 1) * B} "
             f"samples, the others {B}), {what}: --num-batches {s}{smaller}"]
 
@@ -213,7 +214,7 @@ class Check:
         self.seen["routed"] |= bool(result.moe)
         m = self.strategy.microbatches
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
-        self.seen["short"] |= 0 < step.rows < self.source.per_rank_batch * self.source.replicas
+        self.seen["short"] |= 0 < step.rows < self.source.global_batch
         if step.x is not None and not step.x.is_floating_point():  # tokens: how many fell in each share
             for share in self.seen["shares"]:
                 share[3] += int(((step.x >= share[1]) & (step.x <= share[2])).sum())

@@ -45,6 +45,11 @@ class BatchSource:
                              f"{replicas * per_rank_batch}")
 
     @property
+    def global_batch(self) -> int:
+        """Samples of a full step over every replica (an epoch's last step may hold fewer)."""
+        return self.per_rank_batch * self.replicas
+
+    @property
     def steps_per_epoch(self) -> int:
         """``ceil(n / B)`` steps, the last possibly smaller; with ``drop_last``, ``n // B`` full ones."""
         return steps_per_epoch(len(self.data.train_y), self.replicas, self.per_rank_batch, self.drop_last)
@@ -63,7 +68,7 @@ class BatchSource:
     def data_note(self, start: int, stop: int) -> str | None:
         """What a run of steps ``[start, stop)`` does with samples that do not fill the epoch
         evenly (repeats them, or leaves them out with drop_last), or None: nothing to say."""
-        n, b = len(self.data.train_y), self.per_rank_batch * self.replicas
+        n, b = len(self.data.train_y), self.global_batch
         s = self.steps_per_epoch
         repeated = self.repeated_samples(start, stop)
         if repeated:
