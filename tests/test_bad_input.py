@@ -32,7 +32,6 @@ def refused(capsys, tmp_path, *argv):
     (["single", "--precision", "fp8"], "--precision must be one of"),
     (["single", "--norm", "group"], "--norm must be one of"),
     (["single", "--workers", "2"], "strategy 'single' runs one process"),
-    (["single", "--check", "--precision", "bf16"], "--check compares fp32"),
     (["single", "--rank", "0"], "needs both --world-size and --rank"),
     (["single", "--check-cache", "kept"], "--check-cache DIR keeps the reference that --check trains"),
     (["single", "--check", "--check-cache", __file__], "is a file: name a folder"),
@@ -58,6 +57,10 @@ def refused(capsys, tmp_path, *argv):
     # two ranks' 12 GiB, not in this project's 24 GiB machines)
     (["ddp", "--workers", "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "16", "--embed", "2048",
       "--heads", "16", "--check"], "the reference alone holds at least"),
+    # below fp64 the check's noise band trains three more references (check/band.py): 403M parameters fit an fp64
+    # check on one rank (13 GiB), not an fp32 one (26 GiB: the reference four times over, one of them in fp64)
+    (["single", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "8", "--embed", "2048", "--heads", "16",
+      "--check", "--precision", "fp32"], "four times over: the reference and the three its noise band measures"),
     # a model whose weights alone cannot be held (each rank builds it whole), or cannot even be counted
     (["single", "--width", "1e9"], "has a layer too large for torch to count; lower --width"),
     (["single", "--width", "5000"], "GiB of weights in fp32: more than the memory this machine has available"),

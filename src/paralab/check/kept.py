@@ -25,8 +25,10 @@ SHA-256 digest (:func:`digest`) of
   of the reference's replay and of the loss; paralab's and torch's versions
   and the CPU's kernel level.
 
-Runs with gradient compression (whose reference transforms each shard's
-gradient) train their own. The file holds tensors, numbers and names only,
+Below fp64 the file also holds the noise band that first run measured
+(``check/band.py``: numbers, one per compared tensor and step), so a later run
+trains neither the reference nor the band's three. Runs with gradient
+compression (whose reference transforms each shard's gradient) train their own. The file holds tensors, numbers and names only,
 written by ``torch.save`` and read with ``weights_only=True`` (never
 unpickled), checked against the model's names, shapes and dtypes, the checked
 steps and the shards; one that does not load is trained again.
@@ -73,11 +75,11 @@ def usable(cfg, ref) -> bool:
 
 
 def _source_files(model) -> list[str]:
-    from . import reference
+    from . import band, reference
     from ..strategies import base
     from ..training import losses
     files = {inspect.getsourcefile(type(m)) for m in model.modules()}
-    files |= {inspect.getsourcefile(mod) for mod in (reference, base, losses)}
+    files |= {inspect.getsourcefile(mod) for mod in (reference, band, base, losses)}
     return sorted(f for f in files if f)
 
 
@@ -148,12 +150,17 @@ def load(folder, key: str, model, steps: list[int], replicas: int) -> tuple[dict
         model.load_state_dict(snapshots[max(steps)].weights, strict=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file only means the reference is trained again
         return None, f"{path.name} did not load ({type(exc).__name__}: {exc})"
-    return {"snapshots": snapshots, "losses": {step: row for step, row in enumerate(losses.tolist())}}, None
+    bands = kept.get("bands")  # below fp64: the noise band that run measured (check/band.py)
+    if bands is not None:
+        bands = {"tensors": {int(step): (w, o) for step, (w, o) in bands["tensors"].items()}, "end": bands["end"]}
+    return {"snapshots": snapshots, "losses": {step: row for step, row in enumerate(losses.tolist())},
+            "bands": bands}, None
 
 
-def keep(folder, key: str, snapshots: dict[int, Snapshot], losses: dict[int, list[float]]) -> str | None:
+def keep(folder, key: str, snapshots: dict[int, Snapshot], losses: dict[int, list[float]],
+         bands: dict | None = None) -> str | None:
     """Write the reference named ``key`` (atomically): its ``snapshots`` at the checked steps and every step's
-    loss per shard; None if kept, else why not."""
+    loss per shard, and below fp64 its noise band (numbers only); None if kept, else why not."""
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -164,7 +171,10 @@ def keep(folder, key: str, snapshots: dict[int, Snapshot], losses: dict[int, lis
                             "snapshots": [{"step": s.step, "weights": {k: v.cpu() for k, v in s.weights.items()},
                                            "optimizer": s.optimizer} for s in snapshots.values()],
                             "losses": torch.tensor([losses[step] for step in range(len(losses))],
-                                                   dtype=torch.float64)}, f)
+                                                   dtype=torch.float64),
+                            "bands": None if bands is None else
+                            {"tensors": {step: list(pair) for step, pair in bands["tensors"].items()},
+                             "end": bands["end"]}}, f)
             os.replace(tmp, path_for(folder, key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

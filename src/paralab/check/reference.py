@@ -114,7 +114,8 @@ class TorchSchedule:
 def reference_train(model, optimizer, source_batch, until: int, replicas: int, microbatches: int,
                     bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
                     clip: float | None = None, norms: dict | None = None,
-                    packing: bool | None = None) -> list[list[float]]:
+                    packing: bool | None = None, autocast: torch.dtype | None = None,
+                    perturb: str | None = None, perturb_unit: float = 0.0) -> list[list[float]]:
     """Train ``model`` on steps ``first_step .. until - 1``; ``source_batch(step, rank)`` gives shard
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
     learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
@@ -133,24 +134,38 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
     ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
     loss is then the step's sum over valid targets over their global count, and packed rows attend within
     their documents (``training/step.py``), as every layout does.
+
+    ``autocast``: the forwards run under ``torch.autocast`` to that dtype (``--precision bf16``), as the run's.
+    ``perturb``: one change a correct layout may make to the arithmetic, for the noise band (``check/band.py``):
+    ``"reordered"``, each step's gradient summed in another order (the global batch cut into more pieces, added
+    last first; the shards' gradients added last first); ``"rounded"``, each gradient rounded once more (by up to
+    ``perturb_unit`` of its size, element by element, from a generator seeded per step).
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
     split = has_batchnorm(model) or combine is not None or bool(moe_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+
+    def forward(x):
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            return model(x)
+
     for step in range(first_step, until):
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
         shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
         targets = None if packing is None else [y for _, y in shards]  # documents: the loss's global count
         model.train()
-        if not split:  # one forward over the global batch; each shard's loss read from its rows
+        if not split and perturb == "reordered":
+            losses.append(_reordered_step(forward, shards, step, seed, targets, packing))
+        elif not split:  # one forward over the global batch; each shard's loss read from its rows
             x = torch.cat([s[0] for s in shards])
             y = torch.cat([s[1] for s in shards])
             with steps.entered(steps.of_rows(step, seed, x, y, rows=len(y), first=0, targets=targets,
                                              packing=bool(packing))):
-                logits = model(x)
+                logits = forward(x)
             # the loss straight from torch, not from the run's training/losses.py: the mean over the global
             # batch's targets, under documents over its valid ones (ignore_index), which is what every layout's
             # pieces must add up to
@@ -176,25 +191,36 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     steps.split([len(c[1]) for c in chunks])
                     for i, (xs, ys, w) in enumerate(chunks):
                         with steps.microbatch(i):
-                            loss, reported = training_loss(cross_entropy, model, model(xs), ys)
+                            loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
                         (loss * (w * len(y) / total)).backward()
                         shard_loss += reported.item() * w
                 first += len(y)
                 shard_losses.append(shard_loss)
                 if r == 0 and bn_rule == "first-replica":
                     kept_buffers = [b.detach().clone() for b in model.buffers()]
-                if combine is not None:  # this shard's gradient, apart from the others'
+                if combine is not None or perturb == "reordered":  # this shard's gradient, apart from the others'
                     per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                       for p in params])
                     optimizer.zero_grad(set_to_none=True)
+            if perturb == "reordered":  # the shards' gradients added last first
+                per_shard.reverse()
             if combine is not None:
                 for p, g in zip(params, combine(per_shard)):
                     p.grad = g
+            elif perturb == "reordered":
+                for p, *gs in zip(params, *per_shard):
+                    p.grad = torch.stack(gs).sum(0) if len(gs) > 1 else gs[0]
             if kept_buffers is not None:
                 with torch.no_grad():
                     for b, kept in zip(model.buffers(), kept_buffers):
                         b.copy_(kept)
             losses.append(shard_losses)
+        if perturb == "rounded":  # each gradient rounded once more, by up to perturb_unit of its size
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            for p in params:
+                if p.grad is not None:
+                    noise = torch.rand(p.grad.shape, generator=generator, dtype=p.grad.dtype)
+                    p.grad.mul_(1 + perturb_unit * (2 * noise.to(p.grad.device) - 1))
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip)
             if norms is not None:
@@ -205,6 +231,33 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
     return losses
 
 
+def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> list[float]:
+    """One step's forwards and backwards over the global batch cut into two more pieces than it has shards,
+    the last piece first, each piece's summed loss over the global count of targets: the same gradient as one
+    forward over the whole batch, added up in another order. Returns each shard's loss (as ``reference_train``)."""
+    x = torch.cat([s[0] for s in shards])
+    y = torch.cat([s[1] for s in shards])
+    count = max(1, int((y != IGNORE).sum()))
+    bounds = torch.linspace(0, len(y), len(shards) + 3).round().long().tolist()
+    per_target = [None] * (len(bounds) - 1)
+    for i in reversed(range(len(bounds) - 1)):
+        a, b = bounds[i], bounds[i + 1]
+        if a == b:
+            continue
+        with steps.entered(steps.of_rows(step, seed, x[a:b], y[a:b], rows=len(y), first=a, targets=targets,
+                                         packing=bool(packing))):
+            logits = forward(x[a:b])
+        flat, labels = logits.reshape(-1, logits.shape[-1]), y[a:b].reshape(-1)
+        each = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none")
+        (each.sum() / count).backward()
+        per_target[i] = each.detach().view(b - a, -1)
+    per_target = torch.cat([t for t in per_target if t is not None])
+    valid = int((y != IGNORE).sum())
+    rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
+    return [(per_target[a:b].sum() * len(y) / ((b - a) * valid) if packing is not None and valid
+             else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])]
+
+
 #: the optimizers that keep two moments and a step count per parameter (torch's Adam and AdamW)
 ADAMS = ("adam", "adamw")
 
@@ -212,9 +265,11 @@ ADAMS = ("adam", "adamw")
 def reference_bytes(cfg, parameters: int) -> int:
     """The bytes the reference of a model of ``parameters`` holds at least: its weights, their gradients and
     the optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
-    activations come on top."""
+    activations come on top. Below fp64 the noise band's three references (``check/band.py``) come with it: two
+    more in float32 (bf16 autocast keeps float32 weights) and one in float64."""
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
-    return parameters * (2 + states) * (8 if cfg.precision == "fp64" else 4)
+    per_copy = parameters * (2 + states)
+    return per_copy * 8 if cfg.precision == "fp64" else per_copy * (4 + 2 * 4 + 8)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, dict]:
@@ -228,25 +283,55 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, copy: bo
 
 @dataclass
 class Comparison:
-    what: str           # "weights" | "optimizer" | "loss" | "outputs" | "replicas"
+    """One kind of comparison on one rank: its largest deviation, where, and what it is judged against.
+
+    In fp64 (``band`` None) the deviation is judged against ``atol`` alone: ``exact`` within it, else ``bug``.
+    Below fp64 each tensor (loss, norm) also has a noise band measured for this run (``check/band.py``):
+    ``worst`` then names the one whose deviation is the largest multiple of its band (``ratio``; ``band`` is
+    that tensor's), and a deviation beyond ``atol`` (fp64's tolerance) but within every band is ``within
+    rounding``."""
+    what: str           # "weights" | "optimizer" | "loss" | "outputs" | "replicas" | "grad_norm"
     max_abs: float      # largest absolute deviation
-    worst: str          # name of the tensor where it occurred
+    worst: str          # name of the tensor where it occurred (below fp64: where the ratio to the band is largest)
     atol: float
     step: int | None = None  # after which step (None: not tied to one)
+    band: float | None = None   # below fp64: the band of the tensor ``worst`` names
+    ratio: float | None = None  # below fp64: the largest deviation / band over the tensors compared
+
+    @property
+    def word(self) -> str:
+        """``exact`` (within fp64's tolerance), ``within rounding`` (inside the band) or ``bug``."""
+        if self.max_abs <= self.atol:
+            return "exact"
+        return "within rounding" if self.ratio is not None and self.ratio <= 1 else "bug"
 
     @property
     def ok(self) -> bool:
-        return self.max_abs <= self.atol
+        return self.word != "bug"
 
     def line(self) -> str:
         verdict = "PASS" if self.ok else "FAIL"
         when = f", step {self.step}" if self.step is not None else ""
-        return f"{self.what}: {verdict} max |diff| {self.max_abs:.3e} at {self.worst}{when} (atol {self.atol:g})"
+        if self.ratio is None:
+            return f"{self.what}: {verdict} max |diff| {self.max_abs:.3e} at {self.worst}{when} (atol {self.atol:g})"
+        if self.word == "exact":
+            return f"{self.what}: {verdict} (exact) max |diff| {self.max_abs:.3e}{when} (atol {self.atol:g})"
+        return (f"{self.what}: {verdict} ({self.word}) worst {self.ratio:.3g} of the band at {self.worst}{when} "
+                f"(|diff| {self.ratio * self.band if self.band else self.max_abs:.3e}, band {self.band:.3e}; "
+                f"largest |diff| {self.max_abs:.3e})")
+
+
+def ratio_of(dev: float, band: float) -> float:
+    """A deviation as a multiple of its band (0 / 0 = 0: nothing moved where nothing may)."""
+    if dev == 0.0:
+        return 0.0
+    return dev / band if band > 0 else float("inf")
 
 
 def worst(comparisons: list[Comparison]) -> Comparison:
     """The comparison that decides a verdict: the first that fails by the most, else the largest."""
-    return max(comparisons, key=lambda c: (not c.ok, c.max_abs / c.atol if c.atol else c.max_abs))
+    return max(comparisons, key=lambda c: (not c.ok, c.ratio if c.ratio is not None
+                                           else c.max_abs / c.atol if c.atol else c.max_abs))
 
 
 #: elements compared at a time: whole-tensor float64 temporaries (four of a tensor's size each comparison) are
@@ -301,24 +386,31 @@ def bits_deviation(mine: list[torch.Tensor], theirs: torch.Tensor) -> float:
 
 
 def compare_tensors(what: str, mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                    atol: float, step: int | None = None) -> Comparison:
+                    atol: float, step: int | None = None, bands: dict[str, float] | None = None) -> Comparison:
+    """``mine`` against ``ref``, tensor by tensor; ``bands`` (below fp64): each tensor's noise band."""
     missing = set(ref) ^ set(mine)
     if missing:
-        return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol, step)
-    worst, worst_name = 0.0, "-"
+        return Comparison(what, float("inf"), f"keys differ: {sorted(missing)[:4]}", atol, step,
+                          *((0.0, float("inf")) if bands is not None else ()))
+    largest, worst_name, worst_ratio = 0.0, "-", -1.0
     for name, r in ref.items():
         m, r = mine[name].detach().cpu(), r.detach().cpu()
         if m.shape != r.shape:
-            return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol, step)
+            return Comparison(what, float("inf"), f"{name} shape {tuple(m.shape)} vs {tuple(r.shape)}", atol, step,
+                              *((0.0, float("inf")) if bands is not None else ()))
         if not r.is_floating_point():
             dev = float((m.long() - r.long()).abs().max()) if r.numel() else 0.0
         else:
             dev = max_abs_diff(m, r)
         if dev != dev:  # NaN
             dev = float("inf")
-        if dev > worst or worst_name == "-":
-            worst, worst_name = dev, name
-    return Comparison(what, worst, worst_name, atol, step)
+        largest = max(largest, dev)
+        rank_by = ratio_of(dev, bands.get(name, 0.0)) if bands is not None else dev
+        if rank_by > worst_ratio:
+            worst_ratio, worst_name = rank_by, name
+    if bands is None:
+        return Comparison(what, largest, worst_name, atol, step)
+    return Comparison(what, largest, worst_name, atol, step, bands.get(worst_name, 0.0), max(worst_ratio, 0.0))
 
 
 def _deviation(m, r) -> float:
@@ -332,20 +424,26 @@ def _deviation(m, r) -> float:
     return float("inf") if dev != dev else dev
 
 
-def compare_optimizer(mine: dict[str, dict], ref: dict[str, dict], atol: float, step: int | None = None
-                      ) -> Comparison:
-    """Every parameter's optimizer state (momentum, Adam's moments and step count), whole, by name."""
+def compare_optimizer(mine: dict[str, dict], ref: dict[str, dict], atol: float, step: int | None = None,
+                      bands: dict[str, float] | None = None) -> Comparison:
+    """Every parameter's optimizer state (momentum, Adam's moments and step count), whole, by name;
+    ``bands`` (below fp64): each entry's noise band, by ``"name key"``."""
+    far = (0.0, float("inf")) if bands is not None else ()
     if set(mine) != set(ref):
         differ = sorted(set(mine) ^ set(ref))
         return Comparison("optimizer", float("inf"), f"state of {differ[:3]} only on "
-                          f"{'the run' if differ[0] in mine else 'the reference'}", atol, step)
-    worst_dev, worst_name = 0.0, "-"
+                          f"{'the run' if differ[0] in mine else 'the reference'}", atol, step, *far)
+    largest, worst_name, worst_ratio = 0.0, "-", -1.0
     for name, state in ref.items():
         if set(mine[name]) != set(state):
             return Comparison("optimizer", float("inf"), f"{name}: keys {sorted(mine[name])} vs "
-                              f"{sorted(state)}", atol, step)
+                              f"{sorted(state)}", atol, step, *far)
         for key, value in state.items():
             dev = _deviation(mine[name][key], value)
-            if dev > worst_dev or worst_name == "-":
-                worst_dev, worst_name = dev, f"{name} {key}"
-    return Comparison("optimizer", worst_dev, worst_name, atol, step)
+            largest = max(largest, dev)
+            rank_by = ratio_of(dev, bands.get(f"{name} {key}", 0.0)) if bands is not None else dev
+            if rank_by > worst_ratio:
+                worst_ratio, worst_name = rank_by, f"{name} {key}"
+    if bands is None:
+        return Comparison("optimizer", largest, worst_name, atol, step)
+    return Comparison("optimizer", largest, worst_name, atol, step, bands.get(worst_name, 0.0), max(worst_ratio, 0.0))

@@ -42,8 +42,9 @@ from ..strategies.tensor.strategy import tp_of
 from ..training import step as steps
 from ..training.lr_schedule import LRSchedule
 from . import kept
+from .band import Band
 from .reference import (ADAMS, TOLERANCES, Comparison, TorchSchedule, bits_deviation, compare_optimizer,
-                        compare_tensors, optimizer_state, reference_train, worst)
+                        compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
 KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
@@ -97,6 +98,11 @@ def short_batch_note(source, total: int) -> list[str]:
             f"samples, the others {B}), {what}: --num-batches {s}{smaller}"]
 
 
+def word_of(words: list[str]) -> str:
+    """The verdict of many comparisons: ``bug`` if any is, else ``within rounding`` if any is, else ``exact``."""
+    return next((w for w in ("bug", "within rounding") if w in words), "exact")
+
+
 def cancelled_by_batchnorm(model: nn.Module) -> set[str]:
     """Names of the biases that feed a BatchNorm directly (in training it subtracts them right back)."""
     names = set()
@@ -118,8 +124,14 @@ class Reference:
     and keeps each step's loss per shard (``losses``).
     """
 
-    def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0):
+    def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0, precision: str = "fp64",
+                 perturb: str | None = None, unit: float = 0.0):
         self.model = model_fn()
+        # the noise band's references (check/band.py): one change each; "exact" trains in float64, no autocast
+        self.perturb, self.unit = perturb, unit
+        if perturb == "exact":
+            self.model = self.model.double()
+        self.autocast = torch.bfloat16 if precision == "bf16" and perturb != "exact" else None
         self.seed = seed  # the run's: the gpt's dropout masks are drawn from it
         self.optimizer = optim_fn(list(self.model.parameters()))
         self.replicas, _ = strategy.replicas()
@@ -139,13 +151,15 @@ class Reference:
     def describe(self) -> str:
         return (f"{self.replicas} shard(s) x {self.microbatches} microbatch(es), BN rule {self.bn_rule}, "
                 f"{str(next(self.model.parameters()).dtype).replace('torch.', '')}"
+                + (" under bf16 autocast" if self.autocast is not None else "")
                 + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
                                  self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
                                  combine=self.compression.combine if self.compression else None, seed=self.seed,
-                                 clip=self.clip, norms=self.norms, packing=self.packing)
+                                 clip=self.clip, norms=self.norms, packing=self.packing, autocast=self.autocast,
+                                 perturb=self.perturb, perturb_unit=self.unit)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
@@ -167,7 +181,13 @@ class Check:
         self.model_fn, self.source = model_fn, source
         self.start, self.total = start, total
         self.steps = checked_steps(start, total, cfg.check_every)
-        self.tol = TOLERANCES[cfg.precision]
+        # fp64: fixed tolerances; below it, fp64's tolerances say "exact" and a band measured for this run says
+        # what rounding may do (check/band.py)
+        self.banded = cfg.precision != "fp64"
+        self.tol = TOLERANCES["fp64" if self.banded else cfg.precision]
+        self.band: Band | None = None
+        self.bands: dict[int, tuple[dict, dict]] = {}  # rank 0: step -> (each weight's band, each state's)
+        self.end_bands: dict | None = None  # rank 0: the bands of the logits, every step's losses and norms
         self.found: list[Comparison] = []     # every comparison this rank made, each at its step
         self.kept: dict[int, kept.Snapshot] | None = None  # loaded from --check-cache: no training
         self.keeping: dict[int, kept.Snapshot] = {}        # what rank 0 keeps for later runs
@@ -181,18 +201,26 @@ class Check:
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
             return
-        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed)
+        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed, cfg.precision)
         self.key = kept.digest(cfg, self.ref, self.steps) if kept.usable(cfg, self.ref) else None
         if self.key is not None:
             loaded, why = kept.load(cfg.check_cache, self.key, self.ref.model, self.steps, self.ref.replicas)
-            if loaded is not None:
+            if loaded is not None and (loaded["bands"] is not None) == self.banded:
                 self.kept = loaded["snapshots"]
                 self.ref.losses, self.ref.step = loaded["losses"], total
+                if self.banded:  # and the bands that run measured
+                    self.bands, self.end_bands = loaded["bands"]["tensors"], loaded["bands"]["end"]
                 say(f"check: the single-process reference ({self.ref.describe()}) is the one an earlier run "
-                    f"trained on the same weights and batches ({kept.path_for(cfg.check_cache, self.key).name})")
+                    f"trained on the same weights and batches ({kept.path_for(cfg.check_cache, self.key).name})"
+                    + (", and so is its noise band" if self.banded else ""))
         if self.kept is None:
             say(f"check: the single-process reference trains beside the run ({self.ref.describe()}); compared "
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
+            if self.banded:
+                self.band = Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for,
+                                                                 cfg.seed, cfg.precision, perturb, unit),
+                                 cfg.precision, next(self.ref.model.parameters()).device)
+                say(f"check: {cfg.precision}: {self.band.describe()}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")
         if not self.ref.own_schedule and isinstance(lr_for, LRSchedule):  # a fractional cosine warm-up
@@ -225,6 +253,9 @@ class Check:
         self.ref.advance_to(step)
         keep = self.key is not None and self.comm.rank == 0
         snap = self.ref.snapshot(copy=keep)
+        if self.band is not None:
+            self.band.advance_to(step)
+            self.bands[step] = self.band.tensors(snap.weights, snap.optimizer)
         if keep:
             self.keeping[step] = snap
         return snap
@@ -242,7 +273,9 @@ class Check:
         another rank whose view holds the same bits as rank 0's has the same deviation, which rank 0 sends; only
         where a view differs (a replica that drifted, a bug) is the reference's whole weights sent, and that
         rank compares its own with them."""
-        mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step) if ref is not None else None
+        bands = self.bands[step][0] if ref is not None and self.banded else None
+        mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step, bands) if ref is not None \
+            else None
         if self.comm.world == 1:
             return mine
         same = self.replicas_comparison(whole, step)
@@ -252,11 +285,11 @@ class Check:
         differ = self.comm.all_gather_objects(same.max_abs != 0.0)
         if not any(differ):
             return mine if mine is not None else Comparison(**sent)
-        weights = self.comm.broadcast_object(ref.weights if ref is not None else None)  # rare: a failing check
+        weights, bands = self.comm.broadcast_object((ref.weights, bands) if ref is not None else None)  # rare
         if mine is not None:
             return mine
         if differ[self.comm.rank]:
-            return compare_tensors("weights", whole, weights, self.tol["weights"], step)
+            return compare_tensors("weights", whole, weights, self.tol["weights"], step, bands)
         return Comparison(**sent)
 
     def saved_states(self) -> list[dict] | None:
@@ -319,7 +352,8 @@ class Check:
         except Exception as exc:  # noqa: BLE001 - a state that cannot be put together is a failed comparison
             return Comparison("optimizer", float("inf"), f"the ranks' states could not be put together "
                               f"({type(exc).__name__}: {exc})", self.tol["optimizer"], step)
-        return compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step)
+        return compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step,
+                                 self.bands[step][1] if self.banded else None)
 
     # ------------------------------------------------------------ at the end
     def finish(self, losses: list, replica: int, norms: list | None = None) -> dict:
@@ -333,24 +367,31 @@ class Check:
             out = self.strategy.predict(to_device(x, self.strategy.ctx.device, self.strategy.ctx.dtype))
         expected = None
         if self.ref is not None:  # rank 0: the reference's logits for every shard, its losses and norms, sent
-            self.ref.model.eval()
-            expected = {}
-            for r in range(self.ref.replicas):
-                xr, _ = self.source.batch(self.total, rank=r)
-                with torch.no_grad(), steps.entered(steps.whole(xr, packed)):
-                    expected[r] = self.ref.model(to_device(xr, xr.device, self.strategy.ctx.dtype))
-        sent = self.comm.broadcast_object({"logits": expected, "losses": self.ref.losses, "norms": self.ref.norms}
-                                          if self.ref is not None else None)
+            expected = {"logits": self.logits(self.ref, packed), "losses": self.ref.losses, "norms": self.ref.norms}
+            if self.band is not None:  # and the band of each
+                theirs = [self.logits(ref, packed) for ref in self.band.refs]
+                self.end_bands = {
+                    "logits": {r: self.band.of(t, [o[r] for o in theirs]) for r, t in expected["logits"].items()},
+                    "losses": self.band.per_step(self.ref.losses, lambda ref: ref.losses),
+                    "norms": {s: b[0] for s, b in self.band.per_step(
+                        {s: [v] for s, v in self.ref.norms.items()}, lambda ref: {s: [v] for s, v in
+                                                                                   ref.norms.items()}).items()}}
+            if self.banded:
+                expected["bands"] = self.end_bands
+        sent = self.comm.broadcast_object(expected)
         self.norms = sent["norms"]
+        bands = sent.get("bands")
         if out is not None:
             self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": sent["logits"][replica]},
-                                              self.tol["outputs"], self.total))
+                                              self.tol["outputs"], self.total,
+                                              {"logits": bands["logits"][replica]} if bands else None))
         mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
         if mine:
-            self.found.append(compare_losses(mine, sent["losses"], replica, self.tol["loss"]))
+            self.found.append(compare_losses(mine, sent["losses"], replica, self.tol["loss"],
+                                             {s: b[replica] for s, b in bands["losses"].items()} if bands else None))
         mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.norms]
         if mine:
-            self.found.append(compare_norms(mine, self.norms, self.tol["grad_norm"]))
+            self.found.append(compare_norms(mine, self.norms, self.tol["grad_norm"], bands["norms"] if bands else None))
         if self.comm.world > 1:  # every rank is done with the saved states: each removes its own
             self.comm.barrier(name="check_states_read")
             (self.folder / f"rank{self.comm.rank}.pt").unlink(missing_ok=True)
@@ -358,19 +399,40 @@ class Check:
             if self.comm.rank == 0 and self.folder.is_dir():
                 self.folder.rmdir()
         if self.keeping and self.comm.rank == 0:
-            why = kept.keep(self.cfg.check_cache, self.key, self.keeping, self.ref.losses)
+            why = kept.keep(self.cfg.check_cache, self.key, self.keeping, self.ref.losses,
+                            {"tensors": self.bands, "end": self.end_bands} if self.banded else None)
             if why:
                 self.say(f"check: --check-cache: the reference is {why}")
         return self.verdict()
 
+    def logits(self, ref: Reference, packed: bool) -> dict[int, torch.Tensor]:
+        """A reference's logits for every shard of the batch after the last step, as the run predicts them (in
+        eval mode, under the run's autocast, in its dtype)."""
+        ref.model.eval()
+        device = next(ref.model.parameters()).device
+        dtype = next(ref.model.parameters()).dtype
+        expected = {}
+        for r in range(ref.replicas):
+            xr, _ = self.source.batch(self.total, rank=r)
+            with torch.no_grad(), steps.entered(steps.whole(xr, packed)), \
+                    torch.autocast(device.type, dtype=torch.bfloat16, enabled=ref.autocast is not None):
+                expected[r] = ref.model(to_device(xr, xr.device, dtype)).to(dtype)
+        return expected
+
     def verdict(self) -> dict:
         by_kind = {k: worst([c for c in self.found if c.what == k]) for k in KINDS
                    if any(c.what == k for c in self.found)}
-        history: dict[int, float] = {}
-        for c in self.found:
-            if c.what == "weights":
-                history[c.step] = max(history.get(c.step, 0.0), c.max_abs)
+        history: dict[int, dict] = {}  # per checked step: the weights' largest deviation; below fp64 the worst
+        for c in self.found:           # ratio to the band of the weights' and the optimizer state's
+            if c.what in ("weights", "optimizer") and c.step is not None:
+                h = history.setdefault(c.step, {})
+                if c.what == "weights":
+                    h["max_weight_dev"] = max(h.get("max_weight_dev", 0.0), c.max_abs)
+                if c.ratio is not None:
+                    h[f"{c.what}_ratio"] = max(h.get(f"{c.what}_ratio", 0.0), c.ratio)
+        ratios = [c.ratio for c in self.found if c.ratio is not None]
         mine = {"rank": self.comm.rank, "passed": all(c.ok for c in self.found),
+                "verdict": word_of([c.word for c in self.found]), "worst_ratio": max(ratios) if ratios else None,
                 "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
                 "worst_weight": by_kind["weights"].worst,
                 "max": {k: c.max_abs for k, c in by_kind.items()}, "history": sorted(history.items()),
@@ -380,23 +442,30 @@ class Check:
         for v in verdicts:
             self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
         passed = all(v["passed"] for v in verdicts)
-        self.say(f"check: {'PASS' if passed else 'FAIL'}")
+        word = word_of([v["verdict"] for v in verdicts])
+        ratios = [v["worst_ratio"] for v in verdicts if v["worst_ratio"] is not None]
+        worst_ratio = max(ratios) if ratios else None
+        self.say(f"check: {'PASS' if passed else 'FAIL'} ({word}"
+                 + (f", worst {worst_ratio:.3g} of the band)" if word != "exact" and worst_ratio is not None else ")"))
         notes = list(dict.fromkeys([n for v in verdicts for n in v["unexercised"]] + self.unreached(verdicts)))
         for note in notes:
             self.say(f"check: not exercised: {note}")
         self.explain(verdicts)
         largest = {k: max((v["max"][k] for v in verdicts if k in v["max"]), default=None) for k in KINDS}
-        by_step: dict[int, float] = {}
+        by_step: dict[int, dict] = {}
         for v in verdicts:
-            for step, dev in v["history"]:
-                by_step[step] = max(by_step.get(step, 0.0), dev)
+            for step, h in v["history"]:
+                mine = by_step.setdefault(step, {"step": step})
+                for k, x in h.items():
+                    mine[k] = max(mine.get(k, 0.0), x)
         return {"passed": passed, "result": "PASS" if passed else "FAIL", "precision": self.cfg.precision,
+                "verdict": word, "worst_ratio": worst_ratio,
                 "tolerances": self.tol, "steps": self.steps,
                 "failed": sorted({k for v in verdicts for k in v["failed"]}, key=KINDS.index),
                 "max_weight_dev": largest["weights"], "max_optimizer_dev": largest["optimizer"],
                 "max_loss_dev": largest["loss"], "max_grad_norm_dev": largest["grad_norm"],
                 "max_output_dev": largest["outputs"],
-                "history": [{"step": s, "max_weight_dev": d} for s, d in sorted(by_step.items())],
+                "history": [by_step[s] for s in sorted(by_step)],
                 "unexercised": notes, "ranks": verdicts}
 
     def unreached(self, verdicts: list[dict]) -> list[str]:
@@ -448,24 +517,32 @@ class Check:
                      "the meaningful one here)")
 
 
-def compare_losses(mine: list, ref: dict[int, list[float]], replica: int, atol: float) -> Comparison:
+def _compare_numbers(what: str, mine: list, ref: dict, atol: float, bands: dict | None, says) -> Comparison:
+    """This rank's number at each of its steps (``[step, value]`` pairs) against the reference's (``ref[step]``);
+    ``bands`` (below fp64): each step's band. The step that decides is the one furthest out (by its band, where
+    there is one); ``says(value, reference)`` words it."""
+    largest, at, rank_at = 0.0, None, -1.0
+    for step, value in mine:
+        dev = abs(value - ref[step])
+        dev = float("inf") if dev != dev else dev
+        largest = max(largest, dev)
+        rank_by = ratio_of(dev, bands[step]) if bands is not None else dev
+        if at is None or rank_by > rank_at:
+            at, rank_at = step, rank_by
+    where = says(dict(mine)[at], ref[at])
+    if bands is None:
+        return Comparison(what, largest, where, atol, at + 1)
+    return Comparison(what, largest, where, atol, at + 1, bands[at], rank_at)
+
+
+def compare_losses(mine: list, ref: dict[int, list[float]], replica: int, atol: float,
+                   bands: dict[int, float] | None = None) -> Comparison:
     """This rank's reported loss at each of its steps against its shard's loss in the reference."""
-    worst_dev, at = 0.0, None
-    for step, loss in mine:
-        dev = abs(loss - ref[step][replica])
-        dev = float("inf") if dev != dev else dev
-        if at is None or dev > worst_dev:
-            worst_dev, at = dev, step
-    c = Comparison("loss", worst_dev, f"reported {dict(mine)[at]:.6g} vs {ref[at][replica]:.6g}", atol, at + 1)
-    return c
+    return _compare_numbers("loss", mine, {s: v[replica] for s, v in ref.items()}, atol, bands,
+                            lambda v, r: f"reported {v:.6g} vs {r:.6g}")
 
 
-def compare_norms(mine: list, ref: dict[int, float], atol: float) -> Comparison:
+def compare_norms(mine: list, ref: dict[int, float], atol: float, bands: dict[int, float] | None = None
+                  ) -> Comparison:
     """This rank's whole-model gradient norm at each of its steps (``--clip-grad``) against the reference's."""
-    worst_dev, at = 0.0, None
-    for step, norm in mine:
-        dev = abs(norm - ref[step])
-        dev = float("inf") if dev != dev else dev
-        if at is None or dev > worst_dev:
-            worst_dev, at = dev, step
-    return Comparison("grad_norm", worst_dev, f"gradient norm {dict(mine)[at]:.6g} vs {ref[at]:.6g}", atol, at + 1)
+    return _compare_numbers("grad_norm", mine, ref, atol, bands, lambda v, r: f"gradient norm {v:.6g} vs {r:.6g}")

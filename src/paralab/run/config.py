@@ -264,9 +264,6 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError(f"--recompute {self.recompute} with --experts: a mixture of experts records its "
                              "routing and load-balancing loss in each forward, which a recompute would repeat; "
                              "drop one of them")
-        if self.check and self.precision == "bf16":
-            raise UsageError("--check compares fp32 or fp64 arithmetic with a reference; autocast's bf16 "
-                             "rounding is not replayed: drop --precision bf16 (or use fp64 for an exact check)")
         if (self.world_size is None) != (self.rank is None):
             raise UsageError("manual multi-node needs both --world-size and --rank")
         if self.rank is not None and not 0 <= self.rank < self.world_size:
@@ -481,7 +478,9 @@ def check_reference_fits(cfg: RunConfig, parameters: int) -> None:
         gib = 2 ** 30
         raise UsageError(f"--check: rank 0 trains the single-process reference beside its part of the run, and "
                          f"the reference alone holds at least {each / gib:.1f} GiB (the model's {parameters:,} "
-                         f"parameters, their gradients and the optimizer's state, in {cfg.precision}), beside "
+                         f"parameters, their gradients and the optimizer's state, in {cfg.precision}"
+                         + ("" if cfg.precision == "fp64" else ", four times over: the reference and the three "
+                            "its noise band measures the run's rounding with, docs/correctness.md") + "), beside "
                          + (f"the {local} local ranks' whole models ({local * weights / gib:.1f} GiB)" if local > 1
                             else f"the rank's whole model ({weights / gib:.1f} GiB)")
                          + f": more than {where} ({available / gib:.1f} GiB). Check a smaller shape of the same "

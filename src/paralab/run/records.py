@@ -257,7 +257,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         "test_accuracy": evaluation["accuracy"] if evaluation else None,
         "test_perplexity": evaluation.get("perplexity") if evaluation else None,  # a text model's
         "check": None if check is None else {k: check[k] for k in
-                                             ("result", "failed", "steps", "max_weight_dev",
+                                             ("result", "verdict", "worst_ratio", "failed", "steps",
+                                              "max_weight_dev",
                                               "max_optimizer_dev", "max_loss_dev", "max_grad_norm_dev",
                                               "max_output_dev",
                                               "precision", "tolerances", "history", "unexercised")}

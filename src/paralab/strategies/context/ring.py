@@ -91,6 +91,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a block's arithmetic runs in: float32 for 16-bit inputs, else their own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _rotate(comm, t: torch.Tensor, name: str):
     """Send ``t`` to the next rank, receive the previous rank's into a new buffer: (buffer, pending ops)."""
     buf = torch.empty_like(t)
@@ -109,8 +114,11 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, layout: Layout, recorder):
         rank, world = comm.rank, comm.world
-        out = torch.zeros_like(q)
-        lse = q.new_full(q.shape[:-1], NEG_INF)
+        # the blocks' scores, the running output and its log-sum-exp in float32 under bf16 autocast, as a flash
+        # attention kernel keeps them (one process's attention does); K and V travel in their own dtype
+        wide = _wide(q.dtype)
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], NEG_INF, dtype=wide, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         blocks = {}  # source -> the blocks computed with its keys (and their masks): what backward walks again
         for step in range(world):
@@ -118,13 +126,14 @@ class RingAttention(torch.autograd.Function):
             ops = []
             if step < world - 1:  # the next block on its way while this one is computed
                 nxt, ops = _rotate(comm, kv, "cp_ring_kv")
-            with recorder.span("compute", "attention", cp_source=source):
+            with recorder.span("compute", "attention", cp_source=source), \
+                    torch.autocast(q.device.type, enabled=False):
                 blocks[source] = list(_pairs(layout, rank, source, q))
                 for qs, ks, causal, mask, rows in blocks[source]:
                     qi, ki = _at(rows, qs), _at(rows, ks)
-                    s = _scores(q[qi], kv[0][ki], causal, mask)
+                    s = _scores(q[qi].to(wide), kv[0][ki].to(wide), causal, mask)
                     l_blk = torch.logsumexp(s, dim=-1)
-                    o_blk = torch.exp(s - _finite(l_blk).unsqueeze(-1)) @ kv[1][ki]
+                    o_blk = torch.exp(s - _finite(l_blk).unsqueeze(-1)) @ kv[1][ki].to(wide)
                     l_old = lse[qi]
                     l_new = torch.logaddexp(l_old, l_blk)
                     base = _finite(l_new)
@@ -136,7 +145,7 @@ class RingAttention(torch.autograd.Function):
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.recorder, ctx.blocks = comm, recorder, blocks
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -144,11 +153,12 @@ class RingAttention(torch.autograd.Function):
         comm, recorder = ctx.comm, ctx.recorder
         rank, world = comm.rank, comm.world
         scale = 1.0 / math.sqrt(q.shape[-1])
-        grad_out = grad_out.contiguous()
+        wide = out.dtype  # float32 under bf16 autocast (forward), else the inputs' dtype
+        grad_out = grad_out.to(wide).contiguous()
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O): the softmax's backward term
-        dq = torch.zeros_like(q)
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)  # the source's dK, dV, travelling with its K, V
+        dkv = torch.zeros(kv.shape, dtype=wide, device=kv.device)  # the source's dK, dV, travelling with its K, V
         for step in range(world):
             source = (rank - step) % world
             kv_ops = []
@@ -157,7 +167,7 @@ class RingAttention(torch.autograd.Function):
             with recorder.span("compute", "attention_backward", cp_source=source):
                 for qs, ks, causal, mask, rows in ctx.blocks[source]:
                     qi, ki = _at(rows, qs), _at(rows, ks)
-                    qb, kb, vb, do = q[qi], kv[0][ki], kv[1][ki], grad_out[qi]
+                    qb, kb, vb, do = q[qi].to(wide), kv[0][ki].to(wide), kv[1][ki].to(wide), grad_out[qi]
                     p = torch.exp(_scores(qb, kb, causal, mask) - lse[qi].unsqueeze(-1))
                     dkv[1][ki] += p.transpose(-2, -1) @ do
                     ds = p * (do @ vb.transpose(-2, -1) - delta[qi].unsqueeze(-1))
@@ -168,7 +178,7 @@ class RingAttention(torch.autograd.Function):
             dkv = dkv_next
             if kv_ops:
                 kv = kv_next
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q, k, v, comm, layout: Layout, recorder) -> torch.Tensor:

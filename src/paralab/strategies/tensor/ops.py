@@ -166,6 +166,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     """Mean cross-entropy over every token (documents: the step's token weighting, ``training/losses.py``);
     ``local_logits [..., V/tp]`` hold vocabulary columns ``[start, start + V/tp)``; ``target [...]`` the
     full-vocabulary token ids (an ignored one is no rank's: its loss is left out)."""
-    per_token = _VocabParallelCrossEntropy.apply(local_logits.reshape(-1, local_logits.shape[-1]),
-                                                 target.reshape(-1), start, comm)
+    logits = local_logits.reshape(-1, local_logits.shape[-1])
+    if logits.dtype in (torch.bfloat16, torch.float16):  # in float32, as autocast runs one process's cross_entropy
+        logits = logits.float()
+    per_token = _VocabParallelCrossEntropy.apply(logits, target.reshape(-1), start, comm)
     return token_loss(per_token, target)

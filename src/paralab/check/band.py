@@ -1,0 +1,105 @@
+"""The noise band: how far from the reference a correct layout may land below fp64, measured for each run.
+
+In fp64 a correct layout reproduces the single-process reference to about
+1e-12, and ``--check`` judges it against fixed tolerances. In fp32 and bf16 it
+cannot: a layout adds, casts and reduces in another order than one process,
+each step carries those roundings into the next, and momentum, Adam's moments
+and BatchNorm amplify them. A tolerance set by hand is either too tight at a
+real learning rate (a correct run fails) or too loose at the course's (a bug
+passes). So the check measures, for the very run it judges, how far the
+reference itself moves under changes a correct layout may legitimately make.
+Rank 0 trains three more references beside the one the run is compared with,
+each changed in one way (``reference_train``'s ``perturb``):
+
+- ``reordered``: each step's gradient added up in another order (the global
+  batch cut into more pieces and added last first; with BatchNorm, compression
+  or experts, the shards' gradients added last first), as another layout's
+  reduction adds it;
+- ``rounded``: each gradient rounded once more, element by element by up to
+  one unit roundoff of the precision the run computes in (bf16's under
+  autocast, TF32's where CUDA's matmuls or convolutions use it), as another
+  layout's kernels and collectives round it;
+- ``exact``: the same training in float64 without autocast: how far the run's
+  precision alone carries the reference from the exact answer.
+
+The band of each compared tensor (each weight, each optimizer state, each
+step's loss and gradient norm, the logits) is ``MULTIPLE`` times the largest
+deviation of any of the three from the reference, and never less than
+``FLOOR`` unit roundoffs of the tensor's largest magnitude. Why ``MULTIPLE``
+is 4: the run and the reference are two roundings of the same exact training,
+so the run lies at most about twice the ``exact`` spread from the reference
+(the triangle inequality, each side about as far from the exact answer); 4
+leaves a factor of two beyond that. The floor keeps the band from vanishing
+where the three agree to the bit (a step's first loss, before any update). How
+the band holds on every built-in layout, and how far bugs land outside it:
+docs/correctness.md ("Bug or rounding").
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import max_abs_diff
+
+#: the change each of the band's references makes to the reference's training (see the module)
+PERTURBATIONS = ("reordered", "rounded", "exact")
+#: the band is this many times the largest deviation of a perturbed reference from the reference
+MULTIPLE = 4.0
+#: and at least this many unit roundoffs of the compared tensor's largest magnitude
+FLOOR = 4.0
+
+
+def unit_roundoff(precision: str, device: torch.device) -> float:
+    """Half an ulp of 1 in the precision the run's arithmetic rounds to: bf16 under autocast; TF32 for fp32 on a
+    CUDA device whose matmuls or convolutions use it (PyTorch's default for convolutions); else fp32's."""
+    if precision == "bf16":
+        return 2.0 ** -8
+    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
+        return 2.0 ** -11
+    return 2.0 ** -24
+
+
+class Band:
+    """The three perturbed references (:data:`PERTURBATIONS`), trained as far as the reference, and the band
+    each compared quantity gets from them. ``make(perturb, unit)`` builds one (a ``verdict.Reference``)."""
+
+    def __init__(self, make, precision: str, device: torch.device):
+        self.unit = unit_roundoff(precision, device)
+        self.refs = [make(p, self.unit) for p in PERTURBATIONS]
+
+    def describe(self) -> str:
+        return (f"its noise band from {len(self.refs)} more ({', '.join(PERTURBATIONS)}: docs/correctness.md), "
+                f"{MULTIPLE:g} x their spread, at least {FLOOR:g} x {self.unit:.2g} of each tensor's scale")
+
+    def advance_to(self, step: int) -> None:
+        for ref in self.refs:
+            ref.advance_to(step)
+
+    def of(self, value, others) -> float:
+        """The band of one tensor (or number) of the reference, from the perturbed references' ``others``."""
+        value = torch.as_tensor(value).detach()
+        if not value.is_floating_point() or value.numel() == 0:
+            return 0.0  # integers (a BatchNorm's count) must match exactly
+        spread = 0.0
+        for other in others:
+            other = torch.as_tensor(other).detach().to(value.device)
+            if other.shape != value.shape:
+                return float("inf")
+            spread = max(spread, max_abs_diff(other, value))
+        if spread != spread:  # a perturbed reference went to NaN: nothing can be told from rounding
+            return float("inf")
+        return max(MULTIPLE * spread, FLOOR * self.unit * float(value.abs().max()))
+
+    def tensors(self, weights: dict, optimizer: dict) -> tuple[dict[str, float], dict[str, float]]:
+        """Each weight's (and buffer's) band and each optimizer state entry's (``"name key"``), at the step the
+        references stand at; ``weights`` and ``optimizer``: the reference's (a ``kept.Snapshot``'s)."""
+        snaps = [ref.snapshot() for ref in self.refs]
+        w = {name: self.of(t, [s.weights[name] for s in snaps]) for name, t in weights.items()}
+        o = {f"{name} {key}": self.of(v, [s.optimizer[name][key] for s in snaps])
+             for name, state in optimizer.items() for key, v in state.items() if v is not None}
+        return w, o
+
+    def per_step(self, reference: dict[int, list[float]], of) -> dict[int, list[float]]:
+        """Per step, the band of each of the reference's numbers (``of(ref)``: a perturbed reference's, by step)."""
+        theirs = [of(ref) for ref in self.refs]
+        return {step: [self.of(v, [t[step][i] for t in theirs]) for i, v in enumerate(values)]
+                for step, values in reference.items()}
