@@ -192,7 +192,8 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     for i, (xs, ys, w) in enumerate(chunks):
                         with steps.microbatch(i):
                             loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
-                        (loss * (w * len(y) / total)).backward()
+                        # reordered: the shard's own mean (a rank's gradient), weighted after the shards are added
+                        (loss * (w if perturb == "reordered" else w * len(y) / total)).backward()
                         shard_loss += reported.item() * w
                 first += len(y)
                 shard_losses.append(shard_loss)
@@ -202,14 +203,18 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                       for p in params])
                     optimizer.zero_grad(set_to_none=True)
-            if perturb == "reordered":  # the shards' gradients added last first
-                per_shard.reverse()
+            if perturb == "reordered":  # the shards' gradients added last first, then weighted, as ranks do
+                sizes = [len(s[1]) for s in shards]
+                if len(set(sizes)) == 1:
+                    per_shard = [[g / len(shards) for g in _added(per_shard[::-1])]]
+                else:
+                    per_shard = [[g * (n / total) for g in grads] for n, grads in zip(sizes, per_shard)][::-1]
             if combine is not None:
                 for p, g in zip(params, combine(per_shard)):
                     p.grad = g
             elif perturb == "reordered":
-                for p, *gs in zip(params, *per_shard):
-                    p.grad = torch.stack(gs).sum(0) if len(gs) > 1 else gs[0]
+                for p, g in zip(params, _added(per_shard)):
+                    p.grad = g
             if kept_buffers is not None:
                 with torch.no_grad():
                     for b, kept in zip(model.buffers(), kept_buffers):
@@ -229,6 +234,15 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
+
+
+def _added(per_shard: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each parameter's gradients of the shards, added in the list's order."""
+    out = [g.clone() for g in per_shard[0]]
+    for grads in per_shard[1:]:
+        for o, g in zip(out, grads):
+            o.add_(g)
+    return out
 
 
 def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> list[float]:
