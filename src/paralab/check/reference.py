@@ -148,9 +148,10 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
 
-    def forward(x):
+    def forward(x):  # the logits; under autocast in float32, as autocast hands them to the run's cross-entropy
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            return model(x)
+            logits = model(x)
+        return logits.float() if autocast is not None else logits
 
     for step in range(first_step, until):
         if lr_for is not None:

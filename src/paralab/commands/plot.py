@@ -14,7 +14,8 @@ kinds:
                (--no-ideal to leave it out)
   scaling      seconds per iteration vs workers per strategy, with ideal T1/N
   memory       model-state bytes per rank (reported by the strategy, else estimated)
-  deviation    max weight deviation from the single-process reference vs step
+  deviation    max weight deviation from the single-process reference vs step; below fp64,
+               its worst ratio to the noise band (above 1: a bug)
                (runs made with --check --check-every K; put fp32 beside fp64)
   moe-load     a mixture of experts' routing: tokens per expert by rank, and the
                imbalance (max / mean) and dropped choices per step

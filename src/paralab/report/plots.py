@@ -615,11 +615,12 @@ def plot_speedup(curves, workers: list[int], title: str, ylabel: str, path) -> P
 
 # ======================================================================== dispatch
 # ---------------------------------------------------------------- deviation from the reference
-def deviation_history(run: Run) -> list[tuple[int, float]]:
-    """(step, the largest weight deviation over the ranks) from ``--check`` (every K steps with
-    ``--check-every K``, and at the end)."""
+def deviation_history(run: Run) -> list[dict]:
+    """Per checked step of ``--check`` (every K steps with ``--check-every K``, and at the end): the largest
+    weight deviation over the ranks (``max_weight_dev``) and, below fp64, the worst ratio of the weights' and
+    the optimizer state's deviation to their noise band (``weights_ratio``, ``optimizer_ratio``)."""
     check = run.get("check") or {}
-    return [(h["step"], h["max_weight_dev"]) for h in check.get("history") or []]
+    return list(check.get("history") or [])
 
 
 def _precision(run: Run) -> str:
@@ -627,34 +628,60 @@ def _precision(run: Run) -> str:
 
 
 def deviation_table(runs: list[Run]):
-    rows = [[r.label, _precision(r), step, f"{dev:.3e}",
-             _fmt(((r.get("check") or {}).get("tolerances") or {}).get("weights"), ".0e")]
-            for r in runs for step, dev in deviation_history(r)]
-    return ["run", "precision", "step", "max |weight - reference|", "tolerance"], rows
+    def ratio(h, kind):
+        return _fmt(h.get(f"{kind}_ratio"), ".3g")
+    rows = [[r.label, _precision(r), h["step"], f"{h['max_weight_dev']:.3e}",
+             _fmt(((r.get("check") or {}).get("tolerances") or {}).get("weights"), ".0e"),
+             ratio(h, "weights"), ratio(h, "optimizer")]
+            for r in runs for h in deviation_history(r)]
+    return ["run", "precision", "step", "max |weight - reference|", "exact within", "weights / band",
+            "optimizer / band"], rows
 
 
 def plot_deviation(runs: list[Run], path) -> Path:
+    """Left: each run's largest weight deviation per checked step, with fp64's tolerance (what "exact" means).
+    Right, where a run was checked below fp64: the worst ratio of the weights' and the optimizer state's
+    deviation to the noise band measured for that run (check/band.py): above 1 is a bug."""
     curves = [(r, deviation_history(r)) for r in runs]
     curves = [(r, h) for r, h in curves if h]
     if not curves:
         raise ValueError("no run holds a deviation history: train with --check --check-every K")
+    banded = [(r, h) for r, h in curves if any("weights_ratio" in x for x in h)]
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    fig, axes = plt.subplots(1, 2 if banded else 1, figsize=(12.0 if banded else 7.0, 4.2), squeeze=False)
+    ax = axes[0][0]
     for k, (r, history) in enumerate(curves):
         color = WORKER_COLORS[k % len(WORKER_COLORS)]
-        steps = [s for s, _ in history]
         # a deviation of exactly 0 (the same operations as the reference) cannot sit on a log axis
-        devs = [max(d, 1e-18) for _, d in history]
-        ax.plot(steps, devs, marker="o", color=color, label=f"{r.label} ({_precision(r)})")
+        ax.plot([h["step"] for h in history], [max(h["max_weight_dev"], 1e-18) for h in history], marker="o",
+                color=color, label=f"{r.label} ({_precision(r)})")
         tol = ((r.get("check") or {}).get("tolerances") or {}).get("weights")
         if tol:
             ax.axhline(tol, color=color, linestyle=":", linewidth=1)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("max |weight - reference| (over ranks)")
-    ax.set_title("deviation from the single-process reference (dotted: each run's tolerance)")
+    ax.set_title("deviation from the single-process reference\n(dotted: exact within fp64's tolerance)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
+    if banded:
+        ax = axes[0][1]
+        for k, (r, history) in enumerate(curves):
+            if (r, history) not in banded:
+                continue
+            color = WORKER_COLORS[k % len(WORKER_COLORS)]
+            for kind, style in (("weights", "-"), ("optimizer", "--")):
+                points = [(h["step"], max(h[f"{kind}_ratio"], 1e-6)) for h in history if f"{kind}_ratio" in h]
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", color=color,
+                            label=f"{r.label} ({_precision(r)}) {kind}")
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("worst deviation / its noise band")
+        ax.set_title("bug or rounding (above 1: outside the band, a bug)", fontsize=10)
+        ax.legend(fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
     return _save(fig, path)
 
 
