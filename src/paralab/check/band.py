@@ -88,9 +88,10 @@ class Band:
             other = torch.as_tensor(other).detach().to(value.device)
             if other.shape != value.shape:
                 return float("inf")
-            spread = max(spread, max_abs_diff(other, value))
-        if spread != spread:  # a perturbed reference went to NaN: nothing can be told from rounding
-            return float("inf")
+            d = max_abs_diff(other, value)
+            if d != d:  # a perturbed reference went to NaN: nothing can be told from rounding
+                return float("inf")
+            spread = max(spread, d)
         return max(MULTIPLE * spread, FLOOR * self.unit * float(value.abs().max()))
 
     def tensors(self, weights: dict, optimizer: dict) -> tuple[dict[str, float], dict[str, float]]:

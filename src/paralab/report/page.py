@@ -207,16 +207,23 @@ CHECK_KINDS = {"weights": "max_weight_dev", "optimizer": "max_optimizer_dev", "l
 
 def check_text(summary: dict | None) -> str:
     """The check column: PASS with the largest deviation of any kind (weights, optimizer state, losses,
-    outputs), or FAIL with the kinds that failed and the largest of theirs."""
+    outputs), or FAIL with the kinds that failed and the largest of theirs; with the verdict's word where the
+    run has one (``exact``; below fp64 ``within rounding`` with its worst ratio to the noise band, and a bug's
+    ratio)."""
     if not summary or not summary.get("check"):
         return "-"
     c = summary["check"]
     failed = [k for k in c.get("failed") or [] if k in CHECK_KINDS]
     dev = [c[CHECK_KINDS[k]] for k in (failed or CHECK_KINDS) if c.get(CHECK_KINDS[k]) is not None]
+    word, ratio = c.get("verdict"), c.get("worst_ratio")
     if c.get("result") == "PASS":
-        return f"PASS ({max(dev):.0e})" if dev else "PASS"
+        if word == "within rounding" and ratio is not None:
+            return f"PASS within rounding ({ratio:.2g} of band)"
+        said = "PASS exact" if word == "exact" else "PASS"
+        return f"{said} ({max(dev):.0e})" if dev else said
     what = f" {', '.join(failed)}" if failed else ""
-    return f"{c.get('result')}{what} ({max(dev):.1e})" if dev else f"{c.get('result')}{what}"
+    band = f", {ratio:.3g} x band" if ratio is not None else ""
+    return f"{c.get('result')}{what} ({max(dev):.1e}{band})" if dev else f"{c.get('result')}{what}"
 
 
 def results_table(entries: list[dict], runs: dict[int, Run], baseline: str | None = None):
