@@ -183,6 +183,7 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                                 else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])])
         else:
             total = sum(len(s[1]) for s in shards)
+            after = perturb == "reordered" and combine is None  # each shard's gradient weighted after the sum
             kept_buffers = None
             shard_losses = []
             per_shard = []
@@ -196,8 +197,8 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     for i, (xs, ys, w) in enumerate(chunks):
                         with steps.microbatch(i):
                             loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
-                        # reordered: the shard's own mean (a rank's gradient), weighted after the shards are added
-                        (loss * (w if perturb == "reordered" else w * len(y) / total)).backward()
+                        # after: the shard's own mean (a rank's gradient), weighted once the shards are added
+                        (loss * (w if after else w * len(y) / total)).backward()
                         shard_loss += reported.item() * w
                 first += len(y)
                 shard_losses.append(shard_loss)
@@ -207,7 +208,9 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                       for p in params])
                     optimizer.zero_grad(set_to_none=True)
-            if perturb == "reordered":  # the shards' gradients added last first, then weighted, as ranks do
+            if perturb == "reordered" and combine is not None:  # compression: its shards in another order
+                per_shard.reverse()
+            elif after:  # the shards' gradients added last first, then weighted, as ranks do
                 sizes = [len(s[1]) for s in shards]
                 if len(set(sizes)) == 1:
                     per_shard = [[g / len(shards) for g in _added(per_shard[::-1])]]
