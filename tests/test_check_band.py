@@ -138,3 +138,27 @@ def test_a_band_the_machine_cannot_hold_is_refused_before_start(paralab):
                 "2048", "--heads", "16", "--check", "--precision", "bf16", "--no-progress")
     assert r.returncode == 2 and "its noise band measures the run's rounding with" in r.stderr
     assert not r.out.exists() or not any(r.out.iterdir())  # nothing half-written
+
+
+def test_a_users_declared_lossy_wire_is_rounding_and_a_bug_beside_it_is_still_a_bug(paralab, tmp_path):
+    """examples/strategies/fp16_allreduce.py sends its gradients in fp16, which the reference cannot replay: it
+    declares ``gradient_wire``, and its check, in fp64 too, is judged by a band that rounds the gradients alike.
+    Undeclared, the same code is a bug (3e-3 off in fp64: the fp16 rounding); declared but never divided by the
+    workers (the mean twice too large), still a bug."""
+    from pathlib import Path
+    example = Path(__file__).resolve().parent.parent / "examples" / "strategies" / "fp16_allreduce.py"
+    text = example.read_text()
+    undeclared, unaveraged = tmp_path / "undeclared.py", tmp_path / "unaveraged.py"
+    undeclared.write_text(text.replace("    gradient_wire = torch.float16", "    pass  #"))
+    unaveraged.write_text(text.replace("(p.grad / self.comm.world).to(torch.float16)", "p.grad.to(torch.float16)"))
+    args = ("--workers", "2", "--dataset", "synthetic", "--synthetic-size", "256", "--width", "0.125",
+            "--num-batches", "3", "--batch-size", "32", "--eval-batches", "1", "--eval-batch-size", "64", "--check",
+            "--no-progress", "--no-first-divergence")
+    for precision in ("fp64", "fp32"):
+        declared = paralab("train", str(example), *args, "--precision", precision)
+        assert declared.returncode == 0 and declared.summary["check"]["verdict"] == "within rounding", \
+            declared.stdout[-3000:] + declared.stderr[-2000:]
+        assert "rounded through float16" in declared.stdout
+    for wrong in (undeclared, unaveraged):
+        r = paralab("train", str(wrong), *args, "--precision", "fp64")
+        assert r.returncode == 1 and r.summary["check"]["verdict"] == "bug", (wrong.name, r.stdout[-3000:])

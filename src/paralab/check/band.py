@@ -18,7 +18,10 @@ each changed in one way (``reference_train``'s ``perturb``):
 - ``rounded``: each gradient rounded once more, element by element by up to
   one unit roundoff of the precision the run computes in (bf16's under
   autocast, TF32's where CUDA's matmuls or convolutions use it), as another
-  layout's kernels and collectives round it;
+  layout's kernels and collectives round it; for a strategy that declares a
+  narrower ``gradient_wire`` than it (a user's fp16 all-reduce, which the
+  reference does not replay), each gradient is rounded through that dtype,
+  and the band applies at every precision, fp64's too;
 - ``exact``: the same training in float64 without autocast: how far the run's
   precision alone carries the reference from the exact answer.
 
@@ -52,9 +55,14 @@ MULTIPLE = 8.0
 FLOOR = 4.0
 
 
-def unit_roundoff(precision: str, device: torch.device) -> float:
-    """Half an ulp of 1 in the precision the run's arithmetic rounds to: bf16 under autocast; TF32 for fp32 on a
-    CUDA device whose matmuls or convolutions use it (PyTorch's default for convolutions); else fp32's."""
+def unit_roundoff(precision: str, device: torch.device, wire: torch.dtype | None = None) -> float:
+    """Half an ulp of 1 in the precision the run's arithmetic rounds to: a gradient wire's (a strategy's
+    ``gradient_wire``) where it is the coarser; bf16 under autocast; TF32 for fp32 on a CUDA device whose matmuls
+    or convolutions use it (PyTorch's default for convolutions); fp32's; fp64's."""
+    if wire is not None:
+        return max(torch.finfo(wire).eps / 2, unit_roundoff(precision, device))
+    if precision == "fp64":
+        return 2.0 ** -53
     if precision == "bf16":
         return 2.0 ** -8
     if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
@@ -66,13 +74,16 @@ class Band:
     """The three perturbed references (:data:`PERTURBATIONS`), trained as far as the reference, and the band
     each compared quantity gets from them. ``make(perturb, unit)`` builds one (a ``verdict.Reference``)."""
 
-    def __init__(self, make, precision: str, device: torch.device):
-        self.unit = unit_roundoff(precision, device)
+    def __init__(self, make, precision: str, device: torch.device, wire: torch.dtype | None = None):
+        self.unit = unit_roundoff(precision, device, wire)
+        self.wire = wire
         self.refs = [make(p, self.unit) for p in PERTURBATIONS]
 
     def describe(self) -> str:
-        return (f"its noise band from {len(self.refs)} more ({', '.join(PERTURBATIONS)}: docs/correctness.md), "
-                f"{MULTIPLE:g} x their spread, at least {FLOOR:g} x {self.unit:.2g} of each tensor's scale")
+        wire = f", the gradients rounded through {str(self.wire).replace('torch.', '')}" if self.wire else ""
+        return (f"its noise band from {len(self.refs)} more ({', '.join(PERTURBATIONS)}{wire}: "
+                f"docs/correctness.md), {MULTIPLE:g} x their spread, at least {FLOOR:g} x {self.unit:.2g} of each "
+                "tensor's scale")
 
     def advance_to(self, step: int) -> None:
         for ref in self.refs:

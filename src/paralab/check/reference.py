@@ -118,7 +118,8 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                     bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
                     clip: float | None = None, norms: dict | None = None,
                     packing: bool | None = None, autocast: torch.dtype | None = None,
-                    perturb: str | None = None, perturb_unit: float = 0.0) -> list[list[float]]:
+                    perturb: str | None = None, perturb_unit: float = 0.0,
+                    perturb_wire: torch.dtype | None = None) -> list[list[float]]:
     """Train ``model`` on steps ``first_step .. until - 1``; ``source_batch(step, rank)`` gives shard
     ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
     learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
@@ -142,11 +143,14 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
     ``perturb``: one change a correct layout may make to the arithmetic, for the noise band (``check/band.py``):
     ``"reordered"``, each step's gradient summed in another order (the global batch cut into more pieces, added
     last first; the shards' gradients added last first); ``"rounded"``, each gradient rounded once more (by up to
-    ``perturb_unit`` of its size, element by element, from a generator seeded per step).
+    ``perturb_unit`` of its size, element by element, from a generator seeded per step; through
+    ``perturb_wire``, a strategy's narrower gradient dtype, where it has one).
     """
     losses = []
     # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
-    split = has_batchnorm(model) or combine is not None or bool(moe_layers(model))
+    # a strategy's own lossy wire (``perturb_wire``): each shard's gradient rounded through it before they are added
+    wired = perturb == "rounded" and perturb_wire is not None
+    split = has_batchnorm(model) or combine is not None or bool(moe_layers(model)) or wired
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
@@ -204,12 +208,14 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
                 shard_losses.append(shard_loss)
                 if r == 0 and bn_rule == "first-replica":
                     kept_buffers = [b.detach().clone() for b in model.buffers()]
-                if combine is not None or perturb == "reordered":  # this shard's gradient, apart from the others'
+                if combine is not None or perturb == "reordered" or wired:  # this shard's gradient, apart
                     per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                       for p in params])
                     optimizer.zero_grad(set_to_none=True)
             if perturb == "reordered" and combine is not None:  # compression: its shards in another order
                 per_shard.reverse()
+            elif wired:  # a lossy all-reduce: each shard's share rounded to the wire, added, the sum rounded again
+                per_shard = [[g.to(perturb_wire).to(g.dtype) for g in grads] for grads in per_shard]
             elif after:  # the shards' gradients added last first, then weighted, as ranks do
                 sizes = [len(s[1]) for s in shards]
                 if len(set(sizes)) == 1:
@@ -222,12 +228,15 @@ def reference_train(model, optimizer, source_batch, until: int, replicas: int, m
             elif perturb == "reordered":
                 for p, g in zip(params, _added(per_shard)):
                     p.grad = g
+            elif wired:
+                for p, g in zip(params, _added(per_shard)):
+                    p.grad = g.to(perturb_wire).to(g.dtype)
             if kept_buffers is not None:
                 with torch.no_grad():
                     for b, kept in zip(model.buffers(), kept_buffers):
                         b.copy_(kept)
             losses.append(shard_losses)
-        if perturb == "rounded":  # each gradient rounded once more, by up to perturb_unit of its size
+        if perturb == "rounded" and not wired:  # each gradient rounded once more, by up to perturb_unit of its size
             generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
             for p in params:
                 if p.grad is not None:

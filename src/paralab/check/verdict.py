@@ -125,10 +125,10 @@ class Reference:
     """
 
     def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0, precision: str = "fp64",
-                 perturb: str | None = None, unit: float = 0.0):
+                 perturb: str | None = None, unit: float = 0.0, wire: torch.dtype | None = None):
         self.model = model_fn()
         # the noise band's references (check/band.py): one change each; "exact" trains in float64, no autocast
-        self.perturb, self.unit = perturb, unit
+        self.perturb, self.unit, self.wire = perturb, unit, wire
         if perturb == "exact":
             self.model = self.model.double()
         self.autocast = torch.bfloat16 if precision == "bf16" and perturb != "exact" else None
@@ -159,7 +159,7 @@ class Reference:
                                  self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
                                  combine=self.compression.combine if self.compression else None, seed=self.seed,
                                  clip=self.clip, norms=self.norms, packing=self.packing, autocast=self.autocast,
-                                 perturb=self.perturb, perturb_unit=self.unit)
+                                 perturb=self.perturb, perturb_unit=self.unit, perturb_wire=self.wire)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
@@ -183,7 +183,7 @@ class Check:
         self.steps = checked_steps(start, total, cfg.check_every)
         # fp64: fixed tolerances; below it, fp64's tolerances say "exact" and a band measured for this run says
         # what rounding may do (check/band.py)
-        self.banded = cfg.precision != "fp64"
+        self.banded = cfg.precision != "fp64" or strategy.gradient_wire is not None
         self.tol = TOLERANCES["fp64" if self.banded else cfg.precision]
         self.band: Band | None = None
         self.bands: dict[int, tuple[dict, dict]] = {}  # rank 0: step -> (each weight's band, each state's)
@@ -218,8 +218,9 @@ class Check:
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
             if self.banded:
                 self.band = Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for,
-                                                                 cfg.seed, cfg.precision, perturb, unit),
-                                 cfg.precision, next(self.ref.model.parameters()).device)
+                                                                 cfg.seed, cfg.precision, perturb, unit,
+                                                                 strategy.gradient_wire),
+                                 cfg.precision, next(self.ref.model.parameters()).device, strategy.gradient_wire)
                 say(f"check: {cfg.precision}: {self.band.describe()}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")

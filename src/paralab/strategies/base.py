@@ -227,6 +227,11 @@ class Strategy:
     clips: bool = False
     #: it refuses microbatches of unequal sizes (a pipeline), so they are no path of it a check could leave out
     equal_microbatches: bool = False
+    #: a narrower dtype its gradients cross the wire in, which the check's reference does not replay (a user's
+    #: fp16 all-reduce, say): the check then judges it by its noise band, at any precision, one of whose
+    #: references rounds each gradient through this dtype (check/band.py). None: none, or one replayed
+    #: (``--compress``: the reference compresses alike)
+    gradient_wire: torch.dtype | None = None
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx

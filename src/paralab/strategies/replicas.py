@@ -48,6 +48,9 @@ class Replicas:
     #: name in summaries
     flavour = "local"
     gradient_copy = False  # whether it keeps a flat copy of the gradients between steps (ddp's buckets)
+    #: a narrower dtype its gradients cross the wire in that the check's reference does not replay (a user's
+    #: fp16 all-reduce): its data-parallel strategy declares it (``Strategy.gradient_wire``), for the check's band
+    gradient_wire: torch.dtype | None = None
 
     def __init__(self, module: nn.Module, optim_fn, comm: Comm, ctx):
         self.module, self.comm, self.ctx = module, comm, ctx

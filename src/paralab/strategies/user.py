@@ -201,4 +201,5 @@ def _wrap(name: str, cls: type, path: Path) -> type:
                          "every p.grad of self.params the mean over the replicas (docs/own-strategy.md)")
     return _untimed_summary(type(cls.__name__ + "Strategy", (DataParallel,),
                                  {"name": name, "replicas_cls": cls, "__module__": cls.__module__,
+                                  "gradient_wire": cls.gradient_wire,
                                   "__doc__": f"{cls.__name__} from {path}, run by paralab's data parallelism"}))
