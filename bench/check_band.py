@@ -51,7 +51,7 @@ LAYOUTS = {
     "pp-interleaved": ["pipeline", "--workers", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4",
                        "--virtual-stages", "2", "--layers", "4"],
     "cp-ring": ["ddp", "--workers", "4", "--cp", "4"],
-    "cp-ulysses": ["ddp", "--workers", "2", "--cp", "2", "--cp-method", "ulysses"],
+    "cp-ulysses": ["ddp", "--workers", "2", "--cp", "2", "--cp-method", "all-to-all"],
     "ep": ["ddp", "--workers", "2", "--experts", "4", "--ep", "2", "--capacity-factor", "1.0"],
     "recompute-full": ["ddp", "--workers", "2", "--recompute", "full", "--dropout", "0.1"],
     "compress-fp16": ["ddp", "--workers", "2", "--compress", "fp16"],

@@ -17,6 +17,7 @@ BENCHMARKS += ("recompute",)  # bench/recompute.py: time against saved activatio
 BENCHMARKS += ("hsdp",)  # bench/hsdp.py: HSDP and fsdp x tp
 BENCHMARKS += ("documents",)  # bench/documents.py: packing vs padding, the cp balancer on packed documents
 BENCHMARKS += ("chaos",)  # bench/chaos.py: faults at random moments, checkpoints that survive them
+BENCHMARKS += ("check_band",)  # bench/check_band.py: --check's noise band on correct layouts and seeded bugs
 
 
 def main(argv: list[str]) -> int:

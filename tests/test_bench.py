@@ -47,6 +47,8 @@ SIDE_BY_SIDE = {
                         "3", "--warmup", "1", "--repeats", "1", "--variants", "fsdp3,hsdp3,fsdp3-tp2"),
     "test_context_bench": ("context", "--embed", "32", "--context", "32", "--batch-size", "4", "--steps", "3",
                            "--warmup", "1", "--repeats", "1"),
+    "test_check_band_bench_tells_a_bug_from_rounding": ("check_band", "--layouts", "tp", "--seeds", "1", "--steps",
+                                                         "6", "--bugs", "ddp-averaged-twice", "--jobs", "1"),
     "test_recompute_bench": ("recompute", "--layers", "2", "--embed", "32", "--context", "16", "--width", "0.125",
                              "--gpt-batch", "4", "--vgg-batch", "8", "--steps", "3", "--warmup", "1", "--repeats", "1"),
 }
@@ -229,3 +231,16 @@ def test_chaos_bench_survives_its_faults(tmp_path):
     full = d["disk_full"]
     assert "skipped" in full or (full["exit"] == 4 and full["one_line"] and full["bytes_lost"] == 0
                                  and full["resumed_identical"])
+
+
+@pytest.mark.slow  # 5 checks and 3 package copies; CI runs the slow suite
+def test_check_band_bench_tells_a_bug_from_rounding(benched):
+    d = result(benched, "test_check_band_bench_tells_a_bug_from_rounding")
+    assert d["cpu"] and [(r["layout"], r["precision"]) for r in d["correct"]] == [("tp", "fp32"), ("tp", "bf16")]
+    assert all(r["verdict"] == "within rounding" and 0 < r["worst_ratio"] <= 1 for r in d["correct"])
+    (bug,) = d["bugs"]
+    assert bug["bug"] == "ddp-averaged-twice" and bug["fp64"]["verdict"] == "bug"
+    for precision in ("fp32", "bf16"):  # a mean over N twice: far outside the band at its first step
+        assert bug[precision]["verdict"] == "bug" and bug[precision]["worst_ratio"] > 10
+        assert bug[precision]["first_step_outside"] == bug["fp64"]["first_step_outside"] == 1
+    assert d["summary"]["correct"]["bug_verdicts"] == 0 and d["summary"]["bugs_bf16"]["missed"] == []
