@@ -83,8 +83,9 @@ def _source_files(model) -> list[str]:
     return sorted(f for f in files if f)
 
 
-def digest(cfg, ref, steps: list[int]) -> str:
-    """The SHA-256 of everything that decides the reference at the checked ``steps`` (see the module)."""
+def digest(cfg, ref, steps: list[int], wire=None) -> str:
+    """The SHA-256 of everything that decides the reference at the checked ``steps`` (see the module), and its
+    noise band: the strategy's ``gradient_wire`` (``wire``), which the band's references round through."""
     from .. import __version__
     h = hashlib.sha256()
 
@@ -106,7 +107,7 @@ def digest(cfg, ref, steps: list[int]) -> str:
          torch.get_num_threads(), str(first.device), str(first.dtype), sorted(options.items()),
          # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
          ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", list(steps),
-         type(ref.optimizer).__name__, groups, str(model))
+         type(ref.optimizer).__name__, groups, str(model), str(wire))
     for path in _source_files(model):
         text(os.path.basename(path))
         h.update(Path(path).read_bytes())

@@ -202,7 +202,8 @@ class Check:
             self.ref, self.key = None, None
             return
         self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed, cfg.precision)
-        self.key = kept.digest(cfg, self.ref, self.steps) if kept.usable(cfg, self.ref) else None
+        self.key = kept.digest(cfg, self.ref, self.steps, strategy.gradient_wire) if kept.usable(cfg, self.ref) \
+            else None
         if self.key is not None:
             loaded, why = kept.load(cfg.check_cache, self.key, self.ref.model, self.steps, self.ref.replicas)
             if loaded is not None and (loaded["bands"] is not None) == self.banded:
