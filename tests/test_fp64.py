@@ -85,13 +85,18 @@ def test_fp64_check_passes_at_real_hyperparameters(summaries, name):
     assert all(h["max_weight_dev"] <= tol["weights"] for h in check["history"])
 
 
-def test_fp32_drifts_where_fp64_holds(summaries):
-    """The same ddp run in fp32 fails its check at these settings: the growth the history records."""
+def test_fp32_drifts_within_its_band_where_fp64_holds(summaries):
+    """The same ddp run in fp32 drifts far beyond any fixed tolerance at these settings (it FAILed fp32's
+    1e-5 before the check measured a band), and stays within the noise band measured for it: rounding, not a bug.
+    fp64 is exact."""
     fp32, fp64 = summaries["fp32-ddp"]["check"], summaries["ddp"]["check"]
-    assert fp32["result"] == "FAIL" and fp32["max_weight_dev"] > TOLERANCES["fp32"]["weights"]
+    assert (fp64["verdict"], fp64["worst_ratio"]) == ("exact", None)
+    assert fp32["result"] == "PASS" and fp32["verdict"] == "within rounding" and 0 < fp32["worst_ratio"] <= 1
+    assert fp32["max_weight_dev"] > 100 * TOLERANCES["fp32"]["weights"]
     assert fp64["max_weight_dev"] * 1e4 < fp32["max_weight_dev"]  # orders of magnitude apart
     history = [h["max_weight_dev"] for h in fp32["history"]]
     assert history[-1] > history[0]  # rounding differences grow with the steps
+    assert all(0 < h["weights_ratio"] <= 1 and 0 < h["optimizer_ratio"] <= 1 for h in fp32["history"])
 
 
 def test_deviation_plot_and_table(summaries, tmp_path):
@@ -100,6 +105,7 @@ def test_deviation_plot_and_table(summaries, tmp_path):
     table = run_paralab("plot", "deviation", *runs)
     assert table.returncode == 0, table.stderr
     assert "fp32" in table.stdout and "fp64" in table.stdout and table.stdout.count("\n") >= 10
+    assert "weights / band" in table.stdout  # the fp32 run's ratios beside its deviations
     png = tmp_path / "deviation.png"
     drawn = run_paralab("plot", "deviation", *runs, "-o", str(png))
     assert drawn.returncode == 0, drawn.stderr

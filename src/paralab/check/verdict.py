@@ -437,7 +437,7 @@ class Check:
                 "verdict": word_of([c.word for c in self.found]), "worst_ratio": max(ratios) if ratios else None,
                 "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
                 "worst_weight": by_kind["weights"].worst,
-                "max": {k: c.max_abs for k, c in by_kind.items()}, "history": sorted(history.items()),
+                "max": {k: max(c.max_abs for c in self.found if c.what == k) for k in by_kind}, "history": sorted(history.items()),
                 "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped(),
                 "seen": self.seen}
         verdicts = self.comm.all_gather_objects(mine)
