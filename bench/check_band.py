@@ -139,8 +139,9 @@ def bugs_table(args, work: Path) -> list[dict]:
         row = {"bug": mutant.name, "why": mutant.why}
         for precision in ("fp64", "fp32", "bf16"):
             out = root / precision
-            row[precision] = train([*mutant.command, *common, "--check", "--precision", precision, "--check-every",
-                                    "1", "--no-first-divergence"], out, root)
+            # the bug's own options after the common ones, so they win (--num-batches), as tests/test_mutants.py
+            row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check", "--precision",
+                                    precision, "--check-every", "1", "--no-first-divergence"], out, root)
             if precision == "fp64":
                 row[precision]["first_step_outside"] = first_fp64_step(out, TOLERANCES["fp64"]["weights"])
         shutil.rmtree(root, ignore_errors=True)
