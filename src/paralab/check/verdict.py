@@ -44,7 +44,7 @@ from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
 from .reference import (ADAMS, TOLERANCES, Comparison, TorchSchedule, bits_deviation, compare_optimizer,
-                        compare_tensors, optimizer_state, ratio_of, reference_train, worst)
+                        Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
 KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
@@ -155,11 +155,12 @@ class Reference:
                 + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
-        losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
-                                 self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
-                                 combine=self.compression.combine if self.compression else None, seed=self.seed,
-                                 clip=self.clip, norms=self.norms, packing=self.packing, autocast=self.autocast,
-                                 perturb=self.perturb, perturb_unit=self.unit, perturb_wire=self.wire)
+        how = Replay(replicas=self.replicas, microbatches=self.microbatches, bn_rule=self.bn_rule,
+                     combine=self.compression.combine if self.compression else None, seed=self.seed, clip=self.clip,
+                     packing=self.packing, autocast=self.autocast, perturb=self.perturb, unit=self.unit,
+                     wire=self.wire)
+        losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step, how,
+                                 self.lr_for, first_step=self.step, norms=self.norms)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
