@@ -9,7 +9,7 @@ real learning rate (a correct run fails) or too loose at the course's (a bug
 passes). So the check measures, for the very run it judges, how far the
 reference itself moves under changes a correct layout may legitimately make.
 Rank 0 trains three more references beside the one the run is compared with,
-each changed in one way (``reference_train``'s ``perturb``):
+each changed in one way (``Replay.perturb``, ``check/reference.py``):
 
 - ``reordered``: each step's gradient added up in another order (the global
   batch cut into more pieces and added last first; with BatchNorm, compression
