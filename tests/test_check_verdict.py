@@ -35,9 +35,9 @@ def one_process(tmp_path, **options):
     return cfg, set_up(cfg, 0, 1, torch.device("cpu"), "gloo", tmp_path)
 
 
-def run(cfg, s, perturb=None, misreport=None) -> dict:
+def run(cfg, s, perturb=None, misreport=None, checks: list | None = None) -> dict:
     """Train ``s``'s strategy with its check as the worker does; ``perturb(step)`` is added to every weight the
-    check reads after that step, ``misreport(step)`` to the loss it reports."""
+    check reads after that step, ``misreport(step)`` to the loss it reports; the check goes into ``checks``."""
     strategy = s.strategy
     whole = strategy.full_state_dict
     if perturb:
@@ -45,6 +45,8 @@ def run(cfg, s, perturb=None, misreport=None) -> dict:
                                             for k, v in whole().items()}
     check = Check(cfg, strategy, s.source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, s.comm,
                   lambda *a: None, start=0, total=s.total_steps)
+    if checks is not None:
+        checks.append(check)
     losses = []
     for step in range(s.total_steps):
         x, y = s.source.batch(step)
