@@ -35,9 +35,9 @@ def one_process(tmp_path, **options):
     return cfg, set_up(cfg, 0, 1, torch.device("cpu"), "gloo", tmp_path)
 
 
-def run(cfg, s, perturb=None, misreport=None) -> dict:
+def run(cfg, s, perturb=None, misreport=None, checks: list | None = None) -> dict:
     """Train ``s``'s strategy with its check as the worker does; ``perturb(step)`` is added to every weight the
-    check reads after that step, ``misreport(step)`` to the loss it reports."""
+    check reads after that step, ``misreport(step)`` to the loss it reports; the check goes into ``checks``."""
     strategy = s.strategy
     whole = strategy.full_state_dict
     if perturb:
@@ -45,6 +45,8 @@ def run(cfg, s, perturb=None, misreport=None) -> dict:
                                             for k, v in whole().items()}
     check = Check(cfg, strategy, s.source, s.model_fn, build_optimizer_factory(cfg), s.lr_for, s.comm,
                   lambda *a: None, start=0, total=s.total_steps)
+    if checks is not None:
+        checks.append(check)
     losses = []
     for step in range(s.total_steps):
         x, y = s.source.batch(step)
@@ -112,6 +114,12 @@ def test_the_compare_reports_check_column_names_what_failed():
     assert check_text(failed) == "FAIL loss (2.6e+00)"
     older = {"check": {"result": "PASS", "max_weight_dev": 1e-6, "max_output_dev": 2e-5}}  # before losses were
     assert check_text(older) == "PASS (2e-05)" and check_text(None) == "-"
+    # the verdict's word where a run has one: exact, within rounding (with its worst ratio to the band), a bug's ratio
+    assert check_text({"check": passed["check"] | {"verdict": "exact"}}) == "PASS exact (3e-13)"
+    rounding = passed["check"] | {"verdict": "within rounding", "worst_ratio": 0.314}
+    assert check_text({"check": rounding}) == "PASS within rounding (0.31 of band)"
+    bug = failed["check"] | {"verdict": "bug", "worst_ratio": 1234.5}
+    assert check_text({"check": bug}) == "FAIL loss (2.6e+00, 1.23e+03 x band)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -9,7 +9,7 @@ real learning rate (a correct run fails) or too loose at the course's (a bug
 passes). So the check measures, for the very run it judges, how far the
 reference itself moves under changes a correct layout may legitimately make.
 Rank 0 trains three more references beside the one the run is compared with,
-each changed in one way (``reference_train``'s ``perturb``):
+each changed in one way (``Replay.perturb``, ``check/reference.py``):
 
 - ``reordered``: each step's gradient added up in another order (the global
   batch cut into more pieces and added last first; with BatchNorm, compression
@@ -71,17 +71,24 @@ def unit_roundoff(precision: str, device: torch.device, wire: torch.dtype | None
 
 
 class Band:
-    """The three perturbed references (:data:`PERTURBATIONS`), trained as far as the reference, and the band
-    each compared quantity gets from them. ``make(perturb, unit)`` builds one (a ``verdict.Reference``)."""
+    """The three perturbed references (:data:`PERTURBATIONS`), trained as far as asked, and the band each
+    compared quantity gets from them. ``make(perturb, unit)`` builds one (a ``verdict.Reference``), on first
+    need: a check whose comparisons are all exact (the same operations as one process) never trains them."""
 
     def __init__(self, make, precision: str, device: torch.device, wire: torch.dtype | None = None):
         self.unit = unit_roundoff(precision, device, wire)
         self.wire = wire
-        self.refs = [make(p, self.unit) for p in PERTURBATIONS]
+        self.make, self._refs = make, None
+
+    @property
+    def refs(self) -> list:
+        if self._refs is None:
+            self._refs = [self.make(p, self.unit) for p in PERTURBATIONS]
+        return self._refs
 
     def describe(self) -> str:
         wire = f", the gradients rounded through {str(self.wire).replace('torch.', '')}" if self.wire else ""
-        return (f"its noise band from {len(self.refs)} more ({', '.join(PERTURBATIONS)}{wire}: "
+        return (f"its noise band from {len(PERTURBATIONS)} more ({', '.join(PERTURBATIONS)}{wire}: "
                 f"docs/correctness.md), {MULTIPLE:g} x their spread, at least {FLOOR:g} x {self.unit:.2g} of each "
                 "tensor's scale")
 

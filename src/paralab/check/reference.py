@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -114,142 +115,176 @@ class TorchSchedule:
         return self.rates[step]
 
 
-def reference_train(model, optimizer, source_batch, until: int, replicas: int, microbatches: int,
-                    bn_rule: str, lr_for=None, first_step: int = 0, combine=None, seed: int = 0,
-                    clip: float | None = None, norms: dict | None = None,
-                    packing: bool | None = None, autocast: torch.dtype | None = None,
-                    perturb: str | None = None, perturb_unit: float = 0.0,
-                    perturb_wire: torch.dtype | None = None) -> list[list[float]]:
-    """Train ``model`` on steps ``first_step .. until - 1``; ``source_batch(step, rank)`` gives shard
-    ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
-    learning-rate schedule (None: keep the optimizer's). Returns, per step, each shard's training loss:
-    the mean over its samples, what the rank holding that shard reports.
+@dataclass
+class Replay:
+    """How the reference replays a run's steps (``Reference`` fills it from the strategy and the run).
 
-    ``combine`` (gradient compression: ``compression.reference_for``): each shard's gradient is kept
-    apart (its share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the
-    gradient the optimizer uses, as the compressed exchange leaves it on every rank.
-
-    ``seed``: the run's, from which the gpt's dropout masks are drawn (``models/dropout.py``: each forward
-    says where its samples sit in the global batch, so the masks are the run's whatever the split).
-
-    ``clip`` (``--clip-grad``): the gradient clipped to that norm by torch's ``clip_grad_norm_`` before each
-    step; each step's norm before clipping goes into ``norms`` (step -> norm).
-
-    ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
-    loss is then the step's sum over valid targets over their global count, and packed rows attend within
-    their documents (``training/step.py``), as every layout does.
-
-    ``autocast``: the forwards run under ``torch.autocast`` to that dtype (``--precision bf16``), as the run's.
-    ``perturb``: one change a correct layout may make to the arithmetic, for the noise band (``check/band.py``):
-    ``"reordered"``, each step's gradient summed in another order (the global batch cut into more pieces, added
-    last first; the shards' gradients added last first); ``"rounded"``, each gradient rounded once more (by up to
-    ``perturb_unit`` of its size, element by element, from a generator seeded per step; through
-    ``perturb_wire``, a strategy's narrower gradient dtype, where it has one).
+    - ``replicas`` x ``microbatches``: the strategy's data-parallel shards and the microbatches inside each;
+      ``bn_rule``: its BatchNorm rule (the module's docstring);
+    - ``combine`` (gradient compression: ``compression.reference_for``): each shard's gradient is kept apart (its
+      share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the gradient the
+      optimizer uses, as the compressed exchange leaves it on every rank;
+    - ``seed``: the run's, from which the gpt's dropout masks are drawn (``models/dropout.py``: each forward says
+      where its samples sit in the global batch, so the masks are the run's whatever the split);
+    - ``clip`` (``--clip-grad``): the gradient clipped to that norm by torch's ``clip_grad_norm_`` before each
+      step;
+    - ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
+      loss is then the step's sum over valid targets over their global count, and packed rows attend within
+      their documents (``training/step.py``), as every layout does;
+    - ``autocast``: the forwards run under ``torch.autocast`` to that dtype (``--precision bf16``), as the run's;
+    - ``perturb``: one change a correct layout may make to the arithmetic, for the noise band
+      (``check/band.py``): ``"reordered"``, each step's gradient added up in another order (the global batch cut
+      into more pieces, added last first; the shards' gradients added last first and weighted after);
+      ``"rounded"``, each gradient rounded once more (by up to ``unit`` of its size, element by element, from a
+      generator seeded per step; or each shard's gradient and their sum through ``wire``, a strategy's narrower
+      gradient dtype, where it has one).
     """
+    replicas: int = 1
+    microbatches: int = 1
+    bn_rule: str = "first-replica"
+    combine: Callable | None = None
+    seed: int = 0
+    clip: float | None = None
+    packing: bool | None = None
+    autocast: torch.dtype | None = None
+    perturb: str | None = None
+    unit: float = 0.0
+    wire: torch.dtype | None = None
+
+    @property
+    def wired(self) -> bool:
+        """Each shard's gradient rounded through a strategy's own lossy wire before they are added."""
+        return self.perturb == "rounded" and self.wire is not None
+
+
+def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_for=None, first_step: int = 0,
+                    norms: dict | None = None) -> list[list[float]]:
+    """Train ``model`` on steps ``first_step .. until - 1`` as ``how`` says; ``source_batch(step, rank)`` gives
+    shard ``rank`` (images cast to the model's dtype here, tokens kept integer); ``lr_for(step)`` is the
+    learning-rate schedule (None: keep the optimizer's); under ``--clip-grad`` each step's norm before clipping
+    goes into ``norms`` (step -> norm). Returns, per step, each shard's training loss: the mean over its
+    samples, what the rank holding that shard reports."""
     losses = []
-    # a mixture of experts routes, drops and balances over the tokens of one forward: replay the split too
-    # a strategy's own lossy wire (``perturb_wire``): each shard's gradient rounded through it before they are added
-    wired = perturb == "rounded" and perturb_wire is not None
-    split = has_batchnorm(model) or combine is not None or bool(moe_layers(model)) or wired
+    # BatchNorm's statistics depend on which samples share a forward, a mixture of experts routes, drops and
+    # balances over the tokens of one forward, and compression (or a lossy wire) acts on each shard's gradient:
+    # replay the shards one by one
+    split = has_batchnorm(model) or how.combine is not None or bool(moe_layers(model)) or how.wired
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
 
     def forward(x):  # the logits; under autocast in float32, as autocast hands them to the run's cross-entropy
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        with torch.autocast(device.type, dtype=how.autocast, enabled=how.autocast is not None):
             logits = model(x)
-        return logits.float() if autocast is not None else logits
+        return logits.float() if how.autocast is not None else logits
 
     for step in range(first_step, until):
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
-        shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(replicas))]
-        targets = None if packing is None else [y for _, y in shards]  # documents: the loss's global count
+        shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(how.replicas))]
+        targets = None if how.packing is None else [y for _, y in shards]  # documents: the loss's global count
         model.train()
-        if not split and perturb == "reordered":
-            losses.append(_reordered_step(forward, shards, step, seed, targets, packing))
-        elif not split:  # one forward over the global batch; each shard's loss read from its rows
-            x = torch.cat([s[0] for s in shards])
-            y = torch.cat([s[1] for s in shards])
-            with steps.entered(steps.of_rows(step, seed, x, y, rows=len(y), first=0, targets=targets,
-                                             packing=bool(packing))):
-                logits = forward(x)
-            # the loss straight from torch, not from the run's training/losses.py: the mean over the global
-            # batch's targets, under documents over its valid ones (ignore_index), which is what every layout's
-            # pieces must add up to
-            flat, labels = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-            valid = (labels != IGNORE).sum().item()
-            (F.cross_entropy(flat, labels, ignore_index=IGNORE) if valid else flat.sum() * 0.0).backward()
-            with torch.no_grad():  # each shard's loss as its rank reports it (losses.py's module docstring)
-                per_target = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none").view(len(y), -1)
-                rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
-                losses.append([(per_target[a:b].sum() * len(y) / ((b - a) * valid) if packing is not None and valid
-                                else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])])
+        if split:
+            losses.append(_shards_step(model, optimizer, params, forward, shards, step, targets, how))
+        elif how.perturb == "reordered":
+            losses.append(_reordered_step(forward, shards, step, how.seed, targets, how.packing))
         else:
-            total = sum(len(s[1]) for s in shards)
-            after = perturb == "reordered" and combine is None  # each shard's gradient weighted after the sum
-            kept_buffers = None
-            shard_losses = []
-            per_shard = []
-            first = 0  # the shard's first row in the global batch
-            for r, (x, y) in enumerate(shards):
-                shard_loss = 0.0
-                with steps.entered(steps.of_rows(step, seed, x, y, rows=total, first=first, targets=targets,
-                                                 packing=bool(packing))):
-                    chunks = split_microbatches(x, y, microbatches)
-                    steps.split([len(c[1]) for c in chunks])
-                    for i, (xs, ys, w) in enumerate(chunks):
-                        with steps.microbatch(i):
-                            loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
-                        # after: the shard's own mean (a rank's gradient), weighted once the shards are added
-                        (loss * (w if after else w * len(y) / total)).backward()
-                        shard_loss += reported.item() * w
-                first += len(y)
-                shard_losses.append(shard_loss)
-                if r == 0 and bn_rule == "first-replica":
-                    kept_buffers = [b.detach().clone() for b in model.buffers()]
-                if combine is not None or perturb == "reordered" or wired:  # this shard's gradient, apart
-                    per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                                      for p in params])
-                    optimizer.zero_grad(set_to_none=True)
-            if perturb == "reordered" and combine is not None:  # compression: its shards in another order
-                per_shard.reverse()
-            elif wired:  # a lossy all-reduce: each shard's share rounded to the wire, added, the sum rounded again
-                per_shard = [[g.to(perturb_wire).to(g.dtype) for g in grads] for grads in per_shard]
-            elif after:  # the shards' gradients added last first, then weighted, as ranks do
-                sizes = [len(s[1]) for s in shards]
-                if len(set(sizes)) == 1:
-                    per_shard = [[g / len(shards) for g in _added(per_shard[::-1])]]
-                else:
-                    per_shard = [[g * (n / total) for g in grads] for n, grads in zip(sizes, per_shard)][::-1]
-            if combine is not None:
-                for p, g in zip(params, combine(per_shard)):
-                    p.grad = g
-            elif perturb == "reordered":
-                for p, g in zip(params, _added(per_shard)):
-                    p.grad = g
-            elif wired:
-                for p, g in zip(params, _added(per_shard)):
-                    p.grad = g.to(perturb_wire).to(g.dtype)
-            if kept_buffers is not None:
-                with torch.no_grad():
-                    for b, kept in zip(model.buffers(), kept_buffers):
-                        b.copy_(kept)
-            losses.append(shard_losses)
-        if perturb == "rounded" and not wired:  # each gradient rounded once more, by up to perturb_unit of its size
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            losses.append(_whole_step(forward, shards, step, how.seed, targets, how.packing))
+        if how.perturb == "rounded" and not how.wired:  # each gradient rounded once more, by up to unit of its size
+            generator = torch.Generator().manual_seed(how.seed * 1_000_003 + step)
             for p in params:
                 if p.grad is not None:
                     noise = torch.rand(p.grad.shape, generator=generator, dtype=p.grad.dtype)
-                    p.grad.mul_(1 + perturb_unit * (2 * noise.to(p.grad.device) - 1))
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip)
+                    p.grad.mul_(1 + how.unit * (2 * noise.to(p.grad.device) - 1))
+        if how.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], how.clip)
             if norms is not None:
                 norms[step] = norm.item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
+
+
+def _whole_step(forward, shards, step: int, seed: int, targets, packing) -> list[float]:
+    """One forward and backward over the global batch; each shard's loss read from its rows."""
+    x = torch.cat([s[0] for s in shards])
+    y = torch.cat([s[1] for s in shards])
+    with steps.entered(steps.of_rows(step, seed, x, y, rows=len(y), first=0, targets=targets,
+                                     packing=bool(packing))):
+        logits = forward(x)
+    # the loss straight from torch, not from the run's training/losses.py: the mean over the global batch's
+    # targets, under documents over its valid ones (ignore_index), which is what every layout's pieces must add
+    # up to
+    flat, labels = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+    valid = (labels != IGNORE).sum().item()
+    (F.cross_entropy(flat, labels, ignore_index=IGNORE) if valid else flat.sum() * 0.0).backward()
+    with torch.no_grad():  # each shard's loss as its rank reports it (losses.py's module docstring)
+        per_target = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none").view(len(y), -1)
+    return _shard_losses(per_target, shards, valid, packing)
+
+
+def _shard_losses(per_target: torch.Tensor, shards, valid: int, packing) -> list[float]:
+    """Each shard's loss from the global batch's per-target losses (rows in shard order), as its rank reports
+    it: the mean over its targets, under documents its valid sum scaled to the global count."""
+    n = len(per_target)
+    rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
+    return [(per_target[a:b].sum() * n / ((b - a) * valid) if packing is not None and valid
+             else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])]
+
+
+def _shards_step(model, optimizer, params, forward, shards, step: int, targets, how: Replay) -> list[float]:
+    """One step replayed shard by shard and, inside each, microbatch by microbatch (each loss weighted by its
+    share of the samples); BatchNorm's running statistics as ``how.bn_rule`` says. Leaves the step's gradient
+    in ``params``; returns each shard's loss."""
+    total = sum(len(s[1]) for s in shards)
+    after = how.perturb == "reordered" and how.combine is None  # each shard's gradient weighted after the sum
+    apart = how.combine is not None or how.perturb == "reordered" or how.wired  # each shard's gradient kept apart
+    kept_buffers, shard_losses, per_shard = None, [], []
+    first = 0  # the shard's first row in the global batch
+    for r, (x, y) in enumerate(shards):
+        shard_loss = 0.0
+        with steps.entered(steps.of_rows(step, how.seed, x, y, rows=total, first=first, targets=targets,
+                                         packing=bool(how.packing))):
+            chunks = split_microbatches(x, y, how.microbatches)
+            steps.split([len(c[1]) for c in chunks])
+            for i, (xs, ys, w) in enumerate(chunks):
+                with steps.microbatch(i):
+                    loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
+                # after: the shard's own mean (a rank's gradient), weighted once the shards are added
+                (loss * (w if after else w * len(y) / total)).backward()
+                shard_loss += reported.item() * w
+        first += len(y)
+        shard_losses.append(shard_loss)
+        if r == 0 and how.bn_rule == "first-replica":
+            kept_buffers = [b.detach().clone() for b in model.buffers()]
+        if apart:
+            per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                              for p in params])
+            optimizer.zero_grad(set_to_none=True)
+    if apart:
+        for p, g in zip(params, _combined(per_shard, [len(s[1]) for s in shards], how)):
+            p.grad = g
+    if kept_buffers is not None:
+        with torch.no_grad():
+            for b, kept in zip(model.buffers(), kept_buffers):
+                b.copy_(kept)
+    return shard_losses
+
+
+def _combined(per_shard: list[list[torch.Tensor]], sizes: list[int], how: Replay) -> list[torch.Tensor]:
+    """The step's gradient from each shard's (``per_shard``, shards of ``sizes`` samples): compressed as the run
+    compresses, or added as ``how.perturb`` says."""
+    if how.combine is not None:  # compression; reordered: its shards handed to it last first
+        return how.combine(per_shard[::-1] if how.perturb == "reordered" else per_shard)
+    if how.wired:  # a lossy all-reduce: each shard's share rounded to the wire, added, the sum rounded again
+        rounded = [[g.to(how.wire).to(g.dtype) for g in grads] for grads in per_shard]
+        return [g.to(how.wire).to(g.dtype) for g in _added(rounded)]
+    # reordered: the shards' own gradients added last first, then weighted, as data-parallel ranks do
+    if len(set(sizes)) == 1:
+        return [g / len(sizes) for g in _added(per_shard[::-1])]
+    total = sum(sizes)
+    return _added([[g * (n / total) for g in grads] for n, grads in zip(sizes, per_shard)][::-1])
 
 
 def _added(per_shard: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -281,11 +316,8 @@ def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> 
         each = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none")
         (each.sum() / count).backward()
         per_target[i] = each.detach().view(b - a, -1)
-    per_target = torch.cat([t for t in per_target if t is not None])
-    valid = int((y != IGNORE).sum())
-    rows = torch.cumsum(torch.tensor([0] + [len(s[1]) for s in shards]), 0).tolist()
-    return [(per_target[a:b].sum() * len(y) / ((b - a) * valid) if packing is not None and valid
-             else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])]
+    return _shard_losses(torch.cat([t for t in per_target if t is not None]), shards, int((y != IGNORE).sum()),
+                         packing)
 
 
 #: the optimizers that keep two moments and a step count per parameter (torch's Adam and AdamW)

@@ -44,7 +44,7 @@ from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
 from .reference import (ADAMS, TOLERANCES, Comparison, TorchSchedule, bits_deviation, compare_optimizer,
-                        compare_tensors, optimizer_state, ratio_of, reference_train, worst)
+                        Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
 KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
@@ -155,11 +155,12 @@ class Reference:
                 + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
-        losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step,
-                                 self.replicas, self.microbatches, self.bn_rule, self.lr_for, first_step=self.step,
-                                 combine=self.compression.combine if self.compression else None, seed=self.seed,
-                                 clip=self.clip, norms=self.norms, packing=self.packing, autocast=self.autocast,
-                                 perturb=self.perturb, perturb_unit=self.unit, perturb_wire=self.wire)
+        how = Replay(replicas=self.replicas, microbatches=self.microbatches, bn_rule=self.bn_rule,
+                     combine=self.compression.combine if self.compression else None, seed=self.seed, clip=self.clip,
+                     packing=self.packing, autocast=self.autocast, perturb=self.perturb, unit=self.unit,
+                     wire=self.wire)
+        losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step, how,
+                                 self.lr_for, first_step=self.step, norms=self.norms)
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
@@ -217,12 +218,12 @@ class Check:
         if self.kept is None:
             say(f"check: the single-process reference trains beside the run ({self.ref.describe()}); compared "
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
-            if self.banded:
+            if self.banded:  # its references trained where a comparison is first beyond exact (or to be kept)
                 self.band = Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for,
                                                                  cfg.seed, cfg.precision, perturb, unit,
                                                                  strategy.gradient_wire),
                                  cfg.precision, next(self.ref.model.parameters()).device, strategy.gradient_wire)
-                say(f"check: {cfg.precision}: {self.band.describe()}")
+                say(f"check: {cfg.precision}: where a comparison is beyond exact, {self.band.describe()}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")
         if not self.ref.own_schedule and isinstance(lr_for, LRSchedule):  # a fractional cosine warm-up
@@ -255,12 +256,20 @@ class Check:
         self.ref.advance_to(step)
         keep = self.key is not None and self.comm.rank == 0
         snap = self.ref.snapshot(copy=keep)
-        if self.band is not None:
-            self.band.advance_to(step)
-            self.bands[step] = self.band.tensors(snap.weights, snap.optimizer)
+        if self.band is not None and keep:  # kept for later runs: every checked step's band
+            self.bands_at(step)
         if keep:
             self.keeping[step] = snap
         return snap
+
+    def bands_at(self, step: int) -> tuple[dict, dict]:
+        """Rank 0, the reference standing at ``step``: each weight's band and each optimizer state's there,
+        measured on first need (the band's references trained this far)."""
+        if step not in self.bands:
+            self.band.advance_to(step)
+            snap = self.ref.snapshot()
+            self.bands[step] = self.band.tensors(snap.weights, snap.optimizer)
+        return self.bands[step]
 
     def compare_at(self, step: int) -> None:
         ref = self.reference_at(step) if self.ref is not None else None  # rank 0
@@ -275,9 +284,11 @@ class Check:
         another rank whose view holds the same bits as rank 0's has the same deviation, which rank 0 sends; only
         where a view differs (a replica that drifted, a bug) is the reference's whole weights sent, and that
         rank compares its own with them."""
-        bands = self.bands[step][0] if ref is not None and self.banded else None
-        mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step, bands) if ref is not None \
-            else None
+        mine = None
+        if ref is not None:  # rank 0; below fp64 judged by the band where it is beyond exact
+            mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step)
+            if self.banded and mine.word != "exact":
+                mine = compare_tensors("weights", whole, ref.weights, self.tol["weights"], step, self.bands_at(step)[0])
         if self.comm.world == 1:
             return mine
         same = self.replicas_comparison(whole, step)
@@ -287,7 +298,8 @@ class Check:
         differ = self.comm.all_gather_objects(same.max_abs != 0.0)
         if not any(differ):
             return mine if mine is not None else Comparison(**sent)
-        weights, bands = self.comm.broadcast_object((ref.weights, bands) if ref is not None else None)  # rare
+        weights, bands = self.comm.broadcast_object(  # rare: a rank whose bits differ compares its own
+            (ref.weights, self.bands_at(step)[0] if self.banded else None) if ref is not None else None)
         if mine is not None:
             return mine
         if differ[self.comm.rank]:
@@ -354,8 +366,10 @@ class Check:
         except Exception as exc:  # noqa: BLE001 - a state that cannot be put together is a failed comparison
             return Comparison("optimizer", float("inf"), f"the ranks' states could not be put together "
                               f"({type(exc).__name__}: {exc})", self.tol["optimizer"], step)
-        return compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step,
-                                 self.bands[step][1] if self.banded else None)
+        c = compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step)
+        if self.banded and c.word != "exact":
+            c = compare_optimizer(mine, ref.optimizer, self.tol["optimizer"], step, self.bands_at(step)[1])
+        return c
 
     # ------------------------------------------------------------ at the end
     def finish(self, losses: list, replica: int, norms: list | None = None) -> dict:
@@ -370,30 +384,16 @@ class Check:
         expected = None
         if self.ref is not None:  # rank 0: the reference's logits for every shard, its losses and norms, sent
             expected = {"logits": self.logits(self.ref, packed), "losses": self.ref.losses, "norms": self.ref.norms}
-            if self.band is not None:  # and the band of each
-                theirs = [self.logits(ref, packed) for ref in self.band.refs]
-                self.end_bands = {
-                    "logits": {r: self.band.of(t, [o[r] for o in theirs]) for r, t in expected["logits"].items()},
-                    "losses": self.band.per_step(self.ref.losses, lambda ref: ref.losses),
-                    "norms": {s: b[0] for s, b in self.band.per_step(
-                        {s: [v] for s, v in self.ref.norms.items()}, lambda ref: {s: [v] for s, v in
-                                                                                   ref.norms.items()}).items()}}
-            if self.banded:
-                expected["bands"] = self.end_bands
         sent = self.comm.broadcast_object(expected)
         self.norms = sent["norms"]
-        bands = sent.get("bands")
-        if out is not None:
-            self.found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": sent["logits"][replica]},
-                                              self.tol["outputs"], self.total,
-                                              {"logits": bands["logits"][replica]} if bands else None))
-        mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
-        if mine:
-            self.found.append(compare_losses(mine, sent["losses"], replica, self.tol["loss"],
-                                             {s: b[replica] for s, b in bands["losses"].items()} if bands else None))
-        mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.norms]
-        if mine:
-            self.found.append(compare_norms(mine, self.norms, self.tol["grad_norm"], bands["norms"] if bands else None))
+        ends = self.end_comparisons(out, losses, norms, replica, sent)
+        # below fp64, where any rank's is beyond exact (or the band is kept), each judged by its band: rank 0's
+        if self.banded and any(self.comm.all_gather_objects(any(c.word != "exact" for c in ends) or
+                                                            bool(self.keeping))):
+            bands = self.comm.broadcast_object(self.end_bands_now(packed, expected) if self.ref is not None
+                                               else None)
+            ends = self.end_comparisons(out, losses, norms, replica, sent, bands)
+        self.found += ends
         if self.comm.world > 1:  # every rank is done with the saved states: each removes its own
             self.comm.barrier(name="check_states_read")
             (self.folder / f"rank{self.comm.rank}.pt").unlink(missing_ok=True)
@@ -406,6 +406,38 @@ class Check:
             if why:
                 self.say(f"check: --check-cache: the reference is {why}")
         return self.verdict()
+
+    def end_comparisons(self, out, losses: list, norms: list | None, replica: int, sent: dict,
+                        bands: dict | None = None) -> list[Comparison]:
+        """This rank's logits, reported losses and gradient norms against the reference's (``sent``); below
+        fp64 with ``bands`` (rank 0's :meth:`end_bands_now`)."""
+        found = []
+        if out is not None:
+            found.append(compare_tensors("outputs", {"logits": out.cpu()}, {"logits": sent["logits"][replica]},
+                                         self.tol["outputs"], self.total,
+                                         {"logits": bands["logits"][replica]} if bands else None))
+        mine = [(s, v) for s, v in losses if s >= self.start and v is not None]
+        if mine:
+            found.append(compare_losses(mine, sent["losses"], replica, self.tol["loss"],
+                                        {s: b[replica] for s, b in bands["losses"].items()} if bands else None))
+        mine = [(s, v) for s, v in norms or () if s >= self.start and v is not None and s in self.norms]
+        if mine:
+            found.append(compare_norms(mine, self.norms, self.tol["grad_norm"], bands["norms"] if bands else None))
+        return found
+
+    def end_bands_now(self, packed: bool, expected: dict) -> dict:
+        """Rank 0 at the end: the band of the logits of every shard, of every step's loss per shard and of every
+        step's gradient norm (the band's references trained to the last step, or as a kept run measured them)."""
+        if self.end_bands is None:
+            band = self.band
+            band.advance_to(self.total)
+            theirs = [self.logits(ref, packed) for ref in band.refs]
+            self.end_bands = {
+                "logits": {r: band.of(t, [o[r] for o in theirs]) for r, t in expected["logits"].items()},
+                "losses": band.per_step(self.ref.losses, lambda ref: ref.losses),
+                "norms": {s: b[0] for s, b in band.per_step({s: [v] for s, v in self.ref.norms.items()},
+                                                            lambda ref: {s: [v] for s, v in ref.norms.items()}).items()}}
+        return self.end_bands
 
     def logits(self, ref: Reference, packed: bool) -> dict[int, torch.Tensor]:
         """A reference's logits for every shard of the batch after the last step, as the run predicts them (in
