@@ -14,7 +14,8 @@ having run nothing. Steps, each recorded even when it fails:
    the strategy runs there (torch-dp: ``--gpus 1``), else at 2 workers where
    2 GPUs are visible, else left out with why; then the gpt's dimensions
    (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker; the recipe
-   (AdamW, cosine schedule, --clip-grad firing every step) under eight layouts; the example strategies
+   (AdamW, cosine schedule, --clip-grad firing every step) under eight layouts; six of them checked in bf16
+   under CUDA's autocast (the verdict and its worst ratio to the noise band); the example strategies
    from the user's own files (examples/strategies/); the non-finite guard (a NaN injected: stop, skip);
    ``--jobs N`` runs N of the checks at a time, each its own process on the same GPU(s);
 3. the warm start: a ``--check`` forked from a ``paralab serve`` server (which
@@ -178,6 +179,10 @@ RECIPE = ["--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "cosine", "--
 RECIPE_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
                   ("pipeline", ["--microbatches", "2"]), ("torch-tp", []), ("torch-fsdp", []),
                   ("ddp", ["--experts", "4", "--top-k", "2"])]
+#: --check in bf16 under CUDA's autocast, judged by the noise band measured beside it (docs/correctness.md, "Bug or
+#: rounding"): each must end exact or within rounding
+BF16_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
+                ("pipeline", ["--microbatches", "2"]), ("ddp", ["--experts", "4", "--top-k", "2"])]
 #: strategies from the user's own files (docs/own-strategy.md), on the CNN as the course writes them
 OWN = ["examples/strategies/gather_scatter.py", "examples/strategies/allreduce.py",
        "examples/strategies/bucketed_ddp.py", "examples/strategies/parameter_server.py"]
@@ -188,12 +193,14 @@ def check_row(name: str, workers: int, extra: list[str], out: Path, rc: int, tex
     details = s.get("strategy_details") or {}
     row = {"strategy": name, "workers": workers, "args": extra, "returncode": rc, "seconds": round(seconds, 1),
            "check": (s.get("check") or {}).get("result"), "status": "passed" if rc == 0 else "FAILED",
+           "verdict": (s.get("check") or {}).get("verdict"), "worst_ratio": (s.get("check") or {}).get("worst_ratio"),
            "allocator_peak_bytes": {r: (d.get("allocator") or {}).get("peak_bytes") for r, d in details.items()},
            "collectives_timed": {r: d.get("collectives_timed") for r, d in details.items()
                                  if "collectives_timed" in d} or None}
     if rc != 0:
         row["output_tail"] = text
-    print(f"gpu-check: {name} {' '.join(extra)} at {workers} worker(s): {row['status']} (check {row['check']}, "
+    said = f"{row['check']}, {row['verdict']}" if row["verdict"] not in (None, "exact") else row["check"]
+    print(f"gpu-check: {name} {' '.join(extra)} at {workers} worker(s): {row['status']} (check {said}, "
           f"{seconds:.0f}s)", flush=True)
     return row
 
@@ -219,6 +226,11 @@ def strategy_checks(gpus: int, tmp: Path, jobs: int = 1) -> list[dict]:
         out = tmp / f"recipe-{i}-{name}"
         runs.append((len(rows), name, 1, ["--model", "gpt", *RECIPE, *extra],
                      [name, "--workers", "1", *GPT_CHECK, *RECIPE, *extra], out))
+        rows.append(None)
+    for i, (name, extra) in enumerate(BF16_LAYOUTS):
+        out = tmp / f"bf16-{i}-{name}"
+        runs.append((len(rows), name, 1, ["--model", "gpt", "--precision", "bf16", *extra],
+                     [name, "--workers", "1", *GPT_CHECK, "--precision", "bf16", *extra], out))
         rows.append(None)
     for path in OWN:
         out = tmp / f"own-{Path(path).stem}"
