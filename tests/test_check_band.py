@@ -180,3 +180,17 @@ def test_a_users_declared_lossy_wire_is_rounding_and_a_bug_beside_it_is_still_a_
     for wrong in (undeclared, unaveraged):
         r = paralab("train", str(wrong), *args, "--precision", "fp64")
         assert r.returncode == 1 and r.summary["check"]["verdict"] == "bug", (wrong.name, r.stdout[-3000:])
+
+
+def test_a_bf16_bug_is_a_bug_and_its_first_divergence_points_to_fp64(paralab):
+    """examples/strategies/forgot_to_average.py (the mean over 2 workers never divided) in bf16: a bug by many
+    times its band; the replay has no tolerance in bf16, so the check says to look in fp64 instead."""
+    from pathlib import Path
+    example = Path(__file__).resolve().parent.parent / "examples" / "strategies" / "forgot_to_average.py"
+    r = paralab("train", str(example), "--workers", "2", "--dataset", "synthetic", "--synthetic-size", "256",
+                "--width", "0.125", "--num-batches", "3", "--batch-size", "32", "--eval-batches", "1",
+                "--eval-batch-size", "64", "--check", "--precision", "bf16", "--no-progress")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    check = r.summary["check"]
+    assert check["verdict"] == "bug" and check["worst_ratio"] > 10 and "check: FAIL (bug, worst " in r.stdout
+    assert "check: first divergence: not looked for (in bf16" in r.stdout and "--precision fp64" in r.stdout

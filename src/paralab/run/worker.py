@@ -242,9 +242,11 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     place as one line, said and returned. Collective."""
     from ..check import diverge
     from ..check.verdict import Reference
-    why = (f"below fp64 every module's output differs from the reference's by rounding, and the replay compares "
-           f"at fp64's tolerances: check the same layout in fp64 (--precision fp64) to name where it first goes wrong"
-           if cfg.precision != "fp64" and not resumed else
+    from ..check.reference import TOLERANCES
+    why = (f"in {cfg.precision} every module's output differs from the reference's by rounding, and the replay "
+           "compares each with a fixed tolerance, which it has for fp32 and fp64 only: check the same layout in "
+           "fp64 (--precision fp64) to name where it first goes wrong"
+           if cfg.precision not in TOLERANCES and not resumed else
            "the run resumed from a checkpoint: replay it from the start" if resumed else
            "--compress keeps state (the error feedback, the steps until PowerSGD starts) that a replayed step "
            "would advance twice" if getattr(cfg, "compress", "none") != "none" else None)
