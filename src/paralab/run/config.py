@@ -61,6 +61,7 @@ class OptimizerOptions:
                           "generators add and multiply it within torch's 64-bit seeds)", minimum=0, maximum=2 ** 32 - 1)
     precision: str | None = option(None, "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and "
                                          "--check reference in float64: exact checks at real hyper-parameters). "
+                                         "Below fp64 --check tells a bug from rounding by a noise band it measures. "
                                          "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
                                    type=str, choices=PRECISIONS)
     lr_scaling: str = option("none", "linear: lr x global batch / 256 (Goyal et al.)", choices=("none", "linear"))
