@@ -25,7 +25,10 @@ with its shard's loss in the reference (a loss that is reported wrong while
 the gradients are right is caught here, and nowhere else), and the next
 batch's ``outputs`` (logits): rank 0 sends the reference's losses, norms and
 logits, which are small. The verdict is the worst deviation of any kind, at any
-step, on any rank: a deviation that comes and goes still fails.
+step, on any rank: a deviation that comes and goes still fails. It is said in
+three words: ``exact`` (within fp64's tolerances), ``within rounding`` (below
+fp64, or for a strategy with a lossy ``gradient_wire``: beyond them, but inside
+the noise band rank 0 measures beside the run, ``check/band.py``) or ``bug``.
 """
 from __future__ import annotations
 
