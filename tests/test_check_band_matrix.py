@@ -37,4 +37,5 @@ def test_a_correct_layout_is_never_a_bug(runs, name, precision):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["verdict"] in ("exact", "within rounding") and check["result"] == "PASS", r.stdout[-3000:]
-    assert check["worst_ratio"] is not None and check["worst_ratio"] <= 1
+    # exact (the compressed runs: the reference replays them bit for bit) needs no band; else inside it
+    assert check["verdict"] == "exact" or 0 < check["worst_ratio"] <= 1, check
