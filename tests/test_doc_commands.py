@@ -24,6 +24,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: what a command holds that this machine cannot give it, and why it is left out here
 ELSEWHERE = {"--device cuda": "needs a CUDA GPU", "torch-dp": "needs CUDA GPUs", "--rank": "one rank of several hosts",
              "torch-cp": "needs CUDA"}
+#: the first selected test sets up every command (:func:`printed`): about eight minutes of the slow selection on the
+#: 2-core VM, past the suite's default limit per test
+pytestmark = pytest.mark.timeout(1200)
 #: models whose checks run one at a time (memory, below)
 FULL_SIZE = ("vgg16-cs1390",)
 #: the default selection runs the README's (the tour); the pages' (half a minute to several minutes each in
