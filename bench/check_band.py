@@ -87,18 +87,15 @@ def train(argv: list[str], out: Path, pythonpath: Path) -> dict:
     if not check:
         return {"verdict": "error", "exit": done.returncode, "seconds": seconds,
                 "error": (done.stderr or done.stdout)[-600:]}
-    first = next((h["step"] for h in check.get("history") or []
-                  if max(h.get("weights_ratio", 0.0), h.get("optimizer_ratio", 0.0)) > 1), None)
+    tolerance = check["tolerances"]["weights"]
+
+    def outside(h: dict) -> bool:  # a step judged by its band (below fp64, beyond exact), else by fp64's tolerance
+        ratios = [h[k] for k in ("weights_ratio", "optimizer_ratio") if k in h]
+        return max(ratios) > 1 if ratios else h["max_weight_dev"] > tolerance
+    first = next((h["step"] for h in check.get("history") or [] if outside(h)), None)
     return {"verdict": check.get("verdict"), "worst_ratio": check.get("worst_ratio"), "exit": done.returncode,
             "failed": check.get("failed"), "first_step_outside": first, "seconds": seconds,
             "max_weight_dev": check.get("max_weight_dev")}
-
-
-def first_fp64_step(out: Path, tolerance: float) -> int | None:
-    """fp64: the first checked step whose weights lie beyond fp64's tolerance."""
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
-    history = (summary.get("check") or {}).get("history") or []
-    return next((h["step"] for h in history if h.get("max_weight_dev", 0.0) > tolerance), None)
 
 
 def correct_table(args, work: Path) -> list[dict]:
@@ -123,7 +120,6 @@ def correct_table(args, work: Path) -> list[dict]:
 def bugs_table(args, work: Path) -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_mutants import COMMON as MUTANT_COMMON, MUTANTS  # noqa: E402 - the seeded bugs, as the tests hold them
-    from paralab.check.reference import TOLERANCES  # noqa: E402
     wanted = set(args.bugs.split(",")) if args.bugs else None
     mutants = [m for m in MUTANTS if wanted is None or m.name in wanted]
     common = [a for a in MUTANT_COMMON if a != "--check"]
@@ -134,7 +130,8 @@ def bugs_table(args, work: Path) -> list[dict]:
         path = root / "paralab" / mutant.file
         text = path.read_text()
         if text.count(mutant.old) != 1:
-            return {"bug": mutant.name, "error": f"{mutant.file}: the line to change occurs {text.count(mutant.old)} times"}
+            return {"bug": mutant.name,
+                    "error": f"{mutant.file}: the line to change occurs {text.count(mutant.old)} times"}
         path.write_text(text.replace(mutant.old, mutant.new))
         row = {"bug": mutant.name, "why": mutant.why}
         for precision in ("fp64", "fp32", "bf16"):
@@ -142,8 +139,6 @@ def bugs_table(args, work: Path) -> list[dict]:
             # the bug's own options after the common ones, so they win (--num-batches), as tests/test_mutants.py
             row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check", "--precision",
                                     precision, "--check-every", "1", "--no-first-divergence"], out, root)
-            if precision == "fp64":
-                row[precision]["first_step_outside"] = first_fp64_step(out, TOLERANCES["fp64"]["weights"])
         shutil.rmtree(root, ignore_errors=True)
         print(f"  bug {mutant.name:40s} " + "  ".join(
             f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}" for p in ("fp64", "fp32", "bf16")),
@@ -173,7 +168,8 @@ def summarise(correct: list[dict], bugs: list[dict]) -> dict:
             late = [b["bug"] for b in caught if b[p]["verdict"] == "bug" and b[p]["first_step_outside"] is not None
                     and b["fp64"]["first_step_outside"] is not None
                     and b[p]["first_step_outside"] - b["fp64"]["first_step_outside"] > 3]
-            said[f"bugs_{p}"] = {"caught_in_fp64": len(caught), "bug_here": sum(b[p]["verdict"] == "bug" for b in caught),
+            said[f"bugs_{p}"] = {"caught_in_fp64": len(caught),
+                                 "bug_here": sum(b[p]["verdict"] == "bug" for b in caught),
                                  "missed": [b["bug"] for b in caught if b[p]["verdict"] != "bug"],
                                  "more_than_3_steps_late": late,
                                  "median_ratio": statistics.median(ratios) if ratios else None}

@@ -120,7 +120,7 @@ def test_a_correct_layout_is_exact_or_within_rounding(correct, key):
 def test_bugs_below_fp64_are_bugs_with_their_ratio(tmp_path):
     """The in-process controls of test_check_verdict.py in fp32: a deviation that comes and goes, and lost
     optimizer state, each a bug by many times its band."""
-    from test_check_verdict import one_process, run
+    from test_check_verdict import forget_optimizer_state, one_process, run
     cfg, s = one_process(tmp_path / "a", precision="fp32")
     verdict = run(cfg, s, perturb=lambda step: 1e-3 if step == 2 else 0.0)
     assert verdict["verdict"] == "bug" and verdict["failed"] == ["weights"] and verdict["worst_ratio"] > 10
@@ -128,12 +128,7 @@ def test_bugs_below_fp64_are_bugs_with_their_ratio(tmp_path):
     assert "weights_ratio" not in verdict["history"][2]  # exact again: no band was needed to say so
 
     cfg, s = one_process(tmp_path / "b", precision="fp32")
-    step = s.strategy.dp.step
-
-    def forgetful():  # the optimizer's state dropped after each step: momentum starts over every time
-        step()
-        s.strategy.dp.optimizer.state.clear()
-    s.strategy.dp.step = forgetful
+    forget_optimizer_state(s)
     verdict = run(cfg, s)
     assert verdict["verdict"] == "bug" and "optimizer" in verdict["failed"] and verdict["worst_ratio"] > 10
 

@@ -83,14 +83,19 @@ def test_a_loss_reported_wrong_at_one_step_fails(tmp_path):
     assert line.startswith("loss: FAIL") and "step 2" in line  # the second step, counted from 1
 
 
-def test_lost_optimizer_state_fails(tmp_path):
-    cfg, s = one_process(tmp_path)
+def forget_optimizer_state(s) -> None:
+    """Seed a bug into ``s``'s strategy: the optimizer's state dropped after each step (momentum starts over)."""
     step = s.strategy.dp.step
 
-    def forgetful():  # the optimizer's state dropped after each step: momentum starts over every time
+    def forgetful():
         step()
         s.strategy.dp.optimizer.state.clear()
     s.strategy.dp.step = forgetful
+
+
+def test_lost_optimizer_state_fails(tmp_path):
+    cfg, s = one_process(tmp_path)
+    forget_optimizer_state(s)
     verdict = run(cfg, s)
     assert not verdict["passed"] and "optimizer" in verdict["failed"]
 

@@ -120,9 +120,3 @@ class Band:
         o = {f"{name} {key}": self.of(v, [s.optimizer[name][key] for s in snaps])
              for name, state in optimizer.items() for key, v in state.items() if v is not None}
         return w, o
-
-    def per_step(self, reference: dict[int, list[float]], of) -> dict[int, list[float]]:
-        """Per step, the band of each of the reference's numbers (``of(ref)``: a perturbed reference's, by step)."""
-        theirs = [of(ref) for ref in self.refs]
-        return {step: [self.of(v, [t[step][i] for t in theirs]) for i, v in enumerate(values)]
-                for step, values in reference.items()}

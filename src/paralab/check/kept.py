@@ -28,10 +28,11 @@ SHA-256 digest (:func:`digest`) of
 Below fp64 the file also holds the noise band that first run measured
 (``check/band.py``: numbers, one per compared tensor and step), so a later run
 trains neither the reference nor the band's three. Runs with gradient
-compression (whose reference transforms each shard's gradient) train their own. The file holds tensors, numbers and names only,
-written by ``torch.save`` and read with ``weights_only=True`` (never
-unpickled), checked against the model's names, shapes and dtypes, the checked
-steps and the shards; one that does not load is trained again.
+compression (whose reference transforms each shard's gradient) train their
+own. The file holds tensors, numbers and names only, written by
+``torch.save`` and read with ``weights_only=True`` (never unpickled),
+checked against the model's names, shapes and dtypes, the checked steps and
+the shards; one that does not load is trained again.
 """
 from __future__ import annotations
 

@@ -437,9 +437,9 @@ class Check:
             theirs = [self.logits(ref, packed) for ref in band.refs]
             self.end_bands = {
                 "logits": {r: band.of(t, [o[r] for o in theirs]) for r, t in expected["logits"].items()},
-                "losses": band.per_step(self.ref.losses, lambda ref: ref.losses),
-                "norms": {s: b[0] for s, b in band.per_step({s: [v] for s, v in self.ref.norms.items()},
-                                                            lambda ref: {s: [v] for s, v in ref.norms.items()}).items()}}
+                "losses": {s: [band.of(v, [ref.losses[s][i] for ref in band.refs]) for i, v in enumerate(row)]
+                           for s, row in self.ref.losses.items()},
+                "norms": {s: band.of(v, [ref.norms[s] for ref in band.refs]) for s, v in self.ref.norms.items()}}
         return self.end_bands
 
     def logits(self, ref: Reference, packed: bool) -> dict[int, torch.Tensor]:
@@ -452,7 +452,7 @@ class Check:
         for r in range(ref.replicas):
             xr, _ = self.source.batch(self.total, rank=r)
             with torch.no_grad(), steps.entered(steps.whole(xr, packed)), \
-                    torch.autocast(device.type, dtype=torch.bfloat16, enabled=ref.autocast is not None):
+                    torch.autocast(device.type, dtype=ref.autocast, enabled=ref.autocast is not None):
                 expected[r] = ref.model(to_device(xr, xr.device, dtype)).to(dtype)
         return expected
 
@@ -472,7 +472,8 @@ class Check:
                 "verdict": word_of([c.word for c in self.found]), "worst_ratio": max(ratios) if ratios else None,
                 "lines": [c.line() for c in by_kind.values()], "failed": [k for k, c in by_kind.items() if not c.ok],
                 "worst_weight": by_kind["weights"].worst,
-                "max": {k: max(c.max_abs for c in self.found if c.what == k) for k in by_kind}, "history": sorted(history.items()),
+                "max": {k: max(c.max_abs for c in self.found if c.what == k) for k in by_kind},
+                "history": sorted(history.items()),
                 "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped(),
                 "seen": self.seen}
         verdicts = self.comm.all_gather_objects(mine)
@@ -482,8 +483,8 @@ class Check:
         word = word_of([v["verdict"] for v in verdicts])
         ratios = [v["worst_ratio"] for v in verdicts if v["worst_ratio"] is not None]
         worst_ratio = max(ratios) if ratios else None
-        self.say(f"check: {'PASS' if passed else 'FAIL'} ({word}"
-                 + (f", worst {worst_ratio:.3g} of the band)" if word != "exact" and worst_ratio is not None else ")"))
+        band = f", worst {worst_ratio:.3g} of the band" if word != "exact" and worst_ratio is not None else ""
+        self.say(f"check: {'PASS' if passed else 'FAIL'} ({word}{band})")
         notes = list(dict.fromkeys([n for v in verdicts for n in v["unexercised"]] + self.unreached(verdicts)))
         for note in notes:
             self.say(f"check: not exercised: {note}")

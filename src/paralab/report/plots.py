@@ -638,6 +638,15 @@ def deviation_table(runs: list[Run]):
             "optimizer / band"], rows
 
 
+def _log_by_step(ax, ylabel: str, title: str) -> None:
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+
+
 def plot_deviation(runs: list[Run], path) -> Path:
     """Left: each run's largest weight deviation per checked step, with fp64's tolerance (what "exact" means).
     Right, where a run was checked below fp64: the worst ratio of the weights' and the optimizer state's
@@ -646,7 +655,7 @@ def plot_deviation(runs: list[Run], path) -> Path:
     curves = [(r, h) for r, h in curves if h]
     if not curves:
         raise ValueError("no run holds a deviation history: train with --check --check-every K")
-    banded = [(r, h) for r, h in curves if any("weights_ratio" in x for x in h)]
+    banded = any("weights_ratio" in h for _, history in curves for h in history)
     plt = _plt()
     fig, axes = plt.subplots(1, 2 if banded else 1, figsize=(12.0 if banded else 7.0, 4.2), squeeze=False)
     ax = axes[0][0]
@@ -658,17 +667,11 @@ def plot_deviation(runs: list[Run], path) -> Path:
         tol = ((r.get("check") or {}).get("tolerances") or {}).get("weights")
         if tol:
             ax.axhline(tol, color=color, linestyle=":", linewidth=1)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max |weight - reference| (over ranks)")
-    ax.set_title("deviation from the single-process reference\n(dotted: exact within fp64's tolerance)", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="major", alpha=0.3)
+    _log_by_step(ax, "max |weight - reference| (over ranks)",
+                 "deviation from the single-process reference\n(dotted: exact within fp64's tolerance)")
     if banded:
         ax = axes[0][1]
         for k, (r, history) in enumerate(curves):
-            if (r, history) not in banded:
-                continue
             color = WORKER_COLORS[k % len(WORKER_COLORS)]
             for kind, style in (("weights", "-"), ("optimizer", "--")):
                 points = [(h["step"], max(h[f"{kind}_ratio"], 1e-6)) for h in history if f"{kind}_ratio" in h]
@@ -676,12 +679,7 @@ def plot_deviation(runs: list[Run], path) -> Path:
                     ax.plot(*zip(*points), style, marker="o", color=color,
                             label=f"{r.label} ({_precision(r)}) {kind}")
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("worst deviation / its noise band")
-        ax.set_title("bug or rounding (above 1: outside the band, a bug)", fontsize=10)
-        ax.legend(fontsize=8)
-        ax.grid(True, which="major", alpha=0.3)
+        _log_by_step(ax, "worst deviation / its noise band", "bug or rounding (above 1: outside the band, a bug)")
     return _save(fig, path)
 
 

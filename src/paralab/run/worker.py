@@ -243,11 +243,10 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     from ..check import diverge
     from ..check.verdict import Reference
     from ..check.reference import TOLERANCES
-    why = (f"in {cfg.precision} every module's output differs from the reference's by rounding, and the replay "
+    why = ("the run resumed from a checkpoint: replay it from the start" if resumed else
+           f"in {cfg.precision} every module's output differs from the reference's by rounding, and the replay "
            "compares each with a fixed tolerance, which it has for fp32 and fp64 only: check the same layout in "
-           "fp64 (--precision fp64) to name where it first goes wrong"
-           if cfg.precision not in TOLERANCES and not resumed else
-           "the run resumed from a checkpoint: replay it from the start" if resumed else
+           "fp64 (--precision fp64) to name where it first goes wrong" if cfg.precision not in TOLERANCES else
            "--compress keeps state (the error feedback, the steps until PowerSGD starts) that a replayed step "
            "would advance twice" if getattr(cfg, "compress", "none") != "none" else None)
     if why:
