@@ -1,15 +1,18 @@
 """The single-process reference, and the comparisons behind ``--check``.
 
 The reference trains the plain model in one process on the *same global
-batches* as the strategy, replaying the strategy's own batch split:
+batches* as the strategy, replaying the strategy's own batch split: it runs
+forward and backward on each data-parallel shard (and each microbatch within
+it) separately and weights each loss by its share of the samples, as the
+strategy does (one forward and backward on the whole batch where the layout
+has one shard and one microbatch).
 
-- Without BatchNorm (``--norm none``) splitting cannot change the arithmetic
-  beyond rounding, so the reference is the classic one: one forward and
-  backward on the whole global batch.
+- Without BatchNorm, splitting changes the arithmetic only by rounding; the
+  split is replayed anyway so that a shard rounds as its rank does: below
+  fp64 a layout whose ranks add their gradients in the reference's order
+  (two data-parallel ranks, a pipeline's microbatches) is then exact.
 - With BatchNorm, normalisation statistics depend on which samples share a
-  forward pass. The reference therefore runs forward on each data-parallel
-  shard (and each microbatch within it) separately and weights each loss by
-  its share of the samples, exactly as the strategy does. Running statistics
+  forward pass, so the split is the arithmetic itself. Running statistics
   follow the strategy's declared ``bn_rule``:
     * ``first-replica`` (data parallelism, as PyTorch DDP: rank 0's buffers are
       authoritative): statistics come from shard 0's microbatches only;
@@ -167,8 +170,12 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     losses = []
     # BatchNorm's statistics depend on which samples share a forward, a mixture of experts routes, drops and
     # balances over the tokens of one forward, and compression (or a lossy wire) acts on each shard's gradient:
-    # replay the shards one by one
-    split = has_batchnorm(model) or how.combine is not None or bool(moe_layers(model)) or how.wired
+    # the shards must be replayed one by one. Any other split is replayed too, for the rounding: a shard's
+    # forward and backward round as the rank's do, so where the ranks add their gradients in the order
+    # reference does (two shards, a pipeline's microbatches) a check below fp64 is exact, not within a band.
+    # The noise band's reordered reference cuts the batch otherwise, on purpose.
+    must = has_batchnorm(model) or how.combine is not None or bool(moe_layers(model)) or how.wired
+    split = must or (how.replicas * how.microbatches > 1 and how.perturb != "reordered")
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
@@ -241,6 +248,7 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
     after = how.perturb == "reordered" and how.combine is None  # each shard's gradient weighted after the sum
     apart = how.combine is not None or how.perturb == "reordered" or how.wired  # each shard's gradient kept apart
     kept_buffers, shard_losses, per_shard = None, [], []
+    batchnorm = has_batchnorm(model)  # the only buffers a forward changes
     first = 0  # the shard's first row in the global batch
     for r, (x, y) in enumerate(shards):
         shard_loss = 0.0
@@ -256,7 +264,7 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
                 shard_loss += reported.item() * w
         first += len(y)
         shard_losses.append(shard_loss)
-        if r == 0 and how.bn_rule == "first-replica":
+        if r == 0 and how.bn_rule == "first-replica" and batchnorm:
             kept_buffers = [b.detach().clone() for b in model.buffers()]
         if apart:
             per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
