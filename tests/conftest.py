@@ -38,9 +38,12 @@ if _OWNER:
 _DECODED, _KEPT = os.environ["PARALAB_DECODED"], os.environ["PARALAB_TEST_REFERENCES"]
 
 
-def shared_references() -> str | None:
-    """The session's folder of kept references, for a test's own ``RunConfig(check_cache=...)``."""
-    return None if os.environ.get("PARALAB_TEST_OWN_REFERENCES") else _KEPT
+def shared_references(precision: str = "fp64") -> str | None:
+    """The session's folder of kept references, for a test's own ``RunConfig(check_cache=...)``, for a check in
+    fp64 (``precision``) only: below it a reference kept for later trains the noise band's three more at every
+    checked step, exact or not (check/kept.py), where a run that keeps nothing trains them only where a
+    comparison is beyond exact, as most of the suite's fp32 checks are not."""
+    return None if os.environ.get("PARALAB_TEST_OWN_REFERENCES") or precision != "fp64" else _KEPT
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -92,15 +95,19 @@ class Result:
 
 
 def run_paralab(*args: str, out: Path | None = None, env: dict | None = None, timeout: float = 240,
-                fast: bool = True, cwd: Path | None = None) -> Result:
+                fast: bool = True, cwd: Path | None = None, share: bool = True) -> Result:
+    """``paralab ARGS`` (``fast``: :data:`FAST` before a ``train``'s own options; ``share``: a check's reference
+    shared through the session's ``--check-cache``, which below fp64 trains its noise band to keep it)."""
     argv = list(args)
     if args and args[0] == "train":
         if fast:  # before the test's own options, so a test can override any of them
             argv = argv[:2] + FAST + argv[2:]
         if out is not None:
             argv += ["--out", str(out)]
-        if "--check" in argv and "--check-cache" not in argv and shared_references():
-            argv += ["--check-cache", shared_references()]
+        given = [value for flag, value in zip(argv, argv[1:]) if flag == "--precision"]
+        precision = given[-1] if given else "fp64"  # the last given wins, as on a command line
+        if share and "--check" in argv and "--check-cache" not in argv and shared_references(precision):
+            argv += ["--check-cache", shared_references(precision)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if os.environ.get("PARALAB_TEST_COLD"):
         p = subprocess.Popen([sys.executable, "-m", "paralab", *argv], stdout=subprocess.PIPE, cwd=cwd,

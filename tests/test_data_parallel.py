@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shared_references
 from spawn_ranks import spawn
 import torch.nn as nn
 
@@ -42,8 +41,7 @@ def job_config(world: int, out: Path, strategy: str, norm: str, **extra) -> RunC
     cfg = RunConfig(strategy=strategy, norm=norm, workers=world, out=str(out), dataset="synthetic",
                     synthetic_size=512, width=0.125, batch_size=BATCH, num_batches=2, lr=1e-3, check=True,
                     precision="fp32",  # the course setting, explicitly (without it a check runs in fp64)
-                    progress=False, eval_batches=1, eval_batch_size=64, timeout=30,
-                    check_cache=shared_references(), **extra)
+                    progress=False, eval_batches=1, eval_batch_size=64, timeout=30, **extra)
     return cfg if strategy == NoAverage.name else cfg.validate()
 
 

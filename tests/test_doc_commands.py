@@ -97,7 +97,9 @@ def run_printed(command: str, folder: Path):
     folder.mkdir()
     (folder / "examples").symlink_to(ROOT / "examples")  # the pages' paths are the repository's (examples/...)
     try:
-        return run_paralab(*shlex.split(command)[1:], fast=False, timeout=900, cwd=folder)
+        # as printed: no --check-cache of the session's (no two commands share a reference, and below fp64 a
+        # reference kept for later trains its noise band at every checked step, exact or not)
+        return run_paralab(*shlex.split(command)[1:], fast=False, timeout=900, cwd=folder, share=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -112,8 +114,8 @@ def printed(request, tmp_path_factory):
     from conftest import selected, two_at_a_time
     wanted = [(w["where"], w["command"]) for w in selected(request, "test_a_printed_check_passes_as_printed")
               if not elsewhere(w["command"])]
-    # a full-size VGG-16 (134M parameters) in fp32: its reference and the noise band's three (one in float64)
-    # take about 13 GB of the 24 GB VM, so such a command runs alone, after the others
+    # a full-size VGG-16 (134M parameters) in fp32: its reference and, where one is needed, the noise band's
+    # three (one in float64) take up to about 13 GB of the 24 GB VM, so such a command runs alone, after the others
     alone = [wc for wc in wanted if any(model in wc[1] for model in FULL_SIZE)]
     paired = [wc for wc in wanted if wc not in alone]
     root = scratch_root(tmp_path_factory)

@@ -50,9 +50,8 @@ JOBS4 = [  # data x pipeline on the mesh
 def job_config(out: Path, strategy: str, workers: int, extra: dict) -> RunConfig:
     kw = dict(strategy=strategy, workers=workers, out=str(out), dataset="synthetic", synthetic_size=1024,
               width=0.125, batch_size=48, num_batches=STEPS, check=True, check_every=5, precision="fp64",
-              progress=False, eval_batches=1, eval_batch_size=48, timeout=60, log_every=STEPS,
-              check_cache=shared_references()) | REAL
-    return RunConfig(**(kw | extra)).validate()
+              progress=False, eval_batches=1, eval_batch_size=48, timeout=60, log_every=STEPS) | REAL | extra
+    return RunConfig(**kw, check_cache=shared_references(kw["precision"])).validate()
 
 
 def run_jobs(root: Path, world: int, jobs: list) -> dict:

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import shared_references
 from spawn_ranks import spawn
 import torch.nn as nn
 
@@ -182,7 +181,7 @@ def _run_combo(rank, world, combo, data):
                     prefetch=when != "noprefetch", norm=norm,
                     optimizer=optimizer, workers=world,
                     dataset="synthetic", width=0.125, per_worker_batch=BATCH, num_batches=2,
-                    lr=0.02 if optimizer == "sgd" else 1e-3, check_cache=shared_references())
+                    lr=0.02 if optimizer == "sgd" else 1e-3)
     rec = Recorder(rank)
     comm = Comm(rec, rank, world)
     model_fn, optim_fn = build_model_factory(cfg, len(data.classes)), build_optimizer_factory(cfg)

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import shared_references
 from spawn_ranks import run_jobs as run_jobs_in_ranks
 
 from paralab.run.config import RunConfig
@@ -102,7 +101,7 @@ def job_config(out: Path, strategy: str, schedule: str, norm: str, **extra) -> R
     return RunConfig(strategy=strategy, norm=norm, workers=4, pp=2, schedule=schedule, microbatches=4,
                      out=str(out), dataset="synthetic", synthetic_size=256, width=0.125, batch_size=BATCH,
                      num_batches=2, lr=1e-3, check=True, precision="fp32", progress=False, eval_batches=1,
-                     eval_batch_size=64, timeout=60, zero_stage=1, check_cache=shared_references(), **extra).validate()
+                     eval_batch_size=64, timeout=60, zero_stage=1, **extra).validate()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ out (``check: not exercised: ...`` says so at run time):
 - a ring of 2 cp ranks has next == previous (``--cp 4``);
 - 2 workers give fsdp no padding at this width (``--workers 3``);
 - recomputation's random state matters only with ``--dropout``;
-- equal microbatches hide their weights (``--accumulate`` M of a shard M divides);
+- equal microbatches hide their weights (``--accumulate`` M of a shard M divides): an epoch's short last batch
+  is where a shard M divides in every other step is cut unevenly, and a check that ends before it says so;
 - a capacity that drops nothing hides what a drop does;
 - packed documents dealt as the head + tail pairing hide a dealt layout;
 - ASCII text never reaches tp rank 1's share of the byte vocabulary (``--dataset jargon`` does; its commands
@@ -250,8 +251,10 @@ MUTANTS = [
     # ---- paths only some data reaches (a smaller check says it left them out: HIDDEN)
     Mutant("microbatches-weighted-equally", "strategies/base.py",
            "return [(xs, ys, len(ys) / n) for xs, ys in", "return [(xs, ys, 1 / m) for xs, ys in",
-           gpt("ddp", "--workers", "2", "--accumulate", "3"),
-           "gradient accumulation's microbatches weighted 1/M, not by its share of the samples: wrong only where they differ in size"),
+           # 22 samples: steps of 4 rows a rank, the epoch's short last batch (step 3) 3 rows a rank, cut 2 + 1
+           gpt("ddp", "--workers", "2", "--accumulate", "2", "--synthetic-size", "22"),
+           "gradient accumulation's microbatches weighted 1/M, not by its share of the samples: wrong only where they "
+           "differ in size, as on an epoch's short last batch"),
     Mutant("ep-all-gather-computes-dropped-choices", "strategies/expert/dispatch.py",
            "choice = torch.where(routing.kept, routing.expert, routing.expert.new_full((), -1)).contiguous()",
            "choice = routing.expert.contiguous()",
@@ -311,7 +314,7 @@ FIRST = {
     "ring-attends-across-documents": "step 1, rank 0, forward of 1.attn.proj (Linear) output",
     "cosine-warmup-off-by-one": "step 1, rank 0, optimizer step of 0.0 (Conv2d) weight",
     "documents-loss-counts-padding": "step 1, rank 0, forward of the loss",
-    "microbatches-weighted-equally": "step 1, rank 0, forward of the loss",
+    "microbatches-weighted-equally": "step 3, rank 0, forward of the loss",  # the short last batch
     "ep-all-gather-computes-dropped-choices": "step 1, rank 0, forward of 1.mlp (MoE) output",
     "cp-dealt-positions-rebound": "step 2, rank 0, forward of 0 (Embedding) output",  # step 1 is paired
     "tp-vocabulary-share-off-by-its-rank": "step 1, rank 0, forward of 0 (Embedding) output",  # once named at 1.ln1
@@ -327,6 +330,9 @@ HIDDEN = [
     ("recompute-forgets-the-generator", gpt("single", "--recompute", "full"), "draws no random numbers"),
     ("microbatches-weighted-equally", gpt("ddp", "--workers", "2", "--accumulate", "2"),
      "microbatches held equally many samples"),
+    # its own command, ended before the epoch's short last batch: the one batch whose microbatches differ
+    ("microbatches-weighted-equally", gpt("ddp", "--workers", "2", "--accumulate", "2", "--synthetic-size", "22",
+                                          "--num-batches", "2"), "short last batch"),
     ("ep-all-gather-computes-dropped-choices",
      gpt("allreduce", "--workers", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--dispatcher", "all-gather",
          "--capacity-factor", "4"), "dropped no token's choice"),
@@ -363,7 +369,7 @@ def _needs_missing_jargon(command: tuple) -> bool:
 def ran(request, pristine, tmp_path_factory) -> dict:
     """Every command the selected tests need, two at a time, each from one of two zygotes (a command's start,
     importing its copy of the package, is one core's work; the other command uses the other core):
-    ("pristine", command) | ("mutant", name) | ("hidden", name) -> CompletedProcess."""
+    ("pristine", command) | ("mutant", name) | ("hidden", name, command) -> CompletedProcess."""
     import queue
 
     from conftest import selected, two_at_a_time
@@ -373,7 +379,7 @@ def ran(request, pristine, tmp_path_factory) -> dict:
             for p in selected(request, "test_the_unchanged_package_passes_each_command")]
     jobs += [(("mutant", p["mutant"].name), p["mutant"], p["mutant"].command)
              for p in selected(request, "test_the_check_catches_the_mutant")]
-    jobs += [(("hidden", p["name"]), by_name[p["name"]], p["command"])
+    jobs += [(("hidden", p["name"], p["command"]), by_name[p["name"]], p["command"])
              for p in selected(request, "test_a_smaller_check_misses_it_and_says_what_it_left_out")]
     jobs = [j for j in jobs if not _needs_missing_jargon(j[2])]
     zygotes: queue.Queue = queue.Queue()
@@ -435,10 +441,11 @@ def test_the_check_catches_the_mutant(ran, mutant):
     assert f"check: first divergence: {FIRST[mutant.name]}" in r.stdout, output
 
 
-@pytest.mark.parametrize("name,command,note", HIDDEN, ids=[h[0] for h in HIDDEN])
+@pytest.mark.parametrize("name,command,note", HIDDEN,
+                         ids=[h[0] + ("-short-last-batch" if h[2] == "short last batch" else "") for h in HIDDEN])
 def test_a_smaller_check_misses_it_and_says_what_it_left_out(ran, name, command, note):
     needs_jargon(command)
-    r = ran[("hidden", name)]
+    r = ran[("hidden", name, command)]
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(line.startswith("check: not exercised:") and note in line for line in r.stdout.splitlines()), \
         r.stdout[-3000:]

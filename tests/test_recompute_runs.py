@@ -80,9 +80,8 @@ FAST = {("ddp", "full"), ("gpt-tp", "selective"), ("gpt-pipeline-zb-h1", "full")
 def job_config(out: Path, strategy: str, workers: int, extra: dict, mode: str) -> RunConfig:
     kw = dict(strategy=strategy, workers=workers, out=str(out), dataset="synthetic", synthetic_size=512,
               width=0.125, batch_size=16, num_batches=STEPS, check=True, precision="fp64", recompute=mode,
-              progress=False, eval_batches=1, eval_batch_size=16, timeout=60, log_every=STEPS,
-              check_cache=shared_references()) | REAL
-    return RunConfig(**(kw | extra)).validate()
+              progress=False, eval_batches=1, eval_batch_size=16, timeout=60, log_every=STEPS) | REAL | extra
+    return RunConfig(**kw, check_cache=shared_references(kw["precision"])).validate()
 
 
 def run_jobs(root: Path, world: int, jobs: list) -> dict:

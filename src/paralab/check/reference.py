@@ -1,18 +1,20 @@
 """The single-process reference, and the comparisons behind ``--check``.
 
 The reference trains the plain model in one process on the *same global
-batches* as the strategy, replaying the strategy's own batch split: it runs
-forward and backward on each data-parallel shard (and each microbatch within
-it) separately and weights each loss by its share of the samples, as the
-strategy does (one forward and backward on the whole batch where the layout
-has one shard and one microbatch).
+batches* as the strategy, replaying the strategy's own batch split where it
+matters:
 
-- Without BatchNorm, splitting changes the arithmetic only by rounding; the
-  split is replayed anyway so that a shard rounds as its rank does: below
-  fp64 a layout whose ranks add their gradients in the reference's order
-  (two data-parallel ranks, a pipeline's microbatches) is then exact.
+- Without BatchNorm (``--norm none``) splitting cannot change the arithmetic
+  beyond rounding, so the reference is the classic one: one forward and
+  backward on the whole global batch. But two data-parallel shards of one
+  microbatch each are replayed one by one (not over documents, whose loss
+  over the whole batch is ``F.cross_entropy``'s own): every correct
+  all-reduce of two gradients adds them bit for bit as the reference does,
+  so below fp64 such a run is exact, not within a noise band.
 - With BatchNorm, normalisation statistics depend on which samples share a
-  forward pass, so the split is the arithmetic itself. Running statistics
+  forward pass. The reference therefore runs forward on each data-parallel
+  shard (and each microbatch within it) separately and weights each loss by
+  its share of the samples, exactly as the strategy does. Running statistics
   follow the strategy's declared ``bn_rule``:
     * ``first-replica`` (data parallelism, as PyTorch DDP: rank 0's buffers are
       authoritative): statistics come from shard 0's microbatches only;
@@ -53,7 +55,7 @@ from ..training.losses import cross_entropy
 from ..training.lr_schedule import REFERENCE_BATCH, LRSchedule, set_lr
 
 from ..models.moe import moe_layers
-from ..strategies.base import has_batchnorm, split_microbatches, take_history, training_loss
+from ..strategies.base import has_batchnorm, take_history, training_loss
 from ..strategies.portable import optimizer_by_name
 
 #: what a check compares, and how far (absolute, ``rtol=0``) each may be from the reference to be exact:
@@ -170,12 +172,16 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     losses = []
     # BatchNorm's statistics depend on which samples share a forward, a mixture of experts routes, drops and
     # balances over the tokens of one forward, and compression (or a lossy wire) acts on each shard's gradient:
-    # the shards must be replayed one by one. Any other split is replayed too, for the rounding: a shard's
-    # forward and backward round as the rank's do, so where the ranks add their gradients in the order
-    # reference does (two shards, a pipeline's microbatches) a check below fp64 is exact, not within a band.
-    # The noise band's reordered reference cuts the batch otherwise, on purpose.
+    # the shards must be replayed one by one. So are two shards of one microbatch each, for the rounding: their
+    # sum is the one split any correct all-reduce adds bit for bit (a + b = b + a, halved exactly), so a
+    # 2-worker data-parallel run below fp64 is exact, not within a band. Any other split adds in the layout's
+    # own order, which the band measures (the reference replaying it would round nearer the run in some
+    # places and not others). Not over documents: their loss over the whole batch is torch's own (the module
+    # docstring), which is what catches a run's piece of it counting wrong. The noise band's reordered
+    # reference cuts the batch otherwise, on purpose.
     must = has_batchnorm(model) or how.combine is not None or bool(moe_layers(model)) or how.wired
-    split = must or (how.replicas * how.microbatches > 1 and how.perturb != "reordered")
+    pair = how.replicas == 2 and how.microbatches == 1 and how.packing is None
+    split = must or (pair and how.perturb != "reordered")
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
@@ -254,7 +260,10 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
         shard_loss = 0.0
         with steps.entered(steps.of_rows(step, how.seed, x, y, rows=total, first=first, targets=targets,
                                          packing=bool(how.packing))):
-            chunks = split_microbatches(x, y, how.microbatches)
+            # the microbatches and their weights (each one's share of the shard's samples) the reference's own,
+            # not the run's split_microbatches: a wrong weight there is a bug it must see
+            chunks = [(xs, ys, len(ys) / len(y)) for xs, ys in zip(torch.tensor_split(x, how.microbatches),
+                                                                  torch.tensor_split(y, how.microbatches)) if len(ys)]
             steps.split([len(c[1]) for c in chunks])
             for i, (xs, ys, w) in enumerate(chunks):
                 with steps.microbatch(i):
