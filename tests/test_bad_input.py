@@ -1,5 +1,6 @@
 """Bad input is refused before training: exit code 2, a message saying what to change, nothing written."""
 import gzip
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,11 @@ def refused(capsys, tmp_path, *argv):
     # check on one rank (13 GiB), not an fp32 one (26 GiB: the reference four times over, one of them in fp64)
     (["single", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "8", "--embed", "2048", "--heads", "16",
       "--check", "--precision", "fp32"], "four times over: the reference and the three its noise band measures"),
+    # and in fp64 for a strategy that declares a lossy gradient wire (its band is trained in fp64): 302M parameters
+    # over 2 ranks fit a plain fp64 check (7 GiB of reference, 4.5 of the ranks' models), not four fp64 references
+    ([str(Path(__file__).resolve().parent.parent / "examples" / "strategies" / "fp16_allreduce.py"), "--workers",
+      "2", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "6", "--embed", "2048", "--heads", "16",
+      "--check", "--precision", "fp64"], "four times over: the reference and the three its noise band measures"),
     # a model whose weights alone cannot be held (each rank builds it whole), or cannot even be counted
     (["single", "--width", "1e9"], "has a layer too large for torch to count; lower --width"),
     (["single", "--width", "5000"], "GiB of weights in fp32: more than the memory this machine has available"),

@@ -341,14 +341,17 @@ def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> 
 ADAMS = ("adam", "adamw")
 
 
-def reference_bytes(cfg, parameters: int) -> int:
+def reference_bytes(cfg, parameters: int, wire: torch.dtype | None = None) -> int:
     """The bytes the reference of a model of ``parameters`` holds at least: its weights, their gradients and
     the optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
     activations come on top. Below fp64 the noise band's three references (``check/band.py``) come with it: two
-    more in float32 (bf16 autocast keeps float32 weights) and one in float64."""
+    more in float32 (bf16 autocast keeps float32 weights) and one in float64; in fp64 too where the strategy
+    declares a lossy ``wire`` (its ``gradient_wire``), all four in float64."""
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
     per_copy = parameters * (2 + states)
-    return per_copy * 8 if cfg.precision == "fp64" else per_copy * (4 + 2 * 4 + 8)
+    if cfg.precision == "fp64":
+        return per_copy * 8 * (1 if wire is None else 4)
+    return per_copy * (4 + 2 * 4 + 8)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, dict]:

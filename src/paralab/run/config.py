@@ -327,7 +327,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.lr_schedule == "cosine" or self.min_lr:
             check_schedule(self, shape.dp)
         if self.check:
-            check_reference_fits(self, parameters)
+            check_reference_fits(self, parameters, named_cls.gradient_wire)
         if self.check:  # a comparison fp32 cannot vouch for (Strategy.check_limit): refused before anything starts
             from ..strategies import check_limit
             why = check_limit(self, self.world)
@@ -462,12 +462,13 @@ def check_fits_in_memory(cfg: RunConfig) -> int:
     return parameters
 
 
-def check_reference_fits(cfg: RunConfig, parameters: int) -> None:
+def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
     """--check: rank 0 trains the single-process reference (the whole model in one process) beside its part of
     the run, while each local rank builds the whole model before its strategy splits it; refuse before start
-    where the reference and those models cannot fit in memory together."""
+    where the reference and those models cannot fit in memory together (``wire``: the strategy's lossy
+    ``gradient_wire``, whose noise band is trained in fp64 too)."""
     from ..check.reference import reference_bytes
-    each, weights = reference_bytes(cfg, parameters), parameters * (8 if cfg.precision == "fp64" else 4)
+    each, weights = reference_bytes(cfg, parameters, wire), parameters * (8 if cfg.precision == "fp64" else 4)
     local = cfg.workers if cfg.world_size is None else 1
     if cfg.device == "cuda" or cfg.backend == "nccl":
         import torch
@@ -480,8 +481,9 @@ def check_reference_fits(cfg: RunConfig, parameters: int) -> None:
         raise UsageError(f"--check: rank 0 trains the single-process reference beside its part of the run, and "
                          f"the reference alone holds at least {each / gib:.1f} GiB (the model's {parameters:,} "
                          f"parameters, their gradients and the optimizer's state, in {cfg.precision}"
-                         + ("" if cfg.precision == "fp64" else ", four times over: the reference and the three "
-                            "its noise band measures the run's rounding with, docs/correctness.md") + "), beside "
+                         + ("" if cfg.precision == "fp64" and wire is None else ", four times over: the reference "
+                            "and the three its noise band measures the run's rounding with, docs/correctness.md")
+                         + "), beside "
                          + (f"the {local} local ranks' whole models ({local * weights / gib:.1f} GiB)" if local > 1
                             else f"the rank's whole model ({weights / gib:.1f} GiB)")
                          + f": more than {where} ({available / gib:.1f} GiB). Check a smaller shape of the same "
