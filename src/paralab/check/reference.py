@@ -179,7 +179,8 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     # places and not others). Not over documents: their loss over the whole batch is torch's own (the module
     # docstring), which is what catches a run's piece of it counting wrong. The noise band's reordered
     # reference cuts the batch otherwise, on purpose.
-    must = has_batchnorm(model) or how.combine is not None or bool(moe_layers(model)) or how.wired
+    batchnorm = has_batchnorm(model)
+    must = batchnorm or how.combine is not None or bool(moe_layers(model)) or how.wired
     pair = how.replicas == 2 and how.microbatches == 1 and how.packing is None
     split = must or (pair and how.perturb != "reordered")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -198,7 +199,7 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
         targets = None if how.packing is None else [y for _, y in shards]  # documents: the loss's global count
         model.train()
         if split:
-            losses.append(_shards_step(model, optimizer, params, forward, shards, step, targets, how))
+            losses.append(_shards_step(model, optimizer, params, forward, shards, step, targets, how, batchnorm))
         elif how.perturb == "reordered":
             losses.append(_reordered_step(forward, shards, step, how.seed, targets, how.packing))
         else:
@@ -246,7 +247,8 @@ def _shard_losses(per_target: torch.Tensor, shards, valid: int, packing) -> list
              else per_target[a:b].mean()).item() for a, b in zip(rows, rows[1:])]
 
 
-def _shards_step(model, optimizer, params, forward, shards, step: int, targets, how: Replay) -> list[float]:
+def _shards_step(model, optimizer, params, forward, shards, step: int, targets, how: Replay,
+                 batchnorm: bool) -> list[float]:
     """One step replayed shard by shard and, inside each, microbatch by microbatch (each loss weighted by its
     share of the samples); BatchNorm's running statistics as ``how.bn_rule`` says. Leaves the step's gradient
     in ``params``; returns each shard's loss."""
@@ -254,7 +256,6 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
     after = how.perturb == "reordered" and how.combine is None  # each shard's gradient weighted after the sum
     apart = how.combine is not None or how.perturb == "reordered" or how.wired  # each shard's gradient kept apart
     kept_buffers, shard_losses, per_shard = None, [], []
-    batchnorm = has_batchnorm(model)  # the only buffers a forward changes
     first = 0  # the shard's first row in the global batch
     for r, (x, y) in enumerate(shards):
         shard_loss = 0.0
@@ -273,7 +274,7 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
                 shard_loss += reported.item() * w
         first += len(y)
         shard_losses.append(shard_loss)
-        if r == 0 and how.bn_rule == "first-replica" and batchnorm:
+        if r == 0 and how.bn_rule == "first-replica" and batchnorm:  # the only buffers a forward changes
             kept_buffers = [b.detach().clone() for b in model.buffers()]
         if apart:
             per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -341,6 +342,12 @@ def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> 
 ADAMS = ("adam", "adamw")
 
 
+def banded(precision: str, wire: torch.dtype | None = None) -> bool:
+    """Whether a check's comparisons beyond exact are judged by a noise band (``check/band.py``): below fp64, and
+    in fp64 for a strategy that declares a lossy ``wire`` (its ``gradient_wire``)."""
+    return precision != "fp64" or wire is not None
+
+
 def reference_bytes(cfg, parameters: int, wire: torch.dtype | None = None) -> int:
     """The bytes the reference of a model of ``parameters`` holds at least: its weights, their gradients and
     the optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
@@ -350,7 +357,7 @@ def reference_bytes(cfg, parameters: int, wire: torch.dtype | None = None) -> in
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
     per_copy = parameters * (2 + states)
     if cfg.precision == "fp64":
-        return per_copy * 8 * (1 if wire is None else 4)
+        return per_copy * 8 * (4 if banded(cfg.precision, wire) else 1)
     return per_copy * (4 + 2 * 4 + 8)
 
 

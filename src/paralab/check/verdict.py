@@ -46,7 +46,7 @@ from ..training import step as steps
 from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
-from .reference import (ADAMS, TOLERANCES, Comparison, TorchSchedule, bits_deviation, compare_optimizer,
+from .reference import (ADAMS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation, compare_optimizer,
                         Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
@@ -187,7 +187,7 @@ class Check:
         self.steps = checked_steps(start, total, cfg.check_every)
         # fp64: fixed tolerances; below it, fp64's tolerances say "exact" and a band measured for this run says
         # what rounding may do (check/band.py)
-        self.banded = cfg.precision != "fp64" or strategy.gradient_wire is not None
+        self.banded = banded(cfg.precision, strategy.gradient_wire)
         self.tol = TOLERANCES["fp64" if self.banded else cfg.precision]
         self.band: Band | None = None
         self.bands: dict[int, tuple[dict, dict]] = {}  # rank 0: step -> (each weight's band, each state's)

@@ -467,7 +467,7 @@ def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
     the run, while each local rank builds the whole model before its strategy splits it; refuse before start
     where the reference and those models cannot fit in memory together (``wire``: the strategy's lossy
     ``gradient_wire``, whose noise band is trained in fp64 too)."""
-    from ..check.reference import reference_bytes
+    from ..check.reference import banded, reference_bytes
     each, weights = reference_bytes(cfg, parameters, wire), parameters * (8 if cfg.precision == "fp64" else 4)
     local = cfg.workers if cfg.world_size is None else 1
     if cfg.device == "cuda" or cfg.backend == "nccl":
@@ -481,7 +481,7 @@ def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
         raise UsageError(f"--check: rank 0 trains the single-process reference beside its part of the run, and "
                          f"the reference alone holds at least {each / gib:.1f} GiB (the model's {parameters:,} "
                          f"parameters, their gradients and the optimizer's state, in {cfg.precision}"
-                         + ("" if cfg.precision == "fp64" and wire is None else ", four times over: the reference "
+                         + ("" if not banded(cfg.precision, wire) else ", four times over: the reference "
                             "and the three its noise band measures the run's rounding with, docs/correctness.md")
                          + "), beside "
                          + (f"the {local} local ranks' whole models ({local * weights / gib:.1f} GiB)" if local > 1
