@@ -72,7 +72,7 @@ Per step on the busiest device (all times in seconds):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ...strategies.pipeline.schedules import build_schedule, spec_of
@@ -166,19 +166,61 @@ def stage_of_rank(layout: Layout) -> list[list[int]]:
 
 
 def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool = True,
-            cut: list[tuple[int, int]] | None = None) -> Prediction:
-    """``lay``'s predicted step and memory (``cut``: the stages' units, where a run chose its own)."""
+            cut: list[tuple[int, int]] | None = None, memo: dict | None = None) -> Prediction:
+    """``lay``'s predicted step and memory (``cut``: the stages' units, where a run chose its own).
+
+    ``memo``: a dict a caller keeps across layouts of one workload, cluster and setting (a search's first
+    pass): layouts that differ only in ZeRO stage and HSDP replication share their stages and pipeline
+    (:class:`Pipeline`), worked out once."""
+    if memo is None or cut is not None:
+        pipeline = _pipeline(work, lay, cluster, setting, simulate_pipeline, cut)
+    else:
+        key = (replace(lay, zero=0, replicate=1), simulate_pipeline)
+        pipeline = memo.get(key)
+        if pipeline is None:
+            pipeline = memo[key] = _pipeline(work, lay, cluster, setting, simulate_pipeline, cut)
+    return _with_data_parallelism(work, lay, cluster, setting, pipeline)
+
+
+@dataclass
+class Pipeline:
+    """What a layout's stages and schedule give, whatever its ZeRO stage and HSDP replication: the busiest
+    pipeline rank's times over the step, the pipeline's makespan, and what each rank holds."""
+    stages: list              # (first unit, end) of each stage
+    ranks: list               # the stages each pipeline rank holds
+    kinds: list               # per rank: the kind of its stages (alike ranks: alike work and memory)
+    first: dict               # one rank of each kind
+    r_max: int                # the busiest pipeline rank
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    bubble: float
+    pp_comm: float
+    pipe: float               # the pipeline's step: makespan with transfers (the busiest rank's work at p = 1)
+    simulated: bool
+    bounded: bool
+    stage_params: list        # per rank: the parameters of its stages
+    moe_held: list | None     # per rank, a mixture of experts': (the rest, experts) held
+    units_of: list            # per rank: its units with parameters
+    acts: list                # per rank: activation bytes at its peak (per microbatch x alive + transient)
+    last_backward: float      # the busiest rank's last microbatch's backward (what ddp's buckets overlap)
+    first_forward: float      # and its first forward (what fsdp's asynchronous all-gather hides behind)
+
+
+def _pipeline(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, simulate_pipeline: bool,
+              cut: list[tuple[int, int]] | None) -> Pipeline:
+    """``lay``'s stages timed, and its pipeline scheduled (the per-stage times, pipeline and activations
+    sections of the module docstring)."""
     e, rate = setting.element, cluster.rate(setting.dtype)
     t, p, v, d, b, m = lay.tp, lay.pp, lay.virtual, lay.dp, lay.microbatch, lay.microbatches
-    C = lay.cp  # the gradients are averaged over dp x cp (the dpcp group)
+    C = lay.cp
     stages = [tuple(c) for c in cut] if cut is not None else work.cut(p * v)
     if isinstance(stages, str):
         raise ValueError(stages)
     tp_link = cluster.link(t)
     cp_link = cluster.link(t * C)
-    dp_link = cluster.link(t * C * d)
     pp_link = cluster.link(t * C * d * p)
-    notes = []
     # ---------------------------------------------------------------- per-stage times
     fwd, bwd, tpc, cpc, epc = [], [], [], [], []  # tpc: a stage's tp, cp and ep communication per microbatch
     s_tok = work.tokens_per_sample
@@ -223,8 +265,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
     kind_of = (lambda lo, hi: (lo == 0, hi == len(work.units), hi - lo)) if work.kind == "gpt" else \
         (lambda lo, hi: (lo, hi))
     alike: dict[tuple, tuple] = {}
-    for lo, hi in stages:
-        kind = kind_of(lo, hi)
+    stage_kinds = [kind_of(lo, hi) for lo, hi in stages]
+    for (lo, hi), kind in zip(stages, stage_kinds):
         if kind not in alike:
             alike[kind] = stage_times(lo, hi)
         f, back, comm, cp, ep = alike[kind]
@@ -234,7 +276,7 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         cpc.append(cp)
         epc.append(ep)
     ranks = stage_of_rank(lay)
-    kinds = [tuple(kind_of(*stages[s]) for s in held) for held in ranks]
+    kinds = [tuple(map(stage_kinds.__getitem__, held)) for held in ranks]
     first = {}  # one rank of each kind: what depends on a rank's stages alone is worked out for it, once
     for r, k in enumerate(kinds):
         first.setdefault(k, r)
@@ -263,7 +305,8 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         hosted = ([f + host * n for f, n in zip(F, ends)], [b_ + host * n for b_, n in zip(B, ends)])
 
         def slowest(F, B) -> tuple[float, float]:  # the slowest rank's forward and backward (its stages summed)
-            return max(sum(F[s] for s in held) for held in ranks), max(sum(B[s] for s in held) for held in ranks)
+            held = [ranks[r] for r in first.values()]  # alike ranks hold alike stages: one of each kind
+            return max(sum(F[s] for s in h) for h in held), max(sum(B[s] for s in h) for h in held)
         if simulate_pipeline and cluster.crowding:  # workers sharing cores: stages take turns (shared_cores.py)
             free, real, compute = shared_makespans(lay.schedule, p, m, v, tuple(fwd), tuple(bwd), tuple(tpc),
                                                    transfer, cluster.crowding, host, wire)
@@ -298,17 +341,42 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         pipe = real + tied
     else:
         pipe = busy[0]
-    # ---------------------------------------------------------------- data parallelism
     stage_params = by_kind(lambda r: sum(work.parameters_in(*stages[s]) for s in ranks[r]))
     # a mixture of experts: per rank (the rest, experts) held; the MoE layers whole over tp, experts over ep
     moe_held = by_kind(lambda r: tuple(map(sum, zip(*(work.held_parameters(*stages[s], t, lay.ep)
                                                        for s in ranks[r]))))) if work.moe else None
+    units_of = by_kind(lambda r: sum(work.units_with_parameters(*stages[s]) for s in ranks[r]))
+    alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
+    acts = []
+    kept = by_kind(lambda r: (  # per microbatch alive, and a recomputation's transient
+        sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in ranks[r]) / len(ranks[r]) / C,
+        max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in ranks[r]) / C))
+    for r, (per_mb, again) in enumerate(kept):
+        acts.append(per_mb * alive[r] + again)
+    return Pipeline(stages, ranks, kinds, first, r_max, compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, pipe, simulated,
+                    bounded, stage_params, moe_held, units_of, acts,
+                    last_backward=sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max]),
+                    first_forward=sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max]))
+
+
+def _with_data_parallelism(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, pl: Pipeline
+                           ) -> Prediction:
+    """``pl`` with the data-parallel communication, the optimizer step and the memory of ``lay``'s ZeRO stage
+    and replication (the data parallelism, optimizer and memory sections of the module docstring)."""
+    e = setting.element
+    t, p, d, m, C = lay.tp, lay.pp, lay.dp, lay.microbatches, lay.cp
+    dp_link = cluster.link(t * C * d)
+    stages, ranks, r_max, stage_params, moe_held, units_of = (pl.stages, pl.ranks, pl.r_max, pl.stage_params,
+                                                              pl.moe_held, pl.units_of)
+    last_backward, first_forward, acts = pl.last_backward, pl.first_forward, pl.acts
+    def by_kind(f) -> list:  # as _pipeline's
+        done = {k: f(r) for k, r in pl.first.items()}
+        return [done[k] for k in pl.kinds]
+    notes = []
+    # ---------------------------------------------------------------- data parallelism
     local = stage_params[r_max] / t if moe_held is None else sum(moe_held[r_max])
     grad_bytes = local * e
     dp_total = dp_exposed = 0.0
-    last_backward = sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max])
-    first_forward = sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max])
-    units_of = by_kind(lambda r: sum(work.units_with_parameters(*stages[s]) for s in ranks[r]))
     units_with_params = units_of[r_max]
     R = lay.replicate  # HSDP: shards over d / R, the shard all-reduced over R
     if d * C > 1:
@@ -356,13 +424,6 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
         states_by_rank = by_kind(states_of)
         est = states_by_rank[r_max][0]
         optimizer = 2 * est.total / (cluster.memory_gbs * 1e9)
-    alive = spec_of(lay.schedule).alive(p, m, v) if p > 1 else [1]
-    acts = []
-    kept = by_kind(lambda r: (  # per microbatch alive, and a recomputation's transient
-        sum(work.activation_bytes(*stages[s], b, t, lay.sp, lay.recompute, e, lay.ep) for s in ranks[r]) / len(ranks[r]) / C,
-        max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in ranks[r]) / C))
-    for r, (per_mb, again) in enumerate(kept):
-        acts.append(per_mb * alive[r] + again)
     # the busiest device for memory: model states of its stages + its activations
     mem_by_rank = []
     for r in range(p):
@@ -374,18 +435,19 @@ def predict(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, sim
                 states += stage_params[r] / t * e
         mem_by_rank.append((states + acts[r], states, acts[r], r))
     memory, states, activations, r_mem = max(mem_by_rank)
-    step = pipe + dp_exposed + optimizer
+    step = pl.pipe + dp_exposed + optimizer
     gb = setting.global_batch
     tokens = gb * work.tokens_per_sample
     workers = d * t * p * C
     mfu = gb * work.model_flops_per_sample() / step / (workers * cluster.peak(setting.dtype))
-    return Prediction(lay, step, compute, tp_comm, bubble, pp_comm, dp_exposed, dp_total, optimizer, memory,
+    return Prediction(lay, step, pl.compute, pl.tp_comm, pl.bubble, pl.pp_comm, dp_exposed, dp_total, optimizer,
+                      memory,
                       {"model_states": states, "activations": activations, "rank": r_mem,
                        "model_states_formula": moe_states[r_mem][2] if moe_states else est.total_formula.formula
                        + (" + ddp's gradient buckets (Psi)" if lay.zero == 0 else "")},
-                      fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=simulated,
-                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes, cp_comm=cp_comm,
-                      ep_comm=ep_comm, bounded=bounded,
+                      fits=memory <= cluster.memory_gb * 1e9 * cluster.usable_fraction, simulated=pl.simulated,
+                      mfu=mfu, tokens_per_s=tokens / step, samples_per_s=gb / step, notes=notes,
+                      cp_comm=pl.cp_comm, ep_comm=pl.ep_comm, bounded=pl.bounded,
                       memory_by_rank=[(st, a) for _, st, a, _ in mem_by_rank])
 
 

@@ -21,7 +21,7 @@ import bisect
 import functools
 import multiprocessing
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cluster import Cluster
 from .layouts import Layout, devices_problem, enumerate_layouts, why_none
@@ -51,10 +51,12 @@ def _predict(work: Workload, cluster: Cluster, setting: Setting, simulate: bool,
     return predict(work, layout, cluster, setting, simulate_pipeline=simulate)
 
 
-def _rough(work: Workload, cluster: Cluster, setting: Setting, layout: Layout) -> tuple[float, float, bool, bool]:
+def _rough(work: Workload, cluster: Cluster, setting: Setting, memo: dict, layout: Layout
+           ) -> tuple[float, float, bool, bool]:
     """The first pass's answer for one layout, as little as crosses a process boundary: (step, memory, fits,
-    whether the step is a lower bound: a pipeline no closed form holds for)."""
-    x = predict(work, layout, cluster, setting, simulate_pipeline=False)
+    whether the step is a lower bound: a pipeline no closed form holds for). ``memo``: :func:`predict`'s, kept
+    for a chunk of layouts."""
+    x = predict(work, layout, cluster, setting, simulate_pipeline=False, memo=memo)
     return x.step, x.memory, x.fits, x.bounded
 
 
@@ -95,8 +97,17 @@ def rough_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting:
                tick=None) -> list[tuple[float, float, bool, bool]]:
     """The first pass (closed forms) over every layout, on the cores this process may use: (step, memory,
     fits, lower bound) each, in order; chunks of a few hundred layouts, so what returns costs little beside the
-    work."""
-    return _map(functools.partial(_rough, work, cluster, setting), layouts, tick, 256)
+    work. Layouts that differ only in ZeRO stage and HSDP replication go out side by side, so that a chunk
+    works their pipeline out once (:func:`predict`'s ``memo``: a fresh one per chunk)."""
+    alike: dict[Layout, list[int]] = {}
+    for i, lay in enumerate(layouts):
+        alike.setdefault(replace(lay, zero=0, replicate=1), []).append(i)
+    order = [i for group in alike.values() for i in group]
+    out = _map(functools.partial(_rough, work, cluster, setting, {}), [layouts[i] for i in order], tick, 256)
+    answers: list = [None] * len(layouts)
+    for i, x in zip(order, out):
+        answers[i] = x
+    return answers
 
 
 def make_plan(work: Workload, cluster: Cluster, setting: Setting, workers: int, *, fixed: dict | None = None,
