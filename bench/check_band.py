@@ -1,17 +1,18 @@
-"""Bug or rounding: ``--check``'s noise band on correct layouts and on seeded bugs, in fp32 and bf16.
+"""Bug or rounding: ``--check``'s noise band on correct layouts and on seeded bugs, in fp32, bf16 and fp16.
 
 Two tables, each row a ``paralab train ... --check`` of this checkout:
 
 - **correct**: every built-in layout of :data:`LAYOUTS` (data-parallel flavours, ZeRO 1/2/3, HSDP, tp and
   sp, the pipeline schedules, cp ring and Ulysses, experts, recomputation, the lossy compressions) on a small
-  gpt, ``--precision fp32`` and ``bf16``, ``--num-batches 20 --check-every 5``, ``--seeds`` seeds each: the
+  gpt, ``--precision fp32``, ``bf16`` and ``fp16`` (``--precisions``), ``--num-batches 20 --check-every 5``,
+  ``--seeds`` seeds each: the
   verdict and the worst ratio of any compared quantity to its band. A correct layout must never say ``bug``.
 - **bugs**: every seeded bug of ``tests/test_mutants.py`` (the package copied, one line changed), its own
-  command at ``fp64``, ``fp32`` and ``bf16`` with ``--check-every 1``: the verdict, the worst ratio to the band
+  command at ``fp64`` and each of ``--precisions`` with ``--check-every 1``: the verdict, the worst ratio to the band
   (below fp64), and the first step where the weights or the optimizer's state leave it (fp64: their
   tolerance). A bug should say ``bug`` at every precision, within a few steps of fp64.
 
-  .venv/bin/python bench/check_band.py [--only correct|bugs] [--seeds 3] [--jobs 2]
+  .venv/bin/python bench/check_band.py [--only correct|bugs] [--precisions fp32,bf16,fp16] [--seeds 3] [--jobs 2]
 
 Writes bench/results/check-band.json (the CPU named from ``lscpu``) and prints both tables.
 """
@@ -67,6 +68,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="bench/check_band.py", description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("correct", "bugs"), help="one table only (default: both)")
     p.add_argument("--seeds", type=int, default=3, help="seeds of each correct layout, each precision")
+    p.add_argument("--precisions", default="fp32,bf16,fp16", help="precisions below fp64 (comma-separated)")
     p.add_argument("--steps", type=int, default=20, help="steps of each correct layout")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="correct layouts (comma-separated names)")
     p.add_argument("--bugs", default=None, help="seeded bugs (comma-separated names; default all)")
@@ -100,7 +102,7 @@ def train(argv: list[str], out: Path, pythonpath: Path) -> dict:
 
 def correct_table(args, work: Path) -> list[dict]:
     names = [n for n in args.layouts.split(",") if n]
-    jobs = [(name, precision, seed) for name in names for precision in ("fp32", "bf16")
+    jobs = [(name, precision, seed) for name in names for precision in args.precisions.split(",")
             for seed in range(1, args.seeds + 1)]
 
     def one(job):
@@ -134,14 +136,14 @@ def bugs_table(args, work: Path) -> list[dict]:
                     "error": f"{mutant.file}: the line to change occurs {text.count(mutant.old)} times"}
         path.write_text(text.replace(mutant.old, mutant.new))
         row = {"bug": mutant.name, "why": mutant.why}
-        for precision in ("fp64", "fp32", "bf16"):
+        for precision in ("fp64", *args.precisions.split(",")):
             out = root / precision
             # the bug's own options after the common ones, so they win (--num-batches), as tests/test_mutants.py
             row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check", "--precision",
                                     precision, "--check-every", "1", "--no-first-divergence"], out, root)
         shutil.rmtree(root, ignore_errors=True)
         print(f"  bug {mutant.name:40s} " + "  ".join(
-            f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}" for p in ("fp64", "fp32", "bf16")),
+            f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}" for p in ("fp64", *args.precisions.split(","))),
             flush=True)
         return row
 
@@ -153,16 +155,18 @@ def _ratio(r) -> str:
     return "-" if r is None else f"{r:.3g}"
 
 
-def summarise(correct: list[dict], bugs: list[dict]) -> dict:
+def summarise(correct: list[dict], bugs: list[dict], precisions: list[str]) -> dict:
     said = {}
-    if correct:
-        ratios = [r["worst_ratio"] for r in correct if r.get("worst_ratio") is not None]
-        said["correct"] = {"runs": len(correct), "bug_verdicts": sum(r["verdict"] == "bug" for r in correct),
-                           "errors": sum(r["verdict"] == "error" for r in correct),
-                           "worst_ratio": max(ratios) if ratios else None,
-                           "median_ratio": statistics.median(ratios) if ratios else None}
+    for p in precisions if correct else []:
+        rows = [r for r in correct if r["precision"] == p]
+        ratios = [r["worst_ratio"] for r in rows if r.get("worst_ratio") is not None and r["verdict"] != "exact"]
+        said[f"correct_{p}"] = {"runs": len(rows), "bug_verdicts": sum(r["verdict"] == "bug" for r in rows),
+                                "errors": sum(r["verdict"] == "error" for r in rows),
+                                "exact": sum(r["verdict"] == "exact" for r in rows),
+                                "worst_ratio": max(ratios) if ratios else None,
+                                "median_ratio": statistics.median(ratios) if ratios else None}
     if bugs:
-        for p in ("fp32", "bf16"):
+        for p in precisions:
             caught = [b for b in bugs if b.get("fp64", {}).get("verdict") == "bug"]
             ratios = [b[p]["worst_ratio"] for b in caught if b[p].get("worst_ratio") is not None]
             late = [b["bug"] for b in caught if b[p]["verdict"] == "bug" and b[p]["first_step_outside"] is not None
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
         bugs = bugs_table(args, work) if args.only in (None, "bugs") else []
     result = {"bench": "check_band", "cpu": cpu_name(), "when": time.strftime("%Y-%m-%d"),
               "seconds": round(time.time() - started), "steps": args.steps, "seeds": args.seeds,
-              "summary": summarise(correct, bugs), "correct": correct, "bugs": bugs}
+              "summary": summarise(correct, bugs, args.precisions.split(",")), "correct": correct, "bugs": bugs}
     path = write_result(args.out, result)
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {path}")

@@ -1,7 +1,7 @@
 """The noise band: how far from the reference a correct layout may land below fp64, measured for each run.
 
 In fp64 a correct layout reproduces the single-process reference to about
-1e-12, and ``--check`` judges it against fixed tolerances. In fp32 and bf16 it
+1e-12, and ``--check`` judges it against fixed tolerances. In fp32, bf16 and fp16 it
 cannot: a layout adds, casts and reduces in another order than one process,
 each step carries those roundings into the next, and momentum, Adam's moments
 and BatchNorm amplify them. A tolerance set by hand is either too tight at a
@@ -16,8 +16,8 @@ each changed in one way (``Replay.perturb``, ``check/reference.py``):
   or experts, the shards' gradients added last first), as another layout's
   reduction adds it;
 - ``rounded``: each gradient rounded once more, element by element by up to
-  one unit roundoff of the precision the run computes in (bf16's under
-  autocast, TF32's where CUDA's matmuls or convolutions use it), as another
+  one unit roundoff of the precision the run computes in (bf16's or fp16's
+  under autocast, TF32's where CUDA's matmuls or convolutions use it), as another
   layout's kernels and collectives round it; for a strategy that declares a
   narrower ``gradient_wire`` than it (a user's fp16 all-reduce, which the
   reference does not replay), each gradient is rounded through that dtype,
@@ -57,7 +57,7 @@ FLOOR = 4.0
 
 def unit_roundoff(precision: str, device: torch.device, wire: torch.dtype | None = None) -> float:
     """Half an ulp of 1 in the precision the run's arithmetic rounds to: a gradient wire's (a strategy's
-    ``gradient_wire``) where it is the coarser; bf16 under autocast; TF32 for fp32 on a CUDA device whose matmuls
+    ``gradient_wire``) where it is the coarser; bf16 or fp16 under autocast; TF32 for fp32 on a CUDA device whose matmuls
     or convolutions use it (PyTorch's default for convolutions); fp32's; fp64's."""
     if wire is not None:
         return max(torch.finfo(wire).eps / 2, unit_roundoff(precision, device))
@@ -65,6 +65,8 @@ def unit_roundoff(precision: str, device: torch.device, wire: torch.dtype | None
         return 2.0 ** -53
     if precision == "bf16":
         return 2.0 ** -8
+    if precision == "fp16":
+        return 2.0 ** -11
     if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
         return 2.0 ** -11
     return 2.0 ** -24

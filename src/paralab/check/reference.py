@@ -26,7 +26,7 @@ buffers and every parameter's optimizer state after each checked step (fp64 ``1e
 every step as each rank reports it against its shard's loss in the reference (``1e-8``), under
 ``--clip-grad`` the whole model's gradient norm of every step (``1e-10``: torch's ``clip_grad_norm_`` on the
 reference's gradient), and the next batch's logits at the end (``1e-8``). Without ``--precision`` a check runs
-in fp64 and these decide. Below fp64 (``--precision fp32|bf16``) they say only "exact": each compared tensor
+in fp64 and these decide. Below fp64 (``--precision fp32|bf16|fp16``) they say only "exact": each compared tensor
 is judged against a noise band measured for the run (``check/band.py``). The fp32 row is the course
 setting's fixed tolerance, which the grader's own comparison of a submission's weights still uses
 (``grading/weights.py``).
@@ -136,7 +136,16 @@ class Replay:
     - ``packing``: documents (``data/documents.py``), packed (True) or padded (False); None: not documents. The
       loss is then the step's sum over valid targets over their global count, and packed rows attend within
       their documents (``training/step.py``), as every layout does;
-    - ``autocast``: the forwards run under ``torch.autocast`` to that dtype (``--precision bf16``), as the run's;
+    - ``autocast``: the forwards run under ``torch.autocast`` to that dtype (``--precision bf16|fp16``), as the
+      run's; ``scaler`` (fp16): torch's own ``GradScaler`` scales each backward's loss, unscales the gradient
+      before clipping and skips a step whose gradient overflowed, as the run's loss scale must
+      (``training/loss_scale.py``), each step's (scale, skipped) written into ``scales``; without a scaler,
+      ``scales`` given (the noise band's references under fp16): that scale and that skip followed, so that
+      the band measures rounding, not one reference skipping a step another took; ``run`` (fp16, the
+      reference the run is compared with): per step, whether the run skipped it and its loss scale after it
+      (``Check.saw``). Where the scaler decides otherwise than the run (an overflow is a threshold that
+      rounding can cross) it follows the run, skipping where the run skipped, its state set to the run's,
+      and says so in ``scales`` (a third element: what it followed);
     - ``perturb``: one change a correct layout may make to the arithmetic, for the noise band
       (``check/band.py``): ``"reordered"``, each step's gradient added up in another order (the global batch cut
       into more pieces, added last first; the shards' gradients added last first and weighted after);
@@ -152,6 +161,9 @@ class Replay:
     clip: float | None = None
     packing: bool | None = None
     autocast: torch.dtype | None = None
+    scaler: torch.amp.GradScaler | None = None
+    scales: dict | None = None
+    run: dict | None = None
     perturb: str | None = None
     unit: float = 0.0
     wire: torch.dtype | None = None
@@ -201,9 +213,16 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
         if split:
             losses.append(_shards_step(model, optimizer, params, forward, shards, step, targets, how, batchnorm))
         elif how.perturb == "reordered":
-            losses.append(_reordered_step(forward, shards, step, how.seed, targets, how.packing))
+            losses.append(_reordered_step(forward, shards, step, how.seed, targets, how.packing, _scale(how, step)))
         else:
-            losses.append(_whole_step(forward, shards, step, how.seed, targets, how.packing))
+            losses.append(_whole_step(forward, shards, step, how.seed, targets, how.packing, _scale(how, step)))
+        if how.scaler is not None:  # fp16: the gradient unscaled (overflows found here)
+            how.scaler.unscale_(optimizer)
+        elif how.scales is not None:  # following another reference's scale
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / how.scales[step][0])
         if how.perturb == "rounded" and not how.wired:  # each gradient rounded once more, by up to unit of its size
             generator = torch.Generator().manual_seed(how.seed * 1_000_003 + step)
             for p in params:
@@ -214,13 +233,49 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
             norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], how.clip)
             if norms is not None:
                 norms[step] = norm.item()
-        optimizer.step()
+        if how.scaler is not None:
+            how.scales[step] = _scaler_step(how, optimizer, params, step)
+        elif how.scales is None or not how.scales[step][1]:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
 
 
-def _whole_step(forward, shards, step: int, seed: int, targets, packing) -> list[float]:
+def _scaler_step(how: Replay, optimizer, params, step: int) -> tuple:
+    """fp16: the optimizer stepped by torch's GradScaler (its gradients unscaled already), or, where the run
+    decided this step's overflow otherwise, as the run did. Returns (the scale of this step's loss, whether the
+    step was skipped, what was followed or "")."""
+    scale = how.scaler.get_scale()
+    overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)  # as it finds it
+    run = (how.run or {}).get(step)
+    if run is None or run[0] == overflow:
+        how.scaler.step(optimizer)  # skipped where a gradient overflowed
+        how.scaler.update()
+        return scale, how.scaler.get_scale() < scale, ""  # an overflow halves the scale
+    how.scaler.update()  # the step closed for the scaler; its state is the run's from here
+    how.scaler.load_state_dict({**how.scaler.state_dict(), "scale": float(run[1][0]),
+                                "_growth_tracker": int(run[1][1])})
+    if run[0]:  # the run's gradient overflowed, this one's did not: skipped, as the run did
+        return scale, True, (f"step {step + 1}: the run's gradient overflowed at fp16 loss scale {scale:g} and the "
+                             "reference's did not: an overflow is a threshold rounding can cross, so the reference "
+                             "skipped that step too")
+    return scale, True, (f"step {step + 1}: the reference's gradient overflowed at fp16 loss scale {scale:g} and the "
+                         "run's did not: the reference cannot take an update it has no finite gradient for, so the "
+                         "two differ by that step's update from here")
+
+
+def _scale(how: Replay, step: int):
+    """What a backward's loss is multiplied by: fp16's loss scale (torch's GradScaler.scale, or the scale another
+    reference used at ``step``), else nothing."""
+    if how.scaler is not None:
+        return how.scaler.scale
+    if how.scales is not None:
+        return lambda loss: loss * how.scales[step][0]
+    return lambda loss: loss
+
+
+def _whole_step(forward, shards, step: int, seed: int, targets, packing, scale) -> list[float]:
     """One forward and backward over the global batch; each shard's loss read from its rows."""
     x = torch.cat([s[0] for s in shards])
     y = torch.cat([s[1] for s in shards])
@@ -232,7 +287,7 @@ def _whole_step(forward, shards, step: int, seed: int, targets, packing) -> list
     # up to
     flat, labels = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
     valid = (labels != IGNORE).sum().item()
-    (F.cross_entropy(flat, labels, ignore_index=IGNORE) if valid else flat.sum() * 0.0).backward()
+    scale(F.cross_entropy(flat, labels, ignore_index=IGNORE) if valid else flat.sum() * 0.0).backward()
     with torch.no_grad():  # each shard's loss as its rank reports it (losses.py's module docstring)
         per_target = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none").view(len(y), -1)
     return _shard_losses(per_target, shards, valid, packing)
@@ -253,8 +308,11 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
     share of the samples); BatchNorm's running statistics as ``how.bn_rule`` says. Leaves the step's gradient
     in ``params``; returns each shard's loss."""
     total = sum(len(s[1]) for s in shards)
-    after = how.perturb == "reordered" and how.combine is None  # each shard's gradient weighted after the sum
-    apart = how.combine is not None or how.perturb == "reordered" or how.wired  # each shard's gradient kept apart
+    # each shard's gradient weighted after the sum: reordered; and under fp16, where a shard's backward at its
+    # share of the loss would carry other activation gradients than its rank's at its whole (a factor of 2 moves
+    # a value across float16's subnormal range, which the loss scale leaves near the smallest gradients)
+    after = (how.perturb == "reordered" or how.scales is not None) and how.combine is None
+    apart = how.combine is not None or after or how.wired  # each shard's gradient kept apart
     kept_buffers, shard_losses, per_shard = None, [], []
     first = 0  # the shard's first row in the global batch
     for r, (x, y) in enumerate(shards):
@@ -270,7 +328,7 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
                 with steps.microbatch(i):
                     loss, reported = training_loss(cross_entropy, model, forward(xs), ys)
                 # after: the shard's own mean (a rank's gradient), weighted once the shards are added
-                (loss * (w if after else w * len(y) / total)).backward()
+                _scale(how, step)(loss * (w if after else w * len(y) / total)).backward()
                 shard_loss += reported.item() * w
         first += len(y)
         shard_losses.append(shard_loss)
@@ -298,11 +356,12 @@ def _combined(per_shard: list[list[torch.Tensor]], sizes: list[int], how: Replay
     if how.wired:  # a lossy all-reduce: each shard's share rounded to the wire, added, the sum rounded again
         rounded = [[g.to(how.wire).to(g.dtype) for g in grads] for grads in per_shard]
         return [g.to(how.wire).to(g.dtype) for g in _added(rounded)]
-    # reordered: the shards' own gradients added last first, then weighted, as data-parallel ranks do
+    # the shards' own gradients (reordered: last first) added, then weighted, as data-parallel ranks do
+    turn = (lambda shards: shards[::-1]) if how.perturb == "reordered" else (lambda shards: shards)
     if len(set(sizes)) == 1:
-        return [g / len(sizes) for g in _added(per_shard[::-1])]
+        return [g / len(sizes) for g in _added(turn(per_shard))]
     total = sum(sizes)
-    return _added([[g * (n / total) for g in grads] for n, grads in zip(sizes, per_shard)][::-1])
+    return _added(turn([[g * (n / total) for g in grads] for n, grads in zip(sizes, per_shard)]))
 
 
 def _added(per_shard: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -314,7 +373,7 @@ def _added(per_shard: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return out
 
 
-def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> list[float]:
+def _reordered_step(forward, shards, step: int, seed: int, targets, packing, scale) -> list[float]:
     """One step's forwards and backwards over the global batch cut into two more pieces than it has shards,
     the last piece first, each piece's summed loss over the global count of targets: the same gradient as one
     forward over the whole batch, added up in another order. Returns each shard's loss (as ``reference_train``)."""
@@ -332,7 +391,7 @@ def _reordered_step(forward, shards, step: int, seed: int, targets, packing) -> 
             logits = forward(x[a:b])
         flat, labels = logits.reshape(-1, logits.shape[-1]), y[a:b].reshape(-1)
         each = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="none")
-        (each.sum() / count).backward()
+        scale(each.sum() / count).backward()
         per_target[i] = each.detach().view(b - a, -1)
     return _shard_losses(torch.cat([t for t in per_target if t is not None]), shards, int((y != IGNORE).sum()),
                          packing)
@@ -352,7 +411,7 @@ def reference_bytes(cfg, parameters: int, wire: torch.dtype | None = None) -> in
     """The bytes the reference of a model of ``parameters`` holds at least: its weights, their gradients and
     the optimizer's state per parameter (momentum: one more copy; Adam: two), in the check's precision; its
     activations come on top. Below fp64 the noise band's three references (``check/band.py``) come with it: two
-    more in float32 (bf16 autocast keeps float32 weights) and one in float64; in fp64 too where the strategy
+    more in float32 (bf16 and fp16 autocast keep float32 weights) and one in float64; in fp64 too where the strategy
     declares a lossy ``wire`` (its ``gradient_wire``), all four in float64."""
     states = 2 if cfg.optimizer in ADAMS else int(cfg.momentum > 0)
     per_copy = parameters * (2 + states)

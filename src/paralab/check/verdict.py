@@ -40,9 +40,11 @@ import torch.nn as nn
 
 from ..data.loader import to_device
 from ..models import structure_only
+from ..strategies.base import AUTOCAST
 from ..strategies.compression import reference_for
 from ..strategies.tensor.strategy import tp_of
 from ..training import step as steps
+from ..training.loss_scale import torch_scaler
 from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
@@ -101,6 +103,19 @@ def short_batch_note(source, total: int) -> list[str]:
             f"samples, the others {B}), {what}: --num-batches {s}{smaller}"]
 
 
+def overflowed_too_often(followed: list[str]) -> str | None:
+    """fp16: why the steps whose overflow the run decided otherwise than the reference (``followed``, as
+    ``reference._scaler_step`` says them) are a bug, or None. Rounding crosses the overflow threshold now and
+    then, and the halved scale then keeps the run away from it; a run that overflows where the reference does
+    not at two steps or more is scaling, unscaling or skipping wrong (followed every time, such a run would
+    pass with the reference skipping alike)."""
+    steps = [why.split(":")[0] for why in followed if "the run's gradient overflowed" in why]
+    if len(steps) < 2:
+        return None
+    return (f"the run overflowed where the reference did not at {len(steps)} steps ({', '.join(steps)}): more than "
+            "rounding crosses; how the run scales, unscales or skips its gradients is wrong")
+
+
 def word_of(words: list[str]) -> str:
     """The verdict of many comparisons: ``bug`` if any is, else ``within rounding`` if any is, else ``exact``."""
     return next((w for w in ("bug", "within rounding") if w in words), "exact")
@@ -128,13 +143,22 @@ class Reference:
     """
 
     def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0, precision: str = "fp64",
-                 perturb: str | None = None, unit: float = 0.0, wire: torch.dtype | None = None):
+                 perturb: str | None = None, unit: float = 0.0, wire: torch.dtype | None = None,
+                 follow: dict | None = None):
         self.model = model_fn()
         # the noise band's references (check/band.py): one change each; "exact" trains in float64, no autocast
         self.perturb, self.unit, self.wire = perturb, unit, wire
         if perturb == "exact":
             self.model = self.model.double()
-        self.autocast = torch.bfloat16 if precision == "bf16" and perturb != "exact" else None
+        self.autocast = AUTOCAST.get(precision) if perturb != "exact" else None
+        self.precision_name = precision
+        # fp16: torch's own GradScaler, from where the run's loss scale stands (a resumed run's included), each
+        # step's scale and skip kept in ``scales``; the band's references follow them (``follow``)
+        scale = getattr(strategy.ctx, "loss_scale", None)
+        self.scaler = torch_scaler(next(self.model.parameters()).device, scale.state_dict()) \
+            if scale is not None and perturb is None else None
+        self.scales = {} if self.scaler is not None else follow
+        self.run_scales: dict | None = None  # the run's overflow decisions, which the scaler follows (Check.saw)
         self.seed = seed  # the run's: the gpt's dropout masks are drawn from it
         self.optimizer = optim_fn(list(self.model.parameters()))
         self.replicas, _ = strategy.replicas()
@@ -154,13 +178,17 @@ class Reference:
     def describe(self) -> str:
         return (f"{self.replicas} shard(s) x {self.microbatches} microbatch(es), BN rule {self.bn_rule}, "
                 f"{str(next(self.model.parameters()).dtype).replace('torch.', '')}"
-                + (" under bf16 autocast" if self.autocast is not None else "")
+                + (f" under {self.precision_name} autocast" if self.autocast is not None else "")
+                + (" with torch's GradScaler" if self.scaler is not None else "")
                 + (f"; {self.compression.describe()}" if self.compression else ""))
 
     def advance_to(self, step: int) -> None:
         how = Replay(replicas=self.replicas, microbatches=self.microbatches, bn_rule=self.bn_rule,
                      combine=self.compression.combine if self.compression else None, seed=self.seed, clip=self.clip,
-                     packing=self.packing, autocast=self.autocast, perturb=self.perturb, unit=self.unit,
+                     packing=self.packing, autocast=self.autocast, scaler=self.scaler, scales=self.scales,
+                     run=self.run_scales,
+                     perturb=self.perturb,
+                     unit=self.unit,
                      wire=self.wire)
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step, how,
                                  self.lr_for, first_step=self.step, norms=self.norms)
@@ -206,6 +234,8 @@ class Check:
             self.ref, self.key = None, None
             return
         self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed, cfg.precision)
+        if self.ref.scaler is not None:
+            self.ref.run_scales = {}
         self.key = kept.digest(cfg, self.ref, self.steps, strategy.gradient_wire) if kept.usable(cfg, self.ref) \
             else None
         if self.key is not None:
@@ -224,7 +254,7 @@ class Check:
             if self.banded:  # its references trained where a comparison is first beyond exact (or to be kept)
                 self.band = Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for,
                                                                  cfg.seed, cfg.precision, perturb, unit,
-                                                                 strategy.gradient_wire),
+                                                                 strategy.gradient_wire, self.ref.scales),
                                  cfg.precision, next(self.ref.model.parameters()).device, strategy.gradient_wire)
                 say(f"check: {cfg.precision}: where a comparison is beyond exact, {self.band.describe()}")
         if self.ref.compression:
@@ -249,6 +279,9 @@ class Check:
         m = self.strategy.microbatches
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
         self.seen["short"] |= 0 < step.rows < self.source.global_batch
+        scale = self.strategy.ctx.loss_scale
+        if scale is not None and self.ref is not None:  # fp16: the run's overflow decision, which the reference follows
+            self.ref.run_scales[step.index] = (bool(result.skipped), scale.state_dict())
         if step.x is not None and not step.x.is_floating_point():  # tokens: how many fell in each share
             for share in self.seen["shares"]:
                 share[3] += int(((step.x >= share[1]) & (step.x <= share[2])).sum())
@@ -475,12 +508,19 @@ class Check:
                 "max": {k: max(c.max_abs for c in self.found if c.what == k) for k in by_kind},
                 "history": sorted(history.items()),
                 "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped(),
-                "seen": self.seen}
+                "seen": self.seen, "followed": self.followed()}
         verdicts = self.comm.all_gather_objects(mine)
         for v in verdicts:
             self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
         passed = all(v["passed"] for v in verdicts)
         word = word_of([v["verdict"] for v in verdicts])
+        followed = [why for v in verdicts for why in v["followed"]]
+        for why in followed:
+            self.say(f"check: fp16: {why}")
+        too_many = overflowed_too_often(followed)
+        if too_many:
+            passed, word = False, "bug"
+            self.say(f"check: fp16: {too_many}")
         ratios = [v["worst_ratio"] for v in verdicts if v["worst_ratio"] is not None]
         worst_ratio = max(ratios) if ratios else None
         band = f", worst {worst_ratio:.3g} of the band" if word != "exact" and worst_ratio is not None else ""
@@ -504,7 +544,13 @@ class Check:
                 "max_loss_dev": largest["loss"], "max_grad_norm_dev": largest["grad_norm"],
                 "max_output_dev": largest["outputs"],
                 "history": [by_step[s] for s in sorted(by_step)],
-                "unexercised": notes, "ranks": verdicts}
+                "unexercised": notes, "ranks": verdicts} | ({"loss_scale_followed": followed} if followed else {})
+
+    def followed(self) -> list[str]:
+        """fp16, rank 0: the steps whose overflow the reference decided otherwise than the run (each said by
+        ``reference._scaler_step``); [] elsewhere or where the reference came from --check-cache."""
+        scales = self.ref.scales if self.ref is not None and self.kept is None else None
+        return [step[2] for _, step in sorted((scales or {}).items()) if len(step) > 2 and step[2]]
 
     def unreached(self, verdicts: list[dict]) -> list[str]:
         """Paths that depend on the data, over every rank's steps (:meth:`saw`): a capacity that dropped nothing,

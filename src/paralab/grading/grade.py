@@ -32,7 +32,7 @@ from .assignment import Assignment
 
 SPEED_FACTOR = 2.0  # the speed test passes within this multiple of the reference's step time
 EXPORTED = "model.pt"  # a strategy-form run's model, as `paralab export` wrote it in the sandbox
-ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "bf16": 4}  # a gradient's element (bf16 keeps fp32 gradients)
+ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "bf16": 4, "fp16": 4}  # a gradient's element (autocast keeps fp32 gradients)
 
 
 @dataclass

@@ -243,11 +243,14 @@ class _CarryAux(torch.autograd.Function):
         return grad, torch.ones((), dtype=dtype, device=device)
 
 
-def carry_aux_loss(unit: nn.Module, out: torch.Tensor, weight: float) -> torch.Tensor:
+def carry_aux_loss(unit: nn.Module, out: torch.Tensor, weight: float, scaled=None) -> torch.Tensor:
     """``out`` carrying ``weight`` x the load-balancing losses of ``unit``'s last forward (taken), for a
-    backward that starts from ``out`` rather than from the loss (pipeline stages); ``out`` if none."""
+    backward that starts from ``out`` rather than from the loss (pipeline stages); ``out`` if none.
+    ``scaled``: what the loss goes through (fp16's loss scale, ``Context.scaled``)."""
     aux = take_aux_loss(unit)
-    return out if aux is None else _CarryAux.apply(out, aux * weight)
+    if aux is None:
+        return out
+    return _CarryAux.apply(out, scaled(aux * weight) if scaled is not None else aux * weight)
 
 
 def take_history(model: nn.Module, numbered: bool = False) -> list:

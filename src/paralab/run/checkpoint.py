@@ -78,11 +78,14 @@ def schedule(cfg) -> str:
 
 
 def save(run_dir: Path, rank: int, step: int, cfg, state: dict, comm, tag: str | None = None,
-         losses: list | None = None, written=None) -> None:
+         losses: list | None = None, written=None, loss_scale=None) -> None:
     """Rank ``rank``'s state at ``step``, committed with every other rank's as one generation (a collective;
     ``generations.write``). ``losses``: this rank's [step, loss] pairs so far (JSON text in the file), so
-    that a resumed run still has the whole run's losses. WriteError on every rank if any could not write."""
+    that a resumed run still has the whole run's losses; ``loss_scale``: fp16's (``training/loss_scale.py``),
+    the same on every rank. WriteError on every rank if any could not write."""
     payload = {"step": step, "identity": identity(cfg), "state": state, "losses": json.dumps(losses or [])}
+    if loss_scale is not None:
+        payload["loss_scale"] = loss_scale.state_dict()
     generations.write(run_dir, rank, step, payload, comm, identity(cfg), tag=tag, keep=cfg.keep_checkpoints,
                       written=written)
 
@@ -239,6 +242,7 @@ def read_portable(run_dir: Path, cfg, model, at: int | None = None):
                                      (("missing", missing), ("shapes differ:", wrong), ("unexpected", extra)) if keys)
                          + "); resume with the same model options")
     portable.notes += carried_notes(old, cfg, model)
+    portable.loss_scale = files[0].get("loss_scale")
     by_step: dict[int, list[float]] = {}
     for f in files:
         for step, loss in losses(f):

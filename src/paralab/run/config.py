@@ -33,7 +33,7 @@ from .warm import START_METHODS
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
-PRECISIONS = ("fp32", "bf16", "fp64")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 CPUINFO = Path("/proc/cpuinfo")  # where the CPU's features are read (tests point it at their own)
@@ -41,6 +41,8 @@ CPUINFO = Path("/proc/cpuinfo")  # where the CPU's features are read (tests poin
 # AVX-NE-CONVERT, which oneDNN uses for bf16 on AVX2-class cores), Arm's BF16 extension. Without
 # them PyTorch's CPU bf16 kernels fall back to conversions and reference code: much slower than fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
+# and float16 arithmetic: x86 AVX512-FP16 and AMX-FP16, Arm's half-precision SIMD
+FP16_FLAGS = ("avx512_fp16", "amx_fp16", "asimdhp")
 
 
 @dataclass
@@ -59,8 +61,10 @@ class OptimizerOptions:
     weight_decay: float = option(1e-4, "weight decay: L2 in the gradient (sgd, adam), decoupled (adamw)", minimum=0)
     seed: int = option(0, "seed of the initial weights, the shuffling and the augmentation (0 to 2^32 - 1: the data's "
                           "generators add and multiply it within torch's 64-bit seeds)", minimum=0, maximum=2 ** 32 - 1)
-    precision: str | None = option(None, "fp32; bf16 (autocast); fp64 (model, collectives, optimizer state and "
-                                         "--check reference in float64: exact checks at real hyper-parameters). "
+    precision: str | None = option(None, "fp32; bf16 (autocast); fp16 (autocast, with torch's dynamic loss "
+                                         "scaling: training/loss_scale.py); fp64 (model, collectives, optimizer "
+                                         "state and --check reference in float64: exact checks at real "
+                                         "hyper-parameters). "
                                          "Below fp64 --check tells a bug from rounding by a noise band it measures. "
                                          "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
                                    type=str, choices=PRECISIONS)
@@ -308,7 +312,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
             raise UsageError(f"--batch-size {self.batch_size} must divide evenly over "
                              f"{shape.dp} data-parallel replicas; change it or use --per-worker-batch")
         named_cls.validate(self, world)
-        if self.clip_grad is not None or self.on_nonfinite:
+        if self.clip_grad is not None or self.on_nonfinite or self.precision == "fp16":
             refuse_unclipped(self, named_cls, strategy_cls)
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
@@ -383,12 +387,14 @@ def train_command(cfg: RunConfig, run_dir=None, first=("workers",)) -> str:
 def refuse_unclipped(cfg, named_cls, strategy_cls) -> None:
     """--clip-grad or --on-nonfinite with a layout whose strategy cannot compute the whole model's gradient norm
     (nor skip a step on every rank): exit 2."""
-    flag = "--clip-grad" if cfg.clip_grad is not None else "--on-nonfinite"
+    flag = "--clip-grad" if cfg.clip_grad is not None else "--on-nonfinite" if cfg.on_nonfinite else \
+        "--precision fp16"
+    why = " (its loss scale is taken out of the gradients each rank holds)" if flag == "--precision fp16" else ""
     for cls in {named_cls, strategy_cls}:
         if not cls.clips:
             raise UsageError(f"{flag} is not supported by strategy {cls.name!r} yet (it computes no whole-model "
-                             f"gradient norm): drop {flag}, or use another strategy (every other one clips, "
-                             "and their compositions)")
+                             f"gradient norm{why}): drop {flag}, or use another strategy (every other one "
+                             "clips, and their compositions)")
 
 
 def check_packing(cfg: RunConfig, named_cls) -> None:
@@ -509,8 +515,8 @@ def check_moe(cfg: RunConfig, modality: str) -> None:
                              f"--ep); not yet under {cfg.strategy!r}")
 
 
-def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:
-    """(does this CPU have native bf16 instructions, its name): from /proc/cpuinfo's ``flags``
+def cpu_bf16_support(cpuinfo: Path | None = None, wanted: tuple = BF16_FLAGS) -> tuple[bool | None, str]:
+    """(does this CPU have native bf16 instructions (or ``wanted``'s), its name): from /proc/cpuinfo's ``flags``
     (x86) or ``Features`` (Arm) line; None where that cannot be read (not Linux: not judged)."""
     try:
         text = Path(CPUINFO if cpuinfo is None else cpuinfo).read_text(errors="replace")
@@ -526,7 +532,20 @@ def cpu_bf16_support(cpuinfo: Path | None = None) -> tuple[bool | None, str]:
             name = value.strip()
     if flags is None:
         return None, name or "this CPU"
-    return bool(flags & set(BF16_FLAGS)), name or "this CPU"
+    return bool(flags & set(wanted)), name or "this CPU"
+
+
+def slow_fp16(cfg: RunConfig, device) -> str | None:
+    """A note for fp16 on a CPU without float16 instructions (FP16_FLAGS): it runs, on fallback kernels that
+    take several times as long as fp32's (not refused as bf16 is: a check in fp16 on a small model is what it
+    is for on a CPU)."""
+    if cfg.precision != "fp16" or device.type != "cpu":
+        return None
+    native, cpu = cpu_bf16_support(wanted=FP16_FLAGS)
+    if native is not False:
+        return None
+    return (f"--precision fp16: this CPU ({cpu}) has no float16 instructions ({', '.join(FP16_FLAGS)}), so fp16 "
+            "autocast runs on slow fallback kernels (often several times slower than fp32)")
 
 
 def refuse_slow_bf16(cfg: RunConfig) -> None:

@@ -177,7 +177,9 @@ class Logged(Listener):
     def end_step(self, taken: Taken) -> str | None:
         i, result = taken.step.index, taken.result
         if result.skipped:
-            self.say(f"{self.progress.clear()}{result.skipped} (--on-nonfinite skip: every rank skipped its update)")
+            why = "every rank skipped its update" if self.cfg.precision == "fp16" else \
+                "--on-nonfinite skip: every rank skipped its update"  # fp16: its loss scale's overflow, or the guard
+            self.say(f"{self.progress.clear()}{result.skipped} ({why})")
         elif self.first_bad is None and result.loss is not None and not math.isfinite(result.loss):
             self.first_bad = i
         last = i + 1 == self.total
@@ -253,7 +255,8 @@ class Checkpoints(Listener):
         self.kept.journal()
         try:
             checkpoint.save(self.run_dir, self.rank, done, self.cfg, self.strategy.state_dict(), self.comm,
-                            losses=self.kept.losses, written=(lambda: self.saving(done)) if self.saving else None)
+                            losses=self.kept.losses, written=(lambda: self.saving(done)) if self.saving else None,
+                            loss_scale=self.strategy.ctx.loss_scale)
             return None
         except checkpoint.WriteError as exc:
             from .failures import resume_hint

@@ -265,7 +265,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
         | ({"first_divergence": check["first_divergence"]} if "first_divergence" in check else {}),
         "error": error,
     }
-    if getattr(cfg, "on_nonfinite", None):  # the steps whose update every rank skipped (--on-nonfinite skip)
+    if getattr(cfg, "on_nonfinite", None) or getattr(cfg, "precision", None) == "fp16":
+        # the steps whose update every rank skipped (--on-nonfinite skip; fp16's loss scale overflowing)
         summary["skipped_steps"] = sorted({r["step"] for r in steps if r.get("skipped")})
     summary.update(extra or {})
     return summary

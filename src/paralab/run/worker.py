@@ -25,7 +25,7 @@ from . import checkpoint, hangs, loop, records
 from .faults import Faults
 from .. import oplog
 from ..comm import Comm
-from .config import RunConfig
+from .config import RunConfig, slow_fp16
 from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
@@ -38,6 +38,7 @@ from ..training.lr_schedule import LRSchedule, set_lr
 from ..mesh import Mesh
 from ..strategies import plan
 from ..strategies.base import Context
+from ..training.loss_scale import LossScale
 from ..strategies.tensor.strategy import tp_of
 
 
@@ -307,7 +308,8 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     optimizers: list = []
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
-                  batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite)
+                  batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite,
+                  loss_scale=LossScale() if cfg.precision == "fp16" else None)
     # the strategy's units recompute as --recompute says; the reference (model_fn) does not
     strategy = strategy_cls(ctx, recompute.factory(model_fn, cfg.recompute), optim_fn, **composition)
     replicas, replica = strategy.replicas()
@@ -323,6 +325,9 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
               f"global batch {global_batch}, {total_steps} steps", flush=True)
         print(f"paralab: {mesh.shape.describe()}" + (f"; {composed(cfg, shape, composition)}" if composition else ""),
               flush=True)
+        slow = slow_fp16(cfg, device)
+        if slow:
+            print(f"paralab: note: {slow}", flush=True)
     lr_for = make_lr_for(cfg, global_batch, source.steps_per_epoch, total_steps)
     return Setup(recorder, comm, mesh, data, source, strategy, model_fn, roots, optimizers, lr_for, ctx.dtype,
                  global_batch, total_steps, parameters, run_dir)
@@ -360,6 +365,7 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
     if resume and checkpoint.another_layout(Path(resume), cfg, rank, at=at):  # resharded: every old rank's file
         portable, start_step, losses, saved = checkpoint.read_portable(Path(resume), cfg, s.model_fn(), at=at)
         s.strategy.load_portable(portable)
+        scale = portable.loss_scale
         say(f"paralab: the checkpoint is {checkpoint.describe(saved)}; this run is "
             f"{checkpoint.describe(checkpoint.identity(cfg))}: resharded")
         for note in portable.notes:
@@ -374,14 +380,17 @@ def resume_or_save_init(cfg: RunConfig, rank: int, s: Setup, say) -> tuple[int, 
             say(f"paralab: {torn}")
         saved = checkpoint.load(Path(resume), rank, at=at)
         s.strategy.load_state_dict(saved["state"])
-        start_step, losses = saved["step"], checkpoint.losses(saved)
+        start_step, losses, scale = saved["step"], checkpoint.losses(saved), saved.get("loss_scale")
         if start_step >= s.total_steps and not checkpoint.finishing(Path(resume), cfg, start_step, s.total_steps):
             # every rank reads the same step: the same decision everywhere
             raise RuntimeError(f"--resume: the checkpoint has already trained {start_step} steps and this "
                                f"run asks for {s.total_steps}; ask for more steps (--epochs/--num-batches)")
         say(f"resumed from {resume} at step {start_step}")
     elif cfg.save_init:  # the starting weights, for `paralab export RUN --init` (a collective for some)
-        checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), s.comm, tag="init")
+        checkpoint.save(s.run_dir, rank, 0, cfg, s.strategy.state_dict(), s.comm, tag="init",
+                        loss_scale=s.strategy.ctx.loss_scale)
+    if resume and s.strategy.ctx.loss_scale is not None and scale is not None:  # fp16: the scale where it was
+        s.strategy.ctx.loss_scale.load_state_dict(scale)
     note = s.source.data_note(start_step, s.total_steps)  # uneven data: samples repeated, or left out
     if note:
         say(f"paralab: note: {note}")

@@ -47,6 +47,7 @@ from ..training import step as steps
 from ..models.moe import take_aux_loss, take_history
 from ..recorder import Recorder
 from ..training import grad_norm
+from ..training.loss_scale import LossScale
 
 
 @dataclass
@@ -79,17 +80,31 @@ class Context:
     clip_grad: float | None = None  # --clip-grad: the whole model's gradient norm clipped to it (grad_norm.py)
     on_nonfinite: str | None = None  # --on-nonfinite stop | skip: a guard before every optimizer step
     guard: Guard = field(default_factory=Guard)  # this step's norm and skip decision (shared by derived contexts)
+    loss_scale: LossScale | None = None  # --precision fp16: the dynamic loss scale (shared by derived contexts)
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The cross-entropy: tensor parallelism's where it splits the logits, else the plain one."""
         return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The training loss (:meth:`cross_entropy`), watched by the non-finite guard (``--on-nonfinite``)."""
+        """The training loss (:meth:`cross_entropy`), watched by the non-finite guard (``--on-nonfinite``);
+        under fp16 its gradient scaled by the loss scale (``training/loss_scale.py``), its value not."""
         loss = self.cross_entropy(logits, target)
         if self.on_nonfinite:
             self.guard.losses_finite.append(torch.isfinite(loss.detach()).all())
-        return loss
+        return self.scaled(loss)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as a step minimises it: under fp16 its gradient times the loss scale, its value unchanged
+        (what :meth:`loss` returns; a mixture of experts' load-balancing losses join the gradients through it
+        too, ``training_loss`` and a pipeline stage's ``carry_aux_loss``)."""
+        return loss if self.loss_scale is None else self.loss_scale.scaled(loss)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether :meth:`Strategy.clip_gradients` has work this step: a norm to clip to, a non-finite guard,
+        or fp16's loss scale to take out of the gradients."""
+        return bool(self.clip_grad or self.on_nonfinite or self.loss_scale is not None)
 
     @property
     def skipping(self) -> str:
@@ -116,13 +131,17 @@ class Context:
     @property
     def dtype(self) -> torch.dtype:
         """Parameters, activations between ranks and logits: float64 under ``--precision fp64``, else
-        float32 (bf16 autocast computes in bf16 but keeps fp32 parameters and sends fp32)."""
+        float32 (bf16 and fp16 autocast compute in 16 bits but keep fp32 parameters and send fp32)."""
         return torch.float64 if self.precision == "fp64" else torch.float32
 
     def autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision in AUTOCAST:
+            return torch.autocast(self.device.type, dtype=AUTOCAST[self.precision])
         return nullcontext()
+
+
+#: the precisions that train under autocast, and its dtype (parameters, gradients and messages stay float32)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -154,15 +173,19 @@ def moe_record(model: nn.Module) -> list | None:
     return out or None
 
 
-def training_loss(ctx_loss, model: nn.Module, logits: torch.Tensor, target: torch.Tensor
+def training_loss(ctx_loss, model: nn.Module, logits: torch.Tensor, target: torch.Tensor, scaled=None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss a step minimises, the loss it reports): the cross-entropy (``ctx_loss``) plus a mixture of
-    experts' weighted load-balancing losses from the forward that gave ``logits`` (``models/moe.py``), and
-    the cross-entropy alone. Every layout reports the cross-entropy (a pipeline's load-balancing losses
-    sit on the stages that hold the experts, not beside the loss); those are recorded per MoE layer."""
+    experts' weighted load-balancing losses from the forward that gave ``logits`` (``models/moe.py``; through
+    ``scaled``, ``Context.scaled``, as ``ctx_loss`` scales the cross-entropy), and the cross-entropy alone.
+    Every layout reports the cross-entropy (a pipeline's load-balancing losses sit on the stages that hold
+    the experts, not beside the loss); those are recorded per MoE layer."""
     loss = ctx_loss(logits, target)
     aux = take_aux_loss(model)
-    return (loss if aux is None else loss + aux.to(loss.dtype)), loss
+    if aux is None:
+        return loss, loss
+    aux = aux.to(loss.dtype)
+    return loss + (scaled(aux) if scaled is not None else aux), loss
 
 
 ModelFactory = Callable[[], nn.Sequential]
@@ -358,20 +381,32 @@ class Strategy:
           :class:`~paralab.training.grad_norm.NonFinite` naming the ranks, on every rank; ``skip`` sets
           ``ctx.skipping`` to why (``ctx.update`` then drops the gradients: the optimizers do not step).
 
-        The norm before clipping goes into ``ctx.guard`` (:meth:`run_step` reports it); with neither option,
+        - ``--precision fp16``: first each gradient this rank holds divided by the loss scale; where any rank's
+          gradient is not finite every rank skips the update and the scale halves (``training/loss_scale.py``).
+
+        The norm before clipping goes into ``ctx.guard`` (:meth:`run_step` reports it); with none of these,
         nothing is done."""
         ctx, guard = self.ctx, self.ctx.guard
-        if not ctx.clip_grad and not ctx.on_nonfinite:
+        if not ctx.guarded:
             return
         held = self.held_gradients()
         with self.rec.span("optimizer", "grad_norm"):
+            if ctx.loss_scale is not None:
+                ctx.loss_scale.unscale_(g for g, _ in held)
             local = grad_norm.square_sum(held)
             bad_loss = None
-            if ctx.on_nonfinite:
-                bad_loss = not all(bool(f) for f in guard.losses_finite)
+            if ctx.on_nonfinite or ctx.loss_scale is not None:
+                bad_loss = ctx.on_nonfinite is not None and not all(bool(f) for f in guard.losses_finite)
                 guard.losses_finite.clear()
         norm, losses, grads = grad_norm.reduce(ctx.comm, local, ctx.device, bad_loss)
         guard.norm = norm
+        if ctx.loss_scale is not None and not losses:
+            change = ctx.loss_scale.update(bool(grads))
+            if grads:  # an overflow: what loss scaling expects now and then, not an error
+                guard.skipping = (f"step {self.rec.step + 1} (steps.jsonl step {self.rec.step}): the gradient "
+                                  f"overflowed on rank{'s' if len(grads) > 1 else ''} {', '.join(map(str, grads))} "
+                                  f"({change})")
+                return
         if losses or grads:
             where = "; ".join(f"{what} is not finite on rank{'s' if len(ranks) > 1 else ''} "
                               f"{', '.join(map(str, ranks))}" for what, ranks in (("the loss", losses),
@@ -422,7 +457,7 @@ class Strategy:
             with around() if around else nullcontext(), steps.microbatch(i):
                 with self.rec.span("compute", "forward", mb=i):
                     with self.ctx.autocast():
-                        loss, reported = training_loss(self.ctx.loss, model, model(xs), ys)
+                        loss, reported = training_loss(self.ctx.loss, model, model(xs), ys, self.ctx.scaled)
                 with self.rec.span("compute", "backward", mb=i):
                     (loss * weight).backward()
             total += reported.item() * weight

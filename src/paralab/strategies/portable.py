@@ -27,6 +27,7 @@ class Portable:
     tensors: dict[str, torch.Tensor]                 # the plain model's state_dict, whole
     optimizer: dict[str, dict] = field(default_factory=dict)  # parameter name -> its optimizer state, whole
     notes: list[str] = field(default_factory=list)   # what the old layout held that is not carried
+    loss_scale: list | None = None                    # fp16's loss scale and its count (training/loss_scale.py)
 
 
 def trainable(units: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:

@@ -113,10 +113,9 @@ class FSDP(Strategy):
         self.replicated = not self.shard_params  # stages 1-2 keep a full replica on every rank
         # stages 2-3 reduce each unit's gradient as soon as its backward is done, so its shard can be
         # stepped there and then (stage 1 has no reduced gradient before backward ends)
-        # --clip-grad and --on-nonfinite need every gradient before any step (the norm is the whole model's, and a
-        # step found bad is skipped on every rank): one step at the end
-        self.step_in_backward = self.shard_grads and ctx.options.step_in_backward and not ctx.clip_grad \
-            and not ctx.on_nonfinite
+        # --clip-grad, --on-nonfinite and fp16's loss scale need every gradient before any step (the norm is the
+        # whole model's, and a step found bad is skipped on every rank): one step at the end
+        self.step_in_backward = self.shard_grads and ctx.options.step_in_backward and not ctx.guarded
         self.prefetch = ctx.options.prefetch
         self.ledger = Ledger()
         self.reduce_scatter_kind: str | None = None

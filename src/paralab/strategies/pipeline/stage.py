@@ -100,7 +100,7 @@ class Stage:
             for n, unit in enumerate(self.units):
                 if split and n > 0:
                     inp = h = h.detach().requires_grad_()
-                h = carry_aux_loss(unit, unit(h), weight)
+                h = carry_aux_loss(unit, unit(h), weight, self.ctx.scaled)
                 if split:
                     segments.append((self._trained[n], inp, h))
             if not split:
