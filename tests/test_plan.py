@@ -662,6 +662,29 @@ def test_a_named_layout_is_evaluated_fitting_or_not_and_placed(capsys):
     assert "--layout names every dimension" in refused(capsys, *shape, "--layout", "dp16 m1xb2", "--tp", "2")
 
 
+def test_layouts_evaluated_one_after_another_share_the_unpinned_search(monkeypatch):
+    """evaluate() keeps its last unpinned search: a second layout of the same model, cluster, batch and workers
+    is placed in it (no new search) exactly as a fresh search places it; another batch searches again."""
+    from dataclasses import replace
+
+    from paralab.analysis.plan import search
+    work, cluster = gpt_workload(layers=8, embed=512, heads=8, context=512, vocab=50257), PRESETS["a100-sxm"]
+    searches = []
+    real = search.make_plan
+    monkeypatch.setattr(search, "make_plan", lambda *a, **k: searches.append(a) or real(*a, **k))
+    monkeypatch.setattr(search, "_LAST_SEARCH", [])
+    first = search.make_plan(work, cluster, Setting(32), 16, top=2).ranked
+    a = search.evaluate(work, cluster, Setting(32), 16, first[0].layout)
+    b = search.evaluate(work, cluster, Setting(32), 16, first[1].layout)
+    assert len(searches) == 2 and a.plan is b.plan and (a.rank, b.rank) == (1, 2)
+    search._LAST_SEARCH.clear()
+    fresh = search.evaluate(work, cluster, Setting(32), 16, first[1].layout)
+    assert (fresh.rank, fresh.rank_all, fresh.prediction.step) == (b.rank, b.rank_all, b.prediction.step)
+    doubled = replace(first[1].layout, microbatches=2 * first[1].layout.microbatches)
+    search.evaluate(work, cluster, Setting(64), 16, doubled)  # another batch: its own search
+    assert len(searches) == 4
+
+
 def test_a_layout_for_other_workers_is_refused_before_this_machine_is_measured(capsys, tmp_path):
     """The layout's words and its product are checked first: no calibration runs (and none is cached) for a
     layout that cannot be evaluated."""

@@ -250,7 +250,7 @@ def _pipeline_rank(rank: int, world: int, store: str, out) -> None:
         torch.manual_seed(rank)
         width, m = 16, PIPE_MICROBATCHES
         ctx = SimpleNamespace(device=torch.device("cpu"), autocast=nullcontext,
-                              loss=lambda out, y: ((out - y) ** 2).mean())
+                              loss=lambda out, y: ((out - y) ** 2).mean(), scaled=lambda loss: loss)
         stage = Stage({rank: torch.nn.Linear(width, width)}, rank == 0, rank == world - 1, (width,), (width,), ctx)
         actions = build_schedule("gpipe", world, m)[rank]
         transfers = sum(1 for a in actions if a.kind.is_send or a.kind.is_recv)

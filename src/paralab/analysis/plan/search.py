@@ -197,7 +197,7 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
         raise NoLayout(f"layout {layout.label()}: not one the planner lists for this model: {why}")
     x = predict(work, layout, cluster, setting)
     try:
-        plan = make_plan(work, cluster, setting, workers, top=ranked, shortlist=ranked)
+        plan = _unpinned(work, cluster, setting, workers, ranked)
     except NoLayout:
         return Evaluation(x, None, None)
     if not x.fits:
@@ -206,6 +206,19 @@ def evaluate(work: Workload, cluster: Cluster, setting: Setting, workers: int, l
     rough = predict(work, layout, cluster, setting, simulate_pipeline=False).step
     return Evaluation(x, plan, faster + 1 if faster < len(plan.ranked) else None,
                       bisect.bisect_left(plan.rough, rough) + 1, rough)
+
+
+#: evaluate()'s last unpinned search, (its arguments, the plan): the next layout evaluated on the same model,
+#: cluster, batch and workers (another `plan --layout` of a served session, a test's) is placed in the same
+#: search instead of a new one. Arguments compare by value; a plan is read, never changed.
+_LAST_SEARCH: list = []
+
+
+def _unpinned(work: Workload, cluster: Cluster, setting: Setting, workers: int, ranked: int) -> Plan:
+    key = (work, cluster, setting, workers, ranked)
+    if not (_LAST_SEARCH and _LAST_SEARCH[0][0] == key):
+        _LAST_SEARCH[:] = [(key, make_plan(work, cluster, setting, workers, top=ranked, shortlist=ranked))]
+    return _LAST_SEARCH[0][1]
 
 
 TERMS = (("compute", "compute"), ("tp_comm", "tensor-parallel communication"),
