@@ -15,7 +15,8 @@ having run nothing. Steps, each recorded even when it fails:
    2 GPUs are visible, else left out with why; then the gpt's dimensions
    (experts, recomputation, the gpt under ddp/fsdp/tp/torch-tp/pipeline) at 1 worker; the recipe
    (AdamW, cosine schedule, --clip-grad firing every step) under eight layouts; six of them checked in bf16
-   under CUDA's autocast (the verdict and its worst ratio to the noise band); the example strategies
+   and in fp16 (its loss scale) under CUDA's autocast (the verdict and its worst ratio to the noise band); the
+   example strategies
    from the user's own files (examples/strategies/); the non-finite guard (a NaN injected: stop, skip);
    ``--jobs N`` runs N of the checks at a time, each its own process on the same GPU(s);
 3. the warm start: a ``--check`` forked from a ``paralab serve`` server (which
@@ -179,9 +180,9 @@ RECIPE = ["--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "cosine", "--
 RECIPE_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
                   ("pipeline", ["--microbatches", "2"]), ("torch-tp", []), ("torch-fsdp", []),
                   ("ddp", ["--experts", "4", "--top-k", "2"])]
-#: --check in bf16 under CUDA's autocast, judged by the noise band measured beside it (docs/correctness.md, "Bug or
-#: rounding"): each must end exact or within rounding
-BF16_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
+#: --check in bf16 and in fp16 (with its loss scale) under CUDA's autocast, judged by the noise band measured beside
+#: it (docs/correctness.md, "Bug or rounding"): each must end exact or within rounding
+AUTOCAST_LAYOUTS = [("single", []), ("ddp", []), ("fsdp", []), ("tp", ["--sequence-parallel"]),
                 ("pipeline", ["--microbatches", "2"]), ("ddp", ["--experts", "4", "--top-k", "2"])]
 #: strategies from the user's own files (docs/own-strategy.md), on the CNN as the course writes them
 OWN = ["examples/strategies/gather_scatter.py", "examples/strategies/allreduce.py",
@@ -227,11 +228,12 @@ def strategy_checks(gpus: int, tmp: Path, jobs: int = 1) -> list[dict]:
         runs.append((len(rows), name, 1, ["--model", "gpt", *RECIPE, *extra],
                      [name, "--workers", "1", *GPT_CHECK, *RECIPE, *extra], out))
         rows.append(None)
-    for i, (name, extra) in enumerate(BF16_LAYOUTS):
-        out = tmp / f"bf16-{i}-{name}"
-        runs.append((len(rows), name, 1, ["--model", "gpt", "--precision", "bf16", *extra],
-                     [name, "--workers", "1", *GPT_CHECK, "--precision", "bf16", *extra], out))
-        rows.append(None)
+    for precision in ("bf16", "fp16"):
+        for i, (name, extra) in enumerate(AUTOCAST_LAYOUTS):
+            out = tmp / f"{precision}-{i}-{name}"
+            runs.append((len(rows), name, 1, ["--model", "gpt", "--precision", precision, *extra],
+                         [name, "--workers", "1", *GPT_CHECK, "--precision", precision, *extra], out))
+            rows.append(None)
     for path in OWN:
         out = tmp / f"own-{Path(path).stem}"
         runs.append((len(rows), path, 1, [], [path, "--workers", "1", *CHECK_ARGS], out))

@@ -85,7 +85,8 @@ def runs(tmp_path_factory):
 
     from conftest import side_by_side
     example = Path(__file__).resolve().parent.parent / "examples" / "strategies" / "forgot_to_average.py"
-    jobs = {k: argv for k, (argv, _) in LAYOUTS.items()} | {"bug": (str(example), "--workers", "2", *CNN)}
+    jobs = {k: argv for k, (argv, _) in LAYOUTS.items()} | {"bug": (str(example), "--workers", "2", *CNN)} | {
+        f"scale-{s}": ("ddp", "--workers", "2", *CNN, "--initial-loss-scale", str(s)) for s in (1, 2 ** 24)}
     return side_by_side(jobs, tmp_path_factory.mktemp("fp16"))
 
 
@@ -106,6 +107,18 @@ def test_a_bug_in_fp16_is_a_bug(runs):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["verdict"] == "bug" and check["worst_ratio"] > 10 and "check: FAIL (bug, worst " in r.stdout
+
+
+def test_an_overflow_is_exercised_or_said_not_to_be(runs):
+    """--initial-loss-scale 2^24 overflows at the first step (every rank skips it, the reference alike: exact);
+    a scale of 1 never overflows, and the check says that path was not exercised and how to reach it."""
+    big, small = runs[f"scale-{2 ** 24}"], runs["scale-1"]
+    for r in (big, small):
+        assert r.returncode == 0 and r.summary["check"]["verdict"] == "exact", r.stdout[-3000:] + r.stderr[-2000:]
+    assert 0 in big.summary["skipped_steps"] and "not exercised: fp16" not in big.stdout
+    assert small.summary["skipped_steps"] == []
+    assert "check: not exercised: fp16: no step's gradient overflowed (the loss scale is 1 now)" in small.stdout
+    assert f"a larger --initial-loss-scale (e.g. {2 ** 24})" in small.stdout
 
 
 def test_a_resumed_fp16_run_continues_its_loss_scale(paralab, tmp_path):
@@ -143,6 +156,10 @@ def test_fp16_is_refused_where_it_cannot_be_scaled(paralab):
     for name in unclipped:
         with pytest.raises(UsageError, match=f"--precision fp16 is not supported by strategy '{name}'"):
             refuse_unclipped(RunConfig(strategy=name, precision="fp16"), get_strategy(name), get_strategy(name))
+    r = paralab("train", "ddp", "--workers", "2", *CNN, "--initial-loss-scale", "1000")
+    assert r.returncode == 2 and "--initial-loss-scale 1000 must be a power of two (e.g. 1024)" in r.stderr
+    r = paralab("train", "ddp", "--workers", "2", *CNN[:-2], "--precision", "bf16", "--initial-loss-scale", "1024")
+    assert r.returncode == 2 and "is fp16's loss scale: give --precision fp16" in r.stderr
 
 
 # ---------------------------------------------------------------- an overflow the run and the reference decide apart

@@ -228,7 +228,7 @@ class Check:
         # (a mixture of experts) or was cut into microbatches of unequal sizes, and per share of the vocabulary this
         # rank's tp embedding holds, [tp rank, first id, last id, tokens of the steps in it]
         tp = tp_of(strategy)
-        self.seen = {"dropped": 0, "routed": False, "uneven": False, "short": False,
+        self.seen = {"dropped": 0, "routed": False, "uneven": False, "short": False, "overflowed": False,
                      "shares": [[tp.group.rank, a, b, 0] for a, b in tp.vocabulary_shares()] if tp else []}
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
@@ -280,6 +280,7 @@ class Check:
         self.seen["uneven"] |= m > 1 and step.x is not None and len(step.x) % m != 0
         self.seen["short"] |= 0 < step.rows < self.source.global_batch
         scale = self.strategy.ctx.loss_scale
+        self.seen["overflowed"] |= scale is not None and bool(result.skipped)
         if scale is not None and self.ref is not None:  # fp16: the run's overflow decision, which the reference follows
             self.ref.run_scales[step.index] = (bool(result.skipped), scale.state_dict())
         if step.x is not None and not step.x.is_floating_point():  # tokens: how many fell in each share
@@ -570,6 +571,11 @@ class Check:
                          f"shards {m} does not divide")
         if not any(s["short"] for s in seen):
             notes += short_batch_note(self.source, self.total)
+        scale = self.strategy.ctx.loss_scale
+        if scale is not None and not any(s["overflowed"] for s in seen):
+            notes.append(f"fp16: no step's gradient overflowed (the loss scale is {scale.scale:g} now), so an overflow "
+                         "(every rank skipping the update, the scale halved, the reference alike) is not exercised: "
+                         f"a larger --initial-loss-scale (e.g. {2 ** 24})")
         for rank, first, last, tokens in (share for s in seen for share in s["shares"]):
             if tokens == 0:
                 notes.append(f"tp: no token of this run fell in tp rank {rank}'s share of the vocabulary (ids "

@@ -18,6 +18,7 @@ what to change. Workers receive the validated config and never re-check it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -68,6 +69,10 @@ class OptimizerOptions:
                                          "Below fp64 --check tells a bug from rounding by a noise band it measures. "
                                          "Not given: fp64 with --check, else fp32 (docs/correctness.md)",
                                    type=str, choices=PRECISIONS)
+    initial_loss_scale: float = option(65536.0, "--precision fp16: the loss scale the run starts from, a power of two "
+                                                "(torch's GradScaler's init_scale; halved at each overflow, doubled "
+                                                "after 2,000 steps without one)", minimum=1.0, maximum=2.0 ** 64,
+                                       metavar="S")
     lr_scaling: str = option("none", "linear: lr x global batch / 256 (Goyal et al.)", choices=("none", "linear"))
     warmup_epochs: float = option(0.0, "linear lr warm-up over this many epochs (constant: from --lr to the scaled "
                                        "rate; cosine: from 0)", minimum=0)
@@ -314,6 +319,7 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         named_cls.validate(self, world)
         if self.clip_grad is not None or self.on_nonfinite or self.precision == "fp16":
             refuse_unclipped(self, named_cls, strategy_cls)
+        check_loss_scale(self)
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
         if self.packing:
@@ -395,6 +401,16 @@ def refuse_unclipped(cfg, named_cls, strategy_cls) -> None:
             raise UsageError(f"{flag} is not supported by strategy {cls.name!r} yet (it computes no whole-model "
                              f"gradient norm{why}): drop {flag}, or use another strategy (every other one "
                              "clips, and their compositions)")
+
+
+def check_loss_scale(cfg: RunConfig) -> None:
+    """--initial-loss-scale: fp16's alone, and a power of two, so that scaling and unscaling are exact (exit 2)."""
+    scale = cfg.initial_loss_scale
+    if cfg.precision != "fp16" and scale != OptimizerOptions.initial_loss_scale:
+        raise UsageError(f"--initial-loss-scale {scale:g} is fp16's loss scale: give --precision fp16, or drop it")
+    if math.frexp(scale)[0] != 0.5:
+        raise UsageError(f"--initial-loss-scale {scale:g} must be a power of two (e.g. "
+                         f"{2.0 ** round(math.log2(scale)):g}), so that scaling and unscaling the gradients are exact")
 
 
 def check_packing(cfg: RunConfig, named_cls) -> None:

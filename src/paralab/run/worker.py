@@ -309,7 +309,7 @@ def set_up(cfg: RunConfig, rank: int, world: int, device: torch.device, backend:
     optim_fn = build_optimizer_factory(cfg, optimizers)
     ctx = Context(rank, world, device, comm, recorder, cfg.precision, cfg.strategy_options(), mesh,
                   batch_size=cfg.global_batch(), clip_grad=cfg.clip_grad, on_nonfinite=cfg.on_nonfinite,
-                  loss_scale=LossScale() if cfg.precision == "fp16" else None)
+                  loss_scale=LossScale(cfg.initial_loss_scale) if cfg.precision == "fp16" else None)
     # the strategy's units recompute as --recompute says; the reference (model_fn) does not
     strategy = strategy_cls(ctx, recompute.factory(model_fn, cfg.recompute), optim_fn, **composition)
     replicas, replica = strategy.replicas()

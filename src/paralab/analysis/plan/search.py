@@ -13,7 +13,10 @@ sentence, which terms make the first beat the second.
 Both passes run on every core this process may use (a forked pool): the
 simulations one layout at a time, the closed forms in chunks of a few
 hundred returning only (step, memory, fits), so that what crosses back costs
-little beside the work.
+little beside the work. Most layouts differ from others only in their ZeRO
+stage and HSDP replication, which change neither their stages nor their
+pipeline: those go out side by side, and a chunk works their pipeline out
+once (``predict``'s ``memo``).
 """
 from __future__ import annotations
 
