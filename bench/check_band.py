@@ -86,9 +86,9 @@ def train(argv: list[str], out: Path, pythonpath: Path) -> dict:
     seconds = round(time.perf_counter() - started, 1)
     summary = out / "summary.json"
     check = json.loads(summary.read_text()).get("check") if summary.is_file() else None
-    if not check:
-        return {"verdict": "error", "exit": done.returncode, "seconds": seconds,
-                "error": (done.stderr or done.stdout)[-600:]}
+    if not check:  # exit 2: a combination paralab refuses (said), not an error of the check
+        return {"verdict": "refused" if done.returncode == 2 else "error", "exit": done.returncode,
+                "seconds": seconds, "error": (done.stderr or done.stdout)[-600:]}
     tolerance = check["tolerances"]["weights"]
 
     def outside(h: dict) -> bool:  # a step judged by its band (below fp64, beyond exact), else by fp64's tolerance
@@ -161,13 +161,14 @@ def summarise(correct: list[dict], bugs: list[dict], precisions: list[str]) -> d
         rows = [r for r in correct if r["precision"] == p]
         ratios = [r["worst_ratio"] for r in rows if r.get("worst_ratio") is not None and r["verdict"] != "exact"]
         said[f"correct_{p}"] = {"runs": len(rows), "bug_verdicts": sum(r["verdict"] == "bug" for r in rows),
+                                "refused": sum(r["verdict"] == "refused" for r in rows),
                                 "errors": sum(r["verdict"] == "error" for r in rows),
                                 "exact": sum(r["verdict"] == "exact" for r in rows),
                                 "worst_ratio": max(ratios) if ratios else None,
                                 "median_ratio": statistics.median(ratios) if ratios else None}
     if bugs:
         for p in precisions:
-            caught = [b for b in bugs if b.get("fp64", {}).get("verdict") == "bug"]
+            caught = [b for b in bugs if b.get("fp64", {}).get("verdict") == "bug" and b[p]["verdict"] != "refused"]
             ratios = [b[p]["worst_ratio"] for b in caught if b[p].get("worst_ratio") is not None]
             late = [b["bug"] for b in caught if b[p]["verdict"] == "bug" and b[p]["first_step_outside"] is not None
                     and b["fp64"]["first_step_outside"] is not None

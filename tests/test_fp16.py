@@ -71,6 +71,11 @@ LAYOUTS = {  # id -> (argv, the verdicts a correct run may get)
     "fsdp3": (("fsdp", "--zero-stage", "3", "--workers", "3", *CNN, "--batch-size", "48"),
               ("exact", "within rounding")),
     "pipeline": (("pipeline", "--workers", "2", "--microbatches", "4", *CNN), ("exact", "within rounding")),
+    # PyTorch's pipeline schedule calls the loss itself (ctx.loss: scaled as every layout's)
+    "torch-pipeline": (("torch-pipeline", "--workers", "2", "--microbatches", "4", *CNN), ("exact", "within rounding")),
+    # clipped, and overflowing at its first step: a skipped step has no gradient norm, on either side
+    "clip-overflow": (("ddp", "--workers", "2", *CNN, "--clip-grad", "0.05", "--initial-loss-scale", str(2 ** 24)),
+                      ("exact", "within rounding")),
     "tp-gpt": (("tp", "--workers", "2", *CNN, *GPT), ("exact", "within rounding")),
     # a mixture of experts: its load-balancing losses scaled as the loss is, beside it and on a pipeline's stages
     "ep-gpt": (("ddp", "--workers", "2", "--ep", "2", *CNN, *GPT, "--experts", "4"), ("exact", "within rounding")),
@@ -93,6 +98,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("key", LAYOUTS)
 def test_a_correct_layout_in_fp16_passes(runs, key):
     r = runs[key]
+    if key == "clip-overflow":
+        assert 0 in r.summary["skipped_steps"], r.stdout[-3000:]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["precision"] == "fp16" and check["verdict"] in LAYOUTS[key][1], r.stdout[-3000:]
@@ -156,6 +163,8 @@ def test_fp16_is_refused_where_it_cannot_be_scaled(paralab):
     for name in unclipped:
         with pytest.raises(UsageError, match=f"--precision fp16 is not supported by strategy '{name}'"):
             refuse_unclipped(RunConfig(strategy=name, precision="fp16"), get_strategy(name), get_strategy(name))
+    r = paralab("train", "ddp", "--workers", "2", *CNN, "--compress", "powersgd")
+    assert r.returncode == 2 and "--compress powersgd with --precision fp16" in r.stderr
     r = paralab("train", "ddp", "--workers", "2", *CNN, "--initial-loss-scale", "1000")
     assert r.returncode == 2 and "--initial-loss-scale 1000 must be a power of two (e.g. 1024)" in r.stderr
     r = paralab("train", "ddp", "--workers", "2", *CNN[:-2], "--precision", "bf16", "--initial-loss-scale", "1024")
@@ -186,6 +195,16 @@ def test_the_reference_follows_the_runs_overflow_decision_and_says_so():
     assert scaler.state_dict()["_growth_tracker"] == 1  # the run's count of good steps, taken over
     (_, skipped, why), w, scaler = _one_step(1.0, False, [65536.0, 1])
     assert not skipped and why == "" and torch.equal(w, torch.full((2,), 0.5))  # stepped by torch's scaler
+
+
+def test_a_scale_other_than_torchs_after_an_agreed_step_is_a_bug():
+    """The run and the reference agree that step 1 did not overflow, but the run's scale after it is not what
+    torch's GradScaler holds: said, the run's taken over, and a bug."""
+    from paralab.check.reference import SCALE_DIFFERS
+    from paralab.check.verdict import overflowed_too_often
+    (_, skipped, why), w, scaler = _one_step(1.0, False, [32768.0, 0])  # torch: 65536 and 1 good step
+    assert not skipped and SCALE_DIFFERS in why and "the run's loss scale after it is 32768" in why
+    assert scaler.get_scale() == 32768.0 and "loss scale is not torch's" in overflowed_too_often([why])
 
 
 def test_two_overflows_the_reference_did_not_have_are_a_bug():

@@ -69,10 +69,11 @@ class Snapshot:
 
 
 def usable(cfg, ref) -> bool:
-    """Whether this run's reference may be shared: asked for, untrained so far, without compression."""
-    # (a clipped reference's gradient norms are not kept: it trains beside the run)
+    """Whether this run's reference may be shared: asked for, untrained so far, without compression, not fp16."""
+    # (a clipped reference's gradient norms are not kept: it trains beside the run; an fp16 one follows its run's
+    # overflow decisions, which another layout may take at other steps)
     return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None \
-        and not getattr(cfg, "clip_grad", None)
+        and not getattr(cfg, "clip_grad", None) and getattr(cfg, "precision", None) != "fp16"
 
 
 def _source_files(model) -> list[str]:

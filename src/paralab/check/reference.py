@@ -235,8 +235,12 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
                 norms[step] = norm.item()
         if how.scaler is not None:
             how.scales[step] = _scaler_step(how, optimizer, params, step)
+        elif how.scales is not None and not how.scales[step][1] and not _finite(params):
+            pass  # a band reference that overflowed where the reference did not cannot step (its band widens)
         elif how.scales is None or not how.scales[step][1]:
             optimizer.step()
+        if how.scales is not None and how.scales[step][1] and norms is not None:
+            norms.pop(step, None)  # fp16: a skipped step has no gradient norm (the run reports none either)
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
@@ -247,12 +251,19 @@ def _scaler_step(how: Replay, optimizer, params, step: int) -> tuple:
     decided this step's overflow otherwise, as the run did. Returns (the scale of this step's loss, whether the
     step was skipped, what was followed or "")."""
     scale = how.scaler.get_scale()
-    overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)  # as it finds it
+    overflow = not _finite(params)  # as the scaler finds it
     run = (how.run or {}).get(step)
     if run is None or run[0] == overflow:
         how.scaler.step(optimizer)  # skipped where a gradient overflowed
         how.scaler.update()
-        return scale, how.scaler.get_scale() < scale, ""  # an overflow halves the scale
+        torch_state = [how.scaler.get_scale(), float(how.scaler.state_dict()["_growth_tracker"])]
+        if run is not None and list(map(float, run[1])) != torch_state:  # the run's scale is torch's, every step
+            how.scaler.load_state_dict({**how.scaler.state_dict(), "scale": float(run[1][0]),
+                                        "_growth_tracker": int(run[1][1])})
+            return scale, overflow, (f"step {step + 1}: the run's loss scale after it is {run[1][0]:g} ({int(run[1][1])} "
+                                     f"steps since it changed), torch's GradScaler's {torch_state[0]:g} "
+                                     f"({int(torch_state[1])}): {SCALE_DIFFERS}")
+        return scale, overflow, ""
     how.scaler.update()  # the step closed for the scaler; its state is the run's from here
     how.scaler.load_state_dict({**how.scaler.state_dict(), "scale": float(run[1][0]),
                                 "_growth_tracker": int(run[1][1])})
@@ -263,6 +274,14 @@ def _scaler_step(how: Replay, optimizer, params, step: int) -> tuple:
     return scale, True, (f"step {step + 1}: the reference's gradient overflowed at fp16 loss scale {scale:g} and the "
                          "run's did not: the reference cannot take an update it has no finite gradient for, so the "
                          "two differ by that step's update from here")
+
+
+def _finite(params) -> bool:
+    return all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+#: what a step's note says where the run's loss scale is not torch's GradScaler's after an agreed step: a bug
+SCALE_DIFFERS = "the run scales its loss otherwise than torch"
 
 
 def _scale(how: Replay, step: int):

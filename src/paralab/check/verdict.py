@@ -48,7 +48,7 @@ from ..training.loss_scale import torch_scaler
 from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
-from .reference import (ADAMS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation, compare_optimizer,
+from .reference import (ADAMS, SCALE_DIFFERS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation, compare_optimizer,
                         Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
@@ -109,6 +109,10 @@ def overflowed_too_often(followed: list[str]) -> str | None:
     then, and the halved scale then keeps the run away from it; a run that overflows where the reference does
     not at two steps or more is scaling, unscaling or skipping wrong (followed every time, such a run would
     pass with the reference skipping alike)."""
+    differs = [why.split(":")[0] for why in followed if SCALE_DIFFERS in why]
+    if differs:
+        return (f"the run's loss scale is not torch's GradScaler's after {', '.join(differs)}: how the run grows, "
+                "backs off or restores its scale is wrong")
     steps = [why.split(":")[0] for why in followed if "the run's gradient overflowed" in why]
     if len(steps) < 2:
         return None
@@ -612,6 +616,10 @@ def _compare_numbers(what: str, mine: list, ref: dict, atol: float, bands: dict 
     ``bands`` (below fp64): each step's band. The step that decides is the one furthest out (by its band, where
     there is one); ``says(value, reference)`` words it."""
     largest, at, rank_at = 0.0, None, -1.0
+    mine = [(step, value) for step, value in mine if value is not None and step in ref]  # fp16: a skipped step's
+    #                                                                                       norm is none, on both
+    if not mine:
+        return Comparison(what, 0.0, "no step to compare (each skipped)", atol)
     for step, value in mine:
         dev = abs(value - ref[step])
         dev = float("inf") if dev != dev else dev

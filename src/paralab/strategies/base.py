@@ -86,19 +86,20 @@ class Context:
         """The cross-entropy: tensor parallelism's where it splits the logits, else the plain one."""
         return self.tp.loss(logits, target) if self.tp is not None else cross_entropy(logits, target)
 
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, share: float = 1.0) -> torch.Tensor:
         """The training loss (:meth:`cross_entropy`), watched by the non-finite guard (``--on-nonfinite``);
-        under fp16 its gradient scaled by the loss scale (``training/loss_scale.py``), its value not."""
+        under fp16 its gradient scaled by the loss scale (``training/loss_scale.py``; ``share``: times this
+        share too), its value not."""
         loss = self.cross_entropy(logits, target)
         if self.on_nonfinite:
             self.guard.losses_finite.append(torch.isfinite(loss.detach()).all())
-        return self.scaled(loss)
+        return self.scaled(loss, share)
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` as a step minimises it: under fp16 its gradient times the loss scale, its value unchanged
-        (what :meth:`loss` returns; a mixture of experts' load-balancing losses join the gradients through it
-        too, ``training_loss`` and a pipeline stage's ``carry_aux_loss``)."""
-        return loss if self.loss_scale is None else self.loss_scale.scaled(loss)
+    def scaled(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+        """``loss`` as a step minimises it: under fp16 its gradient times the loss scale (and ``share``), its
+        value unchanged (what :meth:`loss` returns; a mixture of experts' load-balancing losses join the
+        gradients through it too, ``training_loss`` and a pipeline stage's ``carry_aux_loss``)."""
+        return loss if self.loss_scale is None else self.loss_scale.scaled(loss, share)
 
     @property
     def guarded(self) -> bool:
@@ -402,7 +403,8 @@ class Strategy:
         guard.norm = norm
         if ctx.loss_scale is not None and not losses:
             change = ctx.loss_scale.update(bool(grads))
-            if grads:  # an overflow: what loss scaling expects now and then, not an error
+            if grads:  # an overflow: what loss scaling expects now and then, not an error; no norm to report
+                guard.norm = None
                 guard.skipping = (f"step {self.rec.step + 1} (steps.jsonl step {self.rec.step}): the gradient "
                                   f"overflowed on rank{'s' if len(grads) > 1 else ''} {', '.join(map(str, grads))} "
                                   f"({change})")

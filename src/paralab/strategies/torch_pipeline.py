@@ -17,8 +17,8 @@ Shapes are given, not inferred: every stage gets example ``input_args`` and
 ``output_args`` of one microbatch (``requires_grad=True`` on the outputs and
 on every later stage's input), so PyTorch runs no shape-inference forward. A
 batch whose microbatches have another size gets stages and a schedule built
-for that size. Each microbatch's loss is ``cross_entropy`` of its logits,
-the gradients scaled by ``1/m`` (``scale_grads``); BatchNorm sees each
+for that size. Each microbatch's loss is ``ctx.loss`` of its logits (the
+cross-entropy; under fp16 loss-scaled, as every layout's), the gradients scaled by ``1/m`` (``scale_grads``); BatchNorm sees each
 stage's microbatches in order (``sequential``).
 
 Records: each compute call of a stage (``forward_one_chunk``,
@@ -36,7 +36,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import UsageError
-from ..training.losses import cross_entropy
 from ..training import step as steps
 from .base import StepResult, split_microbatches
 from .pipeline.schedules import placement_for
@@ -104,6 +103,7 @@ class TorchPipeline(Pipeline):
         return None
 
     # ------------------------------------------------------------ PyTorch's stages and schedule
+    # (_Cast: below)
     def _schedule_for(self, size: int, count: int):
         """PyTorch's stages and schedule for ``count`` microbatches of ``size`` samples (built once)."""
         key = (size, count)
@@ -119,16 +119,23 @@ class TorchPipeline(Pipeline):
                 example_in.requires_grad_(True)
             example_out = torch.zeros((size,) + st.out_shape, device=ctx.device, dtype=ctx.dtype,
                                       requires_grad=True)
-            stage = pipelining.PipelineStage(nn.Sequential(*st.units), s, last + 1, ctx.device,
+            # under autocast a stage's last unit returns 16-bit activations, which PyTorch would send as the
+            # float32 tensors its output_args promise: cast to them (paralab's own executor does the same)
+            stage = pipelining.PipelineStage(nn.Sequential(*st.units, _Cast(ctx.dtype)), s, last + 1, ctx.device,
                                              input_args=(example_in,), output_args=(example_out,),
                                              group=self.pp.group)
             self._record_compute(stage, s)
             stages.append(stage)
         cls_name = TORCH_SCHEDULES[self.schedule][0]
         schedule_cls = getattr(pipelining, cls_name)
-        loss_fn = lambda out, y: cross_entropy(out, y)  # noqa: E731 - mean over the microbatch
+        # each microbatch's loss, the mean over it (the guard watches it); PyTorch divides the gradients by the
+        # microbatches after backward. Under fp16 each microbatch's share of the loss is scaled instead, as the
+        # reference and paralab's pipeline scale it: the whole loss at the loss scale would put the count times
+        # the scale through float16 (overflowing where they do not)
+        fp16 = ctx.loss_scale is not None
+        loss_fn = (lambda out, y: ctx.loss(out, y, share=1 / count)) if fp16 else ctx.loss
         schedule = schedule_cls(stages[0] if len(stages) == 1 and cls_name in ("ScheduleGPipe", "Schedule1F1B")
-                                else stages, count, loss_fn=loss_fn)
+                                else stages, count, loss_fn=loss_fn, scale_grads=not fp16)
         self._built[key] = schedule
         return schedule
 
@@ -195,3 +202,15 @@ class TorchPipeline(Pipeline):
             record |= {"virtual_stages": 2, "held_stages": sorted(self.stages),
                        "held_units": [list(self.ranges[s]) for s in sorted(self.stages)]}
         return record
+
+
+class _Cast(nn.Module):
+    """The output cast to ``dtype`` (the activations between stages, whatever autocast computed them in);
+    no parameters, so the stage's parameter names stay its units'."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)

@@ -55,9 +55,9 @@ class LossScale:
     scale: float = INIT
     good_steps: int = 0
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss``, whose gradient in backward is ``scale`` times what it would be."""
-        return _ScaleGrad.apply(loss, self.scale)
+    def scaled(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+        """``loss``, whose gradient in backward is ``scale`` (x ``share``) times what it would be."""
+        return _ScaleGrad.apply(loss, self.scale * share)
 
     @torch.no_grad()
     def unscale_(self, grads) -> None:

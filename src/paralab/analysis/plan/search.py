@@ -101,7 +101,8 @@ def rough_many(work: Workload, layouts: list[Layout], cluster: Cluster, setting:
     """The first pass (closed forms) over every layout, on the cores this process may use: (step, memory,
     fits, lower bound) each, in order; chunks of a few hundred layouts, so what returns costs little beside the
     work. Layouts that differ only in ZeRO stage and HSDP replication go out side by side, so that a chunk
-    works their pipeline out once (:func:`predict`'s ``memo``: a fresh one per chunk)."""
+    works their pipeline out once (:func:`predict`'s ``memo``: one per chunk in a forked pool, one for the whole
+    call in one process; it holds this search's layouts alone)."""
     alike: dict[Layout, list[int]] = {}
     for i, lay in enumerate(layouts):
         alike.setdefault(replace(lay, zero=0, replicate=1), []).append(i)
