@@ -143,7 +143,8 @@ def bugs_table(args, work: Path) -> list[dict]:
                                     precision, "--check-every", "1", "--no-first-divergence"], out, root)
         shutil.rmtree(root, ignore_errors=True)
         print(f"  bug {mutant.name:40s} " + "  ".join(
-            f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}" for p in ("fp64", *args.precisions.split(","))),
+            f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}"
+            for p in ("fp64", *args.precisions.split(","))),
             flush=True)
         return row
 

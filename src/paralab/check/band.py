@@ -57,8 +57,8 @@ FLOOR = 4.0
 
 def unit_roundoff(precision: str, device: torch.device, wire: torch.dtype | None = None) -> float:
     """Half an ulp of 1 in the precision the run's arithmetic rounds to: a gradient wire's (a strategy's
-    ``gradient_wire``) where it is the coarser; bf16 or fp16 under autocast; TF32 for fp32 on a CUDA device whose matmuls
-    or convolutions use it (PyTorch's default for convolutions); fp32's; fp64's."""
+    ``gradient_wire``) where it is the coarser; bf16 or fp16 under autocast; TF32 for fp32 on a CUDA device whose
+    matmuls or convolutions use it (PyTorch's default for convolutions); fp32's; fp64's."""
     if wire is not None:
         return max(torch.finfo(wire).eps / 2, unit_roundoff(precision, device))
     if precision == "fp64":

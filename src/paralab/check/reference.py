@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from ..data.documents import IGNORE
 from ..data.loader import to_device
 from ..training import step as steps
+from ..training.loss_scale import scaler_state, set_scaler
 from ..training.losses import cross_entropy
 from ..training.lr_schedule import REFERENCE_BATCH, LRSchedule, set_lr
 
@@ -256,17 +257,15 @@ def _scaler_step(how: Replay, optimizer, params, step: int) -> tuple:
     if run is None or run[0] == overflow:
         how.scaler.step(optimizer)  # skipped where a gradient overflowed
         how.scaler.update()
-        torch_state = [how.scaler.get_scale(), float(how.scaler.state_dict()["_growth_tracker"])]
+        torch_state = scaler_state(how.scaler)
         if run is not None and list(map(float, run[1])) != torch_state:  # the run's scale is torch's, every step
-            how.scaler.load_state_dict({**how.scaler.state_dict(), "scale": float(run[1][0]),
-                                        "_growth_tracker": int(run[1][1])})
-            return scale, overflow, (f"step {step + 1}: the run's loss scale after it is {run[1][0]:g} ({int(run[1][1])} "
-                                     f"steps since it changed), torch's GradScaler's {torch_state[0]:g} "
-                                     f"({int(torch_state[1])}): {SCALE_DIFFERS}")
+            set_scaler(how.scaler, run[1])
+            return scale, overflow, (f"step {step + 1}: the run's loss scale after it is {run[1][0]:g} "
+                                     f"({int(run[1][1])} steps since it changed), torch's GradScaler's "
+                                     f"{torch_state[0]:g} ({int(torch_state[1])}): {SCALE_DIFFERS}")
         return scale, overflow, ""
     how.scaler.update()  # the step closed for the scaler; its state is the run's from here
-    how.scaler.load_state_dict({**how.scaler.state_dict(), "scale": float(run[1][0]),
-                                "_growth_tracker": int(run[1][1])})
+    set_scaler(how.scaler, run[1])
     if run[0]:  # the run's gradient overflowed, this one's did not: skipped, as the run did
         return scale, True, (f"step {step + 1}: the run's gradient overflowed at fp16 loss scale {scale:g} and the "
                              "reference's did not: an overflow is a threshold rounding can cross, so the reference "

@@ -48,8 +48,8 @@ from ..training.loss_scale import torch_scaler
 from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
-from .reference import (ADAMS, SCALE_DIFFERS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation, compare_optimizer,
-                        Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
+from .reference import (ADAMS, SCALE_DIFFERS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation,
+                        compare_optimizer, Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
 #: the kinds of comparison, in the order their lines are printed
 KINDS = ("weights", "optimizer", "replicas", "loss", "grad_norm", "outputs")
@@ -190,10 +190,7 @@ class Reference:
         how = Replay(replicas=self.replicas, microbatches=self.microbatches, bn_rule=self.bn_rule,
                      combine=self.compression.combine if self.compression else None, seed=self.seed, clip=self.clip,
                      packing=self.packing, autocast=self.autocast, scaler=self.scaler, scales=self.scales,
-                     run=self.run_scales,
-                     perturb=self.perturb,
-                     unit=self.unit,
-                     wire=self.wire)
+                     run=self.run_scales, perturb=self.perturb, unit=self.unit, wire=self.wire)
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step, how,
                                  self.lr_for, first_step=self.step, norms=self.norms)
         self.losses.update(zip(range(self.step, step), losses))

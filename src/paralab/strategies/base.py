@@ -395,9 +395,9 @@ class Strategy:
             if ctx.loss_scale is not None:
                 ctx.loss_scale.unscale_(g for g, _ in held)
             local = grad_norm.square_sum(held)
-            bad_loss = None
-            if ctx.on_nonfinite or ctx.loss_scale is not None:
-                bad_loss = ctx.on_nonfinite is not None and not all(bool(f) for f in guard.losses_finite)
+            bad_loss = None  # None: no finite flags in the all-reduce; else whether this rank's loss was not finite
+            if ctx.on_nonfinite or ctx.loss_scale is not None:  # the guard's flags, or fp16's overflow
+                bad_loss = bool(ctx.on_nonfinite) and not all(bool(f) for f in guard.losses_finite)
                 guard.losses_finite.clear()
         norm, losses, grads = grad_norm.reduce(ctx.comm, local, ctx.device, bad_loss)
         guard.norm = norm

@@ -18,7 +18,9 @@ Shapes are given, not inferred: every stage gets example ``input_args`` and
 on every later stage's input), so PyTorch runs no shape-inference forward. A
 batch whose microbatches have another size gets stages and a schedule built
 for that size. Each microbatch's loss is ``ctx.loss`` of its logits (the
-cross-entropy; under fp16 loss-scaled, as every layout's), the gradients scaled by ``1/m`` (``scale_grads``); BatchNorm sees each
+cross-entropy; under fp16 loss-scaled, as every layout's), the gradients
+scaled by ``1/m`` (``scale_grads``; under fp16 each microbatch's share of
+the loss is scaled instead, ``_schedule_for``); BatchNorm sees each
 stage's microbatches in order (``sequential``).
 
 Records: each compute call of a stage (``forward_one_chunk``,
@@ -103,7 +105,6 @@ class TorchPipeline(Pipeline):
         return None
 
     # ------------------------------------------------------------ PyTorch's stages and schedule
-    # (_Cast: below)
     def _schedule_for(self, size: int, count: int):
         """PyTorch's stages and schedule for ``count`` microbatches of ``size`` samples (built once)."""
         key = (size, count)

@@ -90,6 +90,15 @@ def torch_scaler(device: torch.device, state: list | None = None) -> torch.amp.G
     scaler = torch.amp.GradScaler(device.type, init_scale=INIT, growth_factor=GROWTH, backoff_factor=BACKOFF,
                                   growth_interval=INTERVAL)
     if state is not None:
-        scaler.load_state_dict({"scale": float(state[0]), "growth_factor": GROWTH, "backoff_factor": BACKOFF,
-                                "growth_interval": INTERVAL, "_growth_tracker": int(state[1])})
+        set_scaler(scaler, state)
     return scaler
+
+
+def scaler_state(scaler: torch.amp.GradScaler) -> list[float]:
+    """A GradScaler's scale and count of good steps, as :meth:`LossScale.state_dict` holds them."""
+    return [scaler.get_scale(), float(scaler.state_dict()["_growth_tracker"])]
+
+
+def set_scaler(scaler: torch.amp.GradScaler, state) -> None:
+    """A GradScaler's scale and count of good steps set to ``state`` (a :meth:`LossScale.state_dict`)."""
+    scaler.load_state_dict({**scaler.state_dict(), "scale": float(state[0]), "_growth_tracker": int(state[1])})

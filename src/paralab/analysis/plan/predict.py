@@ -282,8 +282,7 @@ def _pipeline(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, s
         first.setdefault(k, r)
 
     def by_kind(f) -> list:
-        done = {k: f(r) for k, r in first.items()}
-        return [done[k] for k in kinds]
+        return _by_kind(kinds, first, f)
     busy = by_kind(lambda r: sum(m * (fwd[s] + bwd[s] + tpc[s]) for s in ranks[r]))
     r_max = max(range(p), key=lambda r: busy[r])
     compute = sum(m * (fwd[s] + bwd[s]) for s in ranks[r_max])
@@ -353,10 +352,17 @@ def _pipeline(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, s
         max(work.recompute_transient(*stages[s], b, t, lay.sp, lay.recompute, e) for s in ranks[r]) / C))
     for r, (per_mb, again) in enumerate(kept):
         acts.append(per_mb * alive[r] + again)
-    return Pipeline(stages, ranks, kinds, first, r_max, compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, pipe, simulated,
-                    bounded, stage_params, moe_held, units_of, acts,
+    return Pipeline(stages, ranks, kinds, first, r_max, compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, pipe,
+                    simulated, bounded, stage_params, moe_held, units_of, acts,
                     last_backward=sum(bwd[s] + tpc[s] / 2 for s in ranks[r_max]),
                     first_forward=sum(fwd[s] + tpc[s] / 2 for s in ranks[r_max]))
+
+
+def _by_kind(kinds: list, first: dict, f) -> list:
+    """``f(rank)`` for every pipeline rank, worked out for one rank of each kind (``first``) and shared by the
+    ranks of that kind (``kinds``: each rank's)."""
+    done = {k: f(r) for k, r in first.items()}
+    return [done[k] for k in kinds]
 
 
 def _with_data_parallelism(work: Workload, lay: Layout, cluster: Cluster, setting: Setting, pl: Pipeline
@@ -364,14 +370,13 @@ def _with_data_parallelism(work: Workload, lay: Layout, cluster: Cluster, settin
     """``pl`` with the data-parallel communication, the optimizer step and the memory of ``lay``'s ZeRO stage
     and replication (the data parallelism, optimizer and memory sections of the module docstring)."""
     e = setting.element
-    t, p, d, m, C = lay.tp, lay.pp, lay.dp, lay.microbatches, lay.cp
+    t, p, d, m, C = lay.tp, lay.pp, lay.dp, lay.microbatches, lay.cp  # gradients averaged over dp x cp (dpcp)
     dp_link = cluster.link(t * C * d)
     stages, ranks, r_max, stage_params, moe_held, units_of = (pl.stages, pl.ranks, pl.r_max, pl.stage_params,
                                                               pl.moe_held, pl.units_of)
     last_backward, first_forward, acts = pl.last_backward, pl.first_forward, pl.acts
-    def by_kind(f) -> list:  # as _pipeline's
-        done = {k: f(r) for k, r in pl.first.items()}
-        return [done[k] for k in pl.kinds]
+    def by_kind(f) -> list:
+        return _by_kind(pl.kinds, pl.first, f)
     notes = []
     # ---------------------------------------------------------------- data parallelism
     local = stage_params[r_max] / t if moe_held is None else sum(moe_held[r_max])
