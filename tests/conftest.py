@@ -157,13 +157,45 @@ def two_at_a_time(fn, items) -> list:
     """``[fn(i, item) for i, item in enumerate(items)]``, two calls at a time: a run's ranks often wait (for each
     other, for rank 0's check, for a sandboxed run's limit), and the other call computes meanwhile. The session's
     warm forkserver is started first, before the threads ask for it."""
-    from concurrent.futures import ThreadPoolExecutor
+    return two_at_a_time_heavy_alone(fn, items, lambda item: False)
+
+
+def two_at_a_time_heavy_alone(fn, items, heavy) -> list:
+    """:func:`two_at_a_time`, where no two items that are ``heavy(item)`` (a full-size model's memory) run
+    at once: one thread runs the heavy ones one after another, beside the others, then takes its share of
+    what is left (the light items' compute fills the heavy run's waits, as two light ones fill each other's)."""
+    import threading
 
     from paralab.run.warm import forkserver
     forkserver()
     items = list(items)
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(fn, range(len(items)), items))
+    results: list = [None] * len(items)
+    failures: list = []
+    light = iter([i for i, item in enumerate(items) if not heavy(item)])
+    take = threading.Lock()
+
+    def work(mine: list[int]) -> None:
+        try:
+            for i in mine:
+                results[i] = fn(i, items[i])
+            while True:
+                with take:
+                    i = next(light, None)
+                if i is None:
+                    return
+                results[i] = fn(i, items[i])
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(mine,))
+               for mine in ([i for i, item in enumerate(items) if heavy(item)], [])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return results
 
 
 def side_by_side(jobs: dict, root: Path, **kwargs) -> dict:

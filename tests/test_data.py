@@ -65,6 +65,37 @@ def test_synthetic_images_are_the_bytes_and_layout_they_always_were(monkeypatch,
     assert torch.equal(fast.train_y, plain.train_y) and (fast.mean, fast.std) == (plain.mean, plain.std)
 
 
+@pytest.mark.parametrize("train,test,seed", [(512, 1000, 0), (300, 50, 1)])
+def test_the_kept_synthetic_set_is_the_generated_one(tmp_path, monkeypatch, train, test, seed):
+    """A run loads the synthetic set through a kept copy (raw bytes, no pickle): generated the first time,
+    read back after that, and either way the bytes, layout, labels and normalisation of
+    ``make_synthetic``'s; a damaged copy is generated again, a cache that cannot be written only not kept."""
+    from paralab.data import datasets as ds
+    from paralab.data import decoded
+    monkeypatch.setenv("PARALAB_DECODED", str(tmp_path / "copies"))
+    made = make_synthetic(train, test, seed=seed)
+
+    def same(d):
+        for name in ("train_x", "train_y", "test_x", "test_y"):
+            a, b = getattr(d, name), getattr(made, name)
+            assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, name
+        assert (d.mean, d.std, d.classes, d.source) == (made.mean, made.std, made.classes, made.source)
+    same(ds.load_synthetic(train, test, seed))
+    (kept,) = (tmp_path / "copies").iterdir()
+    assert kept.read_bytes().startswith(decoded.MAGIC) and f"seed{seed}-{train}-{test}" in kept.name
+    monkeypatch.setattr(ds, "make_synthetic", lambda *a, **k: pytest.fail("generated again"))
+    read = ds.load_synthetic(train, test, seed)
+    same(read)
+    read.train_x[0, 0, 0, 0] += 1  # a writable tensor of its own, not a view of the file's bytes
+    same(ds.load_synthetic(train, test, seed))
+    monkeypatch.setattr(ds, "make_synthetic", make_synthetic)
+    kept.write_bytes(kept.read_bytes()[:-5])  # cut short: generated again and replaced
+    same(ds.load_synthetic(train, test, seed))
+    assert decoded.decode(kept.read_bytes(), ["train_x", "train_y", "test_x", "test_y", "stats"]) is not None
+    monkeypatch.setenv("PARALAB_DECODED", str(kept))  # a file, not a folder: nowhere to keep it
+    same(ds.load_synthetic(train, test, seed))
+
+
 def test_synthetic_is_deterministic_and_cifar_shaped():
     a, b = make_synthetic(300, 50, seed=1), make_synthetic(300, 50, seed=1)
     c = make_synthetic(300, 50, seed=2)

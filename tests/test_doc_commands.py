@@ -27,7 +27,7 @@ ELSEWHERE = {"--device cuda": "needs a CUDA GPU", "torch-dp": "needs CUDA GPUs",
 #: the first selected test sets up every command (:func:`printed`): about eight minutes of the slow selection on the
 #: 2-core VM, past the suite's default limit per test
 pytestmark = pytest.mark.timeout(1200)
-#: models whose checks run one at a time (memory, below): CS1390's VGG-16 with its 7x7 pool (134M parameters);
+#: models no two of whose checks run at once (memory, below): CS1390's VGG-16 with its 7x7 pool (134M parameters);
 #: without the pool it has 34M and runs beside another command
 FULL_SIZE = ("vgg16-cs1390-pool",)
 #: the default selection runs the README's (the tour); the pages' (half a minute to several minutes each in
@@ -112,19 +112,17 @@ def printed(request, tmp_path_factory):
     2-core VM the slow selection's commands took about a quarter less than one at a time)."""
     import shutil
 
-    from conftest import selected, two_at_a_time
+    from conftest import selected, two_at_a_time_heavy_alone
     wanted = [(w["where"], w["command"]) for w in selected(request, "test_a_printed_check_passes_as_printed")
               if not elsewhere(w["command"])]
     # a full-size VGG-16 (134M parameters) in fp32: its ranks' models and its reference take about 9 GB, and
     # where a band is needed its three more references (one in float64) up to about 13 GB of the 24 GB VM, so
-    # such a command runs alone, after the others
-    alone = [wc for wc in wanted if any(model in wc[1] for model in FULL_SIZE)]
-    paired = [wc for wc in wanted if wc not in alone]
+    # no two such commands run at once: they run one after another, beside the small ones
     root = scratch_root(tmp_path_factory)
     try:
-        results = two_at_a_time(lambda i, wc: run_printed(wc[1], root / f"run{i}"), paired)
-        results += [run_printed(command, root / f"alone{i}") for i, (_, command) in enumerate(alone)]
-        yield {where: r for (where, _), r in zip(paired + alone, results)}
+        results = two_at_a_time_heavy_alone(lambda i, wc: run_printed(wc[1], root / f"run{i}"), wanted,
+                                            lambda wc: any(model in wc[1] for model in FULL_SIZE))
+        yield {where: r for (where, _), r in zip(wanted, results)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_paralab
 from test_clip import norms_recorded
 
 CLIP = 0.05
@@ -51,10 +50,19 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The selected layouts' runs, two at a time: layout -> Result."""
+    from conftest import selected, side_by_side
+    jobs = {tuple(w["layout"]): (w["layout"][0], *ARGS, *w["layout"][1:])
+            for w in selected(request, "test_dropout_clipping_and_packed_documents_are_exact_together")}
+    return side_by_side(jobs, tmp_path_factory.mktemp("together"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda a: " ".join(a))
-def test_dropout_clipping_and_packed_documents_are_exact_together(layout, tmp_path):
-    r = run_paralab("train", layout[0], *ARGS, *layout[1:], out=tmp_path / "run")
+def test_dropout_clipping_and_packed_documents_are_exact_together(layout, runs):
+    r = runs[tuple(layout)]
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     check = r.summary["check"]
     assert check["precision"] == "fp64" and check["max_weight_dev"] <= 1e-12, check

@@ -91,12 +91,18 @@ def test_bad_virtual_stages_exit_2(paralab):
 SPLIT = ("zb-h1", "zb-h2")  # backward split into I and W
 
 
+def check_argv(strategy, workers, norm, schedule, m, virtual=1, extra=()) -> tuple:
+    """A ``train`` command's options (after ``train``) checking ``schedule`` over 2 steps."""
+    args = (strategy, "--workers", str(workers), "--norm", norm, "--num-batches", "2", "--lr", "1e-3",
+            "--check", "--schedule", schedule, "--microbatches", str(m), *extra)
+    return args + (("--virtual-stages", str(virtual)) if virtual > 1 else ())
+
+
 def run_check(paralab, strategy, workers, norm, schedule, m, virtual=1, extra=()):
-    args = ["train", strategy, "--workers", str(workers), "--norm", norm, "--num-batches", "2", "--lr", "1e-3",
-            "--check", "--schedule", schedule, "--microbatches", str(m), *extra]
-    if virtual > 1:
-        args += ["--virtual-stages", str(virtual)]
-    r = paralab(*args)
+    return passed(paralab("train", *check_argv(strategy, workers, norm, schedule, m, virtual, extra)))
+
+
+def passed(r):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check: PASS" in r.stdout
     assert r.summary["check"]["result"] == "PASS"
@@ -179,22 +185,42 @@ def matrix():
     return cases
 
 
+def dp_x_pp_argv(flavour, schedule) -> tuple:
+    extra = ("--pp", "2") + (("--zero-stage", "1") if flavour == "fsdp" else ())
+    return check_argv(flavour, 4, "batch", schedule, 4, 2 if schedule == "interleaved-1f1b" else 1, extra)
+
+
+def torch_argv(schedule, p, m, norm) -> tuple:
+    return check_argv("torch-pipeline", p, norm, schedule, m, 2 if schedule == "interleaved-1f1b" else 1)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(request, tmp_path_factory):
+    """The slow matrices' runs (those the selected tests need), two at a time: argv -> Result."""
+    from conftest import selected, side_by_side
+    jobs = [check_argv("pipeline", w["p"], w["norm"], w["schedule"], w["m"], w["virtual"], w["extra"])
+            for w in selected(request, "test_check_matrix")]
+    jobs += [dp_x_pp_argv(w["flavour"], w["schedule"]) for w in selected(request, "test_check_dp_x_pp_every_flavour")]
+    jobs += [torch_argv(w["schedule"], w["p"], w["m"], w["norm"])
+             for w in selected(request, "test_torch_pipeline_check_matrix") if not dualpipev_too_few(w["schedule"],
+                                                                                                    w["p"], w["m"])]
+    return side_by_side({argv: argv for argv in jobs}, tmp_path_factory.mktemp("schedules"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,virtual,norm,extra", matrix(),
                          ids=[f"{s}-p{p}-m{m}-v{v}-{n}" for s, p, m, v, n, _ in matrix()])
-def test_check_matrix(paralab, schedule, p, m, virtual, norm, extra):
-    r = run_check(paralab, "pipeline", p, norm, schedule, m, virtual, extra)
+def test_check_matrix(slow_runs, schedule, p, m, virtual, norm, extra):
+    r = passed(slow_runs[check_argv("pipeline", p, norm, schedule, m, virtual, extra)])
     assert_records(r, p, schedule, m, virtual)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["ddp", "torch-ddp", "allreduce", "fsdp"])
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "interleaved-1f1b"])
-def test_check_dp_x_pp_every_flavour(paralab, flavour, schedule):
-    extra = ["--pp", "2"] + (["--zero-stage", "1"] if flavour == "fsdp" else [])
-    virtual = 2 if schedule == "interleaved-1f1b" else 1
-    r = run_check(paralab, flavour, 4, "batch", schedule, 4, virtual, extra)
-    assert_records(r, 2, schedule, 4, virtual, dp=2)
+def test_check_dp_x_pp_every_flavour(slow_runs, flavour, schedule):
+    r = passed(slow_runs[dp_x_pp_argv(flavour, schedule)])
+    assert_records(r, 2, schedule, 4, 2 if schedule == "interleaved-1f1b" else 1, dp=2)
 
 
 # ---------------------------------------------------------------- torch-pipeline (PyTorch's schedules)
@@ -254,8 +280,12 @@ TORCH = ([(s, p, m, "batch") for s in ("gpipe", "1f1b", "interleaved-1f1b", "zbv
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,norm", TORCH, ids=[f"{s}-p{p}-m{m}-{n}" for s, p, m, n in TORCH])
-def test_torch_pipeline_check_matrix(paralab, schedule, p, m, norm):
-    if schedule == "dualpipev" and m < 2 * p:
+def test_torch_pipeline_check_matrix(slow_runs, schedule, p, m, norm):
+    if dualpipev_too_few(schedule, p, m):
         pytest.skip("dualpipev needs m >= 2p")
-    r = run_check(paralab, "torch-pipeline", p, norm, schedule, m, 2 if schedule == "interleaved-1f1b" else 1)
+    r = passed(slow_runs[torch_argv(schedule, p, m, norm)])
     assert_torch_records(r, p, schedule, m)
+
+
+def dualpipev_too_few(schedule, p, m) -> bool:
+    return schedule == "dualpipev" and m < 2 * p

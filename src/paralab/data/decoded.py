@@ -14,6 +14,8 @@ checked), so a changed or replaced source file is decoded again. The file holds:
 
 A file that does not match (another magic, other names, a size other than the header promises)
 is ignored and written again; one that cannot be written (a read-only home) is not kept.
+:func:`kept` is the same for arrays that come from no file (the synthetic images, named by their
+generator's version, seed and sizes).
 """
 from __future__ import annotations
 
@@ -79,8 +81,13 @@ def arrays(cache: Path, label: str, folder: Path, sources: dict[str, str], check
            build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """``build()``'s arrays (uint8; ``sources``: each array's name -> the file in ``folder`` it comes from),
     from the cache when it holds them for these files, else built and kept there."""
-    names = list(sources)
-    path = cache / f"{label}-{key_of(folder, list(sources.values()), checked)}.bin"
+    return kept(cache / f"{label}-{key_of(folder, list(sources.values()), checked)}.bin", list(sources), build)
+
+
+def kept(path: Path, names: list[str], build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``build()``'s arrays ``names`` (uint8), read from ``path`` where it holds exactly them, else built and
+    written there (``path``'s name must say everything the arrays depend on)."""
+    cache = path.parent
     try:
         found = decode(path.read_bytes(), names)
     except OSError:

@@ -105,7 +105,7 @@ class Cluster:
             return pts[0][1]
         if flops >= pts[-1][0]:
             return pts[-1][1]
-        i = bisect.bisect_right([f for f, _ in pts], flops)
+        i = bisect.bisect_right(pts, (flops, math.inf))  # past every point of at most ``flops``
         (f0, e0), (f1, e1) = pts[i - 1], pts[i]
         return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
 
