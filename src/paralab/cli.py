@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -134,12 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.lru_cache(maxsize=2)
+def _parser(strategies: tuple[str, ...]) -> argparse.ArgumentParser:
+    """:func:`build_parser`'s parser, built once in a process (every command's options: about 10 ms) for the
+    strategies it names; parsing leaves a parser as it was, so a process that runs many commands (the suite's
+    own, in one process) builds it once."""
+    return build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line's own process: nothing has run here yet (warm.py may fork from it)
         from .run.warm import mark_fresh
         mark_fresh()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from .strategies import strategy_names
+    args = _parser(tuple(strategy_names())).parse_args(argv)
     try:
         return args.func(args)
     except UsageError as exc:  # bad input (2), or a write the system refused (CannotWrite: 4)

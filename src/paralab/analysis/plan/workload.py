@@ -281,6 +281,7 @@ class Workload:
             total += 4 * s * b * h / tp * (1 + V / h)
         return total * e / 2  # published for 16-bit activations
 
+    @_per_range
     def recompute_transient(self, lo: int, hi: int, b: int, tp: int, sp: bool, recompute: str, e: int) -> float:
         """Bytes a recomputing stage holds beyond what it keeps, one unit at a time: a recomputed unit's
         activations (for a gpt block under selective recomputation its attention's, the s x s scores of eager
