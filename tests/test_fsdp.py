@@ -410,3 +410,15 @@ def test_cli_torch_fsdp_two_workers_bn_free(paralab):
 def test_bad_fsdp_options_are_refused_before_workers_start(paralab, args, message):
     r = paralab("train", "fsdp", "--workers", "2", *args)
     assert r.returncode == 2 and message in r.stderr
+
+
+def test_the_unpadded_note_names_a_shard_count_that_pads():
+    """Where no unit is padded, the check's note names a shard count that would pad one (not the one run)."""
+    from types import SimpleNamespace as Unit
+
+    from paralab.strategies.fsdp.flat import unpadded_note
+    even = [Unit(numel=12, padded=12), Unit(numel=24, padded=24)]  # 2, 3 and 4 divide both; 5 does not
+    (note,) = unpadded_note("fsdp", even, 3)
+    assert "divide evenly over 3 ranks" in note and "(sharded over 5 ranks, a unit is padded)" in note
+    assert unpadded_note("ZeRO-1", [Unit(numel=13, padded=15)], 3) == []  # padded: exercised
+    assert unpadded_note("fsdp", even, 1) == []  # one rank shards nothing

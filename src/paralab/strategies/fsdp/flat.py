@@ -273,3 +273,15 @@ def step_shards(rec, optimizer: torch.optim.Optimizer, ledger: Ledger, units: li
     for fu in units:
         if not fu.sharded:
             fu.gather(async_op=True)
+
+
+def unpadded_note(who: str, units: list[FlatUnit], world: int) -> list[str]:
+    """The check's "not exercised" line where no unit of ``units`` is padded over the ``world`` ranks that shard
+    them (every unit's parameters a multiple of ``world``), naming a worker count that would pad one."""
+    if world < 2 or any(fu.padded != fu.numel for fu in units):
+        return []
+    pads = next((w for w in range(2, 64) if any(fu.numel % w for fu in units)), None)
+    hint = f" (sharded over {pads} ranks, a unit is padded)" if pads else ""
+    return [f"{who}: every unit's parameters divide evenly over {world} ranks, so no shard is padded and the "
+            f"padding path is not exercised{hint}"]
+

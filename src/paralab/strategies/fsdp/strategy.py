@@ -50,7 +50,7 @@ from ...options import option
 from ..base import StepResult, Strategy, broadcast_buffers
 from ..memory_ledger import Ledger, optimizer_kind, optimizer_state_bytes
 from ..portable import Portable, flat_optimizer_portable, flat_optimizer_shard, shard_of, slots
-from .flat import FlatUnit, step_shards
+from .flat import FlatUnit, step_shards, unpadded_note
 from .zero1 import ZeroOneReplicas
 from .zero23 import ZeroThreeReplicas, ZeroTwoReplicas
 
@@ -386,10 +386,7 @@ class FSDP(Strategy):
                            step_in_backward=self.step_in_backward)
 
     def unexercised(self) -> list[str]:
-        if self.shard_comm.world > 1 and all(fu.padded == fu.numel for fu in self.flat_units):
-            return [f"fsdp: every unit's parameters divide evenly over {self.shard_comm.world} ranks, so no shard is "
-                    "padded and the padding path is not exercised: another --workers (e.g. 3) pads"]
-        return []
+        return unpadded_note("fsdp", self.flat_units, self.shard_comm.world)
 
     def extra_summary(self):
         largest = max(self.flat_units, key=lambda fu: fu.numel, default=None)

@@ -15,7 +15,7 @@ from ...comm import Comm, nbytes
 from ..memory_ledger import Ledger, optimizer_state_bytes
 from ..portable import flat_optimizer_portable, flat_optimizer_shard, shard_of, slots
 from ..replicas import Replicas
-from .flat import FlatUnit, step_shards
+from .flat import FlatUnit, step_shards, unpadded_note
 
 
 class ZeroOneReplicas(Replicas):
@@ -182,10 +182,7 @@ class ZeroOneReplicas(Replicas):
                 "optimizer": {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}}
 
     def unexercised(self) -> list[str]:
-        if self.comm.world > 1 and all(fu.padded == fu.numel for fu in self.units):
-            return [f"ZeRO-1: every unit's parameters divide evenly over {self.comm.world} ranks, so no shard is "
-                    "padded and the padding path is not exercised: another --workers (e.g. 3) pads"]
-        return []
+        return unpadded_note("ZeRO-1", self.units, self.comm.world)
 
     def summary(self) -> dict:
         return {"zero_stage": self.zero_stage, "reduce_scatter": self.reduce_scatter_kind, **self._hsdp(),
