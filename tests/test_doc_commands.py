@@ -24,7 +24,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: what a command holds that this machine cannot give it, and why it is left out here
 ELSEWHERE = {"--device cuda": "needs a CUDA GPU", "torch-dp": "needs CUDA GPUs", "--rank": "one rank of several hosts",
              "torch-cp": "needs CUDA"}
-#: the first selected test sets up every command (:func:`printed`): about eight minutes of the slow selection on the
+#: the first selected test sets up every command (:func:`printed`): about three minutes of the slow selection on the
 #: 2-core VM, past the suite's default limit per test
 pytestmark = pytest.mark.timeout(1200)
 #: models no two of whose checks run at once (memory, below): CS1390's VGG-16 with its 7x7 pool (134M parameters);
