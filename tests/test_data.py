@@ -493,3 +493,21 @@ def test_idx_reader_refuses_a_decompression_bomb(tmp_path, monkeypatch):
         f.write(bytes(1 << 20))  # 1 MiB of zeros: a 1 KiB file
     with pytest.raises(UsageError, match="inflates to more than"):
         read_idx(path)
+
+
+def test_a_copy_that_cannot_be_written_whole_leaves_nothing(tmp_path, monkeypatch):
+    """A disk that fills while a copy is written: the load goes on, and neither the copy nor its temporary
+    file is left behind (a full disk is not made fuller by every rank of every run)."""
+    import pathlib
+
+    import numpy as np
+
+    from paralab.data import decoded
+    real = pathlib.Path.write_bytes
+
+    def half_then_full(self, data):
+        real(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pathlib.Path, "write_bytes", half_then_full)
+    arrays = decoded.kept(tmp_path / "copies" / "a.bin", ["x"], lambda: {"x": np.arange(100, dtype=np.uint8)})
+    assert arrays["x"].tolist() == list(range(100)) and list((tmp_path / "copies").iterdir()) == []

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _parser(strategies: tuple[str, ...]) -> argparse.ArgumentParser:
     """:func:`build_parser`'s parser, built once in a process (every command's options: about 10 ms) for the
     strategies it names; parsing leaves a parser as it was, so a process that runs many commands (the suite's
-    own, in one process) builds it once."""
+    own, in one process) builds it once. Each command's function is bound when it is built (``set_defaults``):
+    replace a command's ``run`` before a process's first command, not after."""
     return build_parser()
 
 

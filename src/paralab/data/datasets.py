@@ -363,7 +363,9 @@ def load_synthetic(train_size: int, test_size: int, seed: int = 0, num_classes: 
                 "stats": stats}
     if num_classes > 256:  # a label must fit a byte
         return make_synthetic(train_size, test_size, seed, num_classes)
-    name = f"synthetic{SYNTHETIC_VERSION}-seed{seed}-{train_size}-{test_size}-{num_classes}.bin"
+    # torch's generators and interpolation make the bytes: a copy made by another torch is not read
+    name = (f"synthetic{SYNTHETIC_VERSION}-torch{torch.__version__}-seed{seed}-{train_size}-{test_size}-"
+            f"{num_classes}.bin")
     a = decoded.kept(decoded_dir() / name, ["train_x", "train_y", "test_x", "test_y", "stats"], generate)
     stats = tuple(a["stats"].view("<f8").tolist())
 

@@ -95,11 +95,14 @@ def kept(path: Path, names: list[str], build: Callable[[], dict[str, np.ndarray]
     if found is not None:
         return found
     built = build()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(encode({n: built[n] for n in names}))
         tmp.replace(path)  # never a half-written file under the real name
-    except OSError:
-        pass  # not kept: the next load decodes again
+    except OSError:  # not kept (a full disk, a read-only home): the next load decodes again
+        try:
+            tmp.unlink(missing_ok=True)  # nor a half-written one under another
+        except OSError:
+            pass
     return built

@@ -284,4 +284,3 @@ def unpadded_note(who: str, units: list[FlatUnit], world: int) -> list[str]:
     hint = f" (sharded over {pads} ranks, a unit is padded)" if pads else ""
     return [f"{who}: every unit's parameters divide evenly over {world} ranks, so no shard is padded and the "
             f"padding path is not exercised{hint}"]
-
