@@ -340,9 +340,14 @@ def make_synthetic(train_size: int = 10000, test_size: int = 2000, seed: int = 0
     stats = train_x[: min(train_size, 2000)].float() / 255
     mean = tuple(stats.mean(dim=(0, 2, 3)).tolist())
     std = tuple(stats.std(dim=(0, 2, 3)).tolist())
-    return Dataset("synthetic", train_x, train_y, test_x, test_y,
-                   tuple(f"class{i}" for i in range(num_classes)), mean, std,
-                   f"generated (seed {seed})")
+    return synthetic_set(train_x, train_y, test_x, test_y, mean, std, seed, num_classes)
+
+
+def synthetic_set(train_x, train_y, test_x, test_y, mean: tuple, std: tuple, seed: int,
+                  num_classes: int) -> Dataset:
+    """The synthetic :class:`Dataset` of these tensors (just made, or read back from a kept copy)."""
+    return Dataset("synthetic", train_x, train_y, test_x, test_y, tuple(f"class{i}" for i in range(num_classes)),
+                   mean, std, f"generated (seed {seed})")
 
 
 #: the version of :func:`make_synthetic`'s arithmetic, in the name of a kept copy: change it with the arithmetic,
@@ -371,10 +376,8 @@ def load_synthetic(train_size: int, test_size: int, seed: int = 0, num_classes: 
 
     def images(x: np.ndarray) -> torch.Tensor:  # N x H x W x C bytes -> N x C x H x W, channels-last
         return torch.from_numpy(np.array(x)).permute(0, 3, 1, 2)
-    return Dataset("synthetic", images(a["train_x"]), torch.from_numpy(a["train_y"].astype(np.int64)),
-                   images(a["test_x"]), torch.from_numpy(a["test_y"].astype(np.int64)),
-                   tuple(f"class{i}" for i in range(num_classes)), stats[:3], stats[3:],
-                   f"generated (seed {seed})")
+    return synthetic_set(images(a["train_x"]), torch.from_numpy(a["train_y"].astype(np.int64)), images(a["test_x"]),
+                         torch.from_numpy(a["test_y"].astype(np.int64)), stats[:3], stats[3:], seed, num_classes)
 
 
 DATASETS = ("auto", "cifar10", "fashion-mnist", "synthetic", *TEXT_DATASETS, *DOCUMENT_DATASETS)

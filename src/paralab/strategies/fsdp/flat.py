@@ -277,7 +277,7 @@ def step_shards(rec, optimizer: torch.optim.Optimizer, ledger: Ledger, units: li
 
 def unpadded_note(who: str, units: list[FlatUnit], world: int) -> list[str]:
     """The check's "not exercised" line where no unit of ``units`` is padded over the ``world`` ranks that shard
-    them (every unit's parameters a multiple of ``world``), naming a worker count that would pad one."""
+    them (every unit's parameters a multiple of ``world``), naming a shard count that would pad one."""
     if world < 2 or any(fu.padded != fu.numel for fu in units):
         return []
     pads = next((w for w in range(2, 64) if any(fu.numel % w for fu in units)), None)
