@@ -9,8 +9,10 @@ Two tables, each row a ``paralab train ... --check`` of this checkout:
   verdict and the worst ratio of any compared quantity to its band. A correct layout must never say ``bug``.
 - **bugs**: every seeded bug of ``tests/test_mutants.py`` (the package copied, one line changed), its own
   command at ``fp64`` and each of ``--precisions`` with ``--check-every 1``: the verdict, the worst ratio to the band
-  (below fp64), and the first step where the weights or the optimizer's state leave it (fp64: their
-  tolerance). A bug should say ``bug`` at every precision, within a few steps of fp64.
+  (below fp64), the first step where the weights or the optimizer's state leave it (fp64: their
+  tolerance), and the first divergence its replay names (below fp64: the first quantity outside its own
+  band). A bug should say ``bug`` at every precision, within a few steps of fp64, and be named where fp64
+  names it.
 
   .venv/bin/python bench/check_band.py [--only correct|bugs] [--precisions fp32,bf16,fp16] [--seeds 3] [--jobs 2]
 
@@ -97,7 +99,15 @@ def train(argv: list[str], out: Path, pythonpath: Path) -> dict:
     first = next((h["step"] for h in check.get("history") or [] if outside(h)), None)
     return {"verdict": check.get("verdict"), "worst_ratio": check.get("worst_ratio"), "exit": done.returncode,
             "failed": check.get("failed"), "first_step_outside": first, "seconds": seconds,
-            "max_weight_dev": check.get("max_weight_dev")}
+            "max_weight_dev": check.get("max_weight_dev"), "first_divergence": check.get("first_divergence")}
+
+
+def place(line: str | None) -> str | None:
+    """Where a first divergence line names (its step, direction, module and tensor; not the rank or the size)."""
+    if not line or "first divergence: step" not in line:
+        return None
+    step, _, rest = line.split("first divergence: ")[1].partition(", rank ")
+    return f"{step}, {rest.partition(', ')[2].partition(', max |d|')[0]}"
 
 
 def correct_table(args, work: Path) -> list[dict]:
@@ -140,7 +150,7 @@ def bugs_table(args, work: Path) -> list[dict]:
             out = root / precision
             # the bug's own options after the common ones, so they win (--num-batches), as tests/test_mutants.py
             row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check", "--precision",
-                                    precision, "--check-every", "1", "--no-first-divergence"], out, root)
+                                    precision, "--check-every", "1"], out, root)
         shutil.rmtree(root, ignore_errors=True)
         print(f"  bug {mutant.name:40s} " + "  ".join(
             f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}"
@@ -178,6 +188,15 @@ def summarise(correct: list[dict], bugs: list[dict], precisions: list[str]) -> d
                                  "bug_here": sum(b[p]["verdict"] == "bug" for b in caught),
                                  "missed": [b["bug"] for b in caught if b[p]["verdict"] != "bug"],
                                  "more_than_3_steps_late": late,
+                                 # the replay's first divergence at the place fp64's names, and where it is not
+                                 "named_where_fp64_is": sum(place(b[p].get("first_divergence")) is not None and
+                                                            place(b[p].get("first_divergence"))
+                                                            == place(b["fp64"].get("first_divergence"))
+                                                            for b in caught),
+                                 "named_elsewhere": {b["bug"]: [place(b["fp64"].get("first_divergence")),
+                                                                b[p].get("first_divergence")]
+                                                     for b in caught if place(b[p].get("first_divergence"))
+                                                     != place(b["fp64"].get("first_divergence"))},
                                  "median_ratio": statistics.median(ratios) if ratios else None}
     return said
 

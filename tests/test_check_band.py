@@ -177,9 +177,11 @@ def test_a_users_declared_lossy_wire_is_rounding_and_a_bug_beside_it_is_still_a_
         assert r.returncode == 1 and r.summary["check"]["verdict"] == "bug", (wrong.name, r.stdout[-3000:])
 
 
-def test_a_bf16_bug_is_a_bug_and_its_first_divergence_points_to_fp64(paralab):
+def test_a_bf16_bug_is_a_bug_and_its_first_divergence_is_named_where_fp64_names_it(paralab):
     """examples/strategies/forgot_to_average.py (the mean over 2 workers never divided) in bf16: a bug by many
-    times its band; the replay has no tolerance in bf16, so the check says to look in fp64 instead."""
+    times its band; the replay judges each module's output, gradient and weight by its own band and names the
+    place fp64's replay names (tests/test_own_strategy.py: step 1, the classifier's weight gradient), saying how
+    far outside its band it lies."""
     from pathlib import Path
     example = Path(__file__).resolve().parent.parent / "examples" / "strategies" / "forgot_to_average.py"
     r = paralab("train", str(example), "--workers", "2", "--dataset", "synthetic", "--synthetic-size", "256",
@@ -188,4 +190,8 @@ def test_a_bf16_bug_is_a_bug_and_its_first_divergence_points_to_fp64(paralab):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["verdict"] == "bug" and check["worst_ratio"] > 10 and "check: FAIL (bug, worst " in r.stdout
-    assert "check: first divergence: not looked for (in bf16" in r.stdout and "--precision fp64" in r.stdout
+    line = check["first_divergence"]
+    assert line.startswith("first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient, max |d| "), \
+        line
+    ratio = float(line.rpartition(", ")[2].split(" x its band")[0])
+    assert ratio > 2 and f"check: {line}" in r.stdout, line

@@ -19,10 +19,12 @@ happen:
 2. **backward**: every parameter's gradient as the optimizer receives it
    (after the strategy's synchronisation and any clipping), in reverse order
    of the modules' calls. No strategy needs to say where its shards sit: the
-   step is taken once with every optimizer replaced by ``w -= g``, and the
+   step is taken once with every optimizer replaced by ``w = -g``, and the
    strategy's own ``full_state_dict`` (what ``--check`` compares) gives the
-   whole tensors, so ``before - after`` is the whole gradient. The state is
-   then restored (the strategy's ``state_dict``) and the real step taken.
+   whole tensors, so ``-after`` is the whole gradient, exactly (``w - g``
+   would round it to the weight's precision); a tensor the probe left as it
+   was (a skipped step) had none. Every tensor the step wrote is then put
+   back and the real step taken.
 3. **optimizer step**: the weights after the step.
 
 The first difference beyond the check's tolerance, over every rank, is one
@@ -30,11 +32,20 @@ line: ``first divergence: step 1, rank 0, backward of features.3 (Conv2d)
 weight gradient, max |d| 0.5``. A forward difference comes before any
 gradient's at its step, and a gradient's before the step's weights'; the
 backward's first is the one nearest the loss. docs/correctness.md.
+
+In fp64 the tolerance is fixed (``TOLERANCES``). Below fp64 (and for a
+strategy with a lossy ``gradient_wire``) every one of those quantities differs
+from the reference by rounding, so each is judged as the check's verdict
+judges the weights (:class:`Judge`): within fp64's tolerances it is exact,
+beyond them it must lie inside its own noise band, measured by the band's
+three perturbed references (``check/band.py``) replayed beside the reference,
+step for step, on the same shard: the first divergence is the first quantity
+outside its band, said with how far (``..., max |d| 0.5, 41 x its band``).
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -43,7 +54,7 @@ from ..data.loader import to_device
 
 from ..strategies.base import split_microbatches
 from ..training import step as steps
-from .reference import TOLERANCES
+from .reference import TOLERANCES, max_abs_diff
 
 #: path segments wrappers add to a module's name (activation checkpointing, DDP, torch.compile)
 WRAPPERS = ("_checkpoint_wrapped_module.", "module.", "_orig_mod.")
@@ -86,10 +97,31 @@ class Finding:
     kind: str           # the module's class
     tensor: str         # "output", "weight gradient", "bias"
     deviation: float
+    ratio: float = field(default=0.0, compare=False)  # the deviation over its noise band (0: a fixed tolerance)
 
     def line(self) -> str:
         return (f"first divergence: step {self.step}, rank {self.rank}, {DIRECTIONS[self.direction]} of "
-                f"{self.module} ({self.kind}) {self.tensor}, max |d| {self.deviation:.3g}")
+                f"{self.module} ({self.kind}) {self.tensor}, max |d| {self.deviation:.3g}"
+                + (f", {self.ratio:.3g} x its band" if self.ratio else ""))
+
+
+class Judge:
+    """How far a replayed quantity may lie from the reference's: fp64's fixed tolerances; with a ``band``
+    (below fp64, or a lossy wire) beyond them its own noise band, from the values the band's references
+    (``check/band.py``, standing at the same step) hold for it."""
+
+    def __init__(self, precision: str, band=None):
+        self.band = band
+        self.tol = TOLERANCES["fp64" if band is not None else precision]
+        self.worst = 0.0  # the largest ratio to its band of any quantity beyond fp64's tolerances so far
+
+    def limit(self, kind: str, value, others: list) -> float:
+        if self.band is None:
+            return self.tol[kind]
+        return max(self.tol[kind], self.band.of(value, others))
+
+    def ratio(self, deviation: float, limit: float) -> float:
+        return deviation / limit if self.band is not None and limit > 0 else 0.0
 
 
 class Calls:
@@ -169,18 +201,19 @@ def deviation(mine: torch.Tensor, whole: torch.Tensor, coords, sizes, cp_layout=
     return min(float("inf") if d != d else d for d in devs)
 
 
-def reference_calls(model: nn.Module, source, step: int, replicas: int, replica: int, microbatches: int,
-                    seed: int) -> Calls:
-    """The reference's module outputs on this rank's shard of ``step``, microbatch by microbatch (a copy of the
-    model: its BatchNorm statistics are left as they are)."""
-    twin = copy.deepcopy(model)
+def reference_calls(ref, step: int, replica: int) -> Calls:
+    """The module outputs of ``ref`` (a ``verdict.Reference``) on this rank's shard of ``step``, microbatch by
+    microbatch, under the reference's autocast (a copy of its model: its BatchNorm statistics are left as they
+    are)."""
+    twin = copy.deepcopy(ref.model)
     twin.train()
     calls = Calls(names_of([twin]))
     dtype = next(twin.parameters()).dtype
-    x, y = source.batch(step, rank=replica)
+    x, y = ref.source.batch(step, rank=replica)
     x = to_device(x, x.device, dtype)
-    with steps.entered(steps.of_shard(source, step, x, y, seed)), calls, torch.no_grad():
-        chunks = split_microbatches(x, y, microbatches)
+    autocast = torch.autocast(x.device.type, dtype=ref.autocast, enabled=ref.autocast is not None)
+    with steps.entered(steps.of_shard(ref.source, step, x, y, ref.seed)), calls, torch.no_grad(), autocast:
+        chunks = split_microbatches(x, y, ref.microbatches)
         steps.split([len(c[1]) for c in chunks])
         for i, (xs, _, _) in enumerate(chunks):
             with steps.microbatch(i):
@@ -189,7 +222,8 @@ def reference_calls(model: nn.Module, source, step: int, replicas: int, replica:
 
 
 class Probe:
-    """Every optimizer's step replaced by ``w -= g`` while entered, so a step leaves ``w - g`` behind."""
+    """Every optimizer's step replaced by ``w = -g`` while entered (a parameter without a gradient left as it
+    is), so a step leaves ``-g`` behind, exactly: ``w - g`` would round ``g`` to ``w``'s precision."""
 
     def __init__(self, optimizers: list):
         self.optimizers = optimizers
@@ -199,8 +233,8 @@ class Probe:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None:
-                        p.sub_(p.grad)
+                    if p.grad is not None:  # torch.optim skips the others (fsdp steps unit by unit)
+                        p.copy_(p.grad).neg_()
 
     def __enter__(self):
         for opt in self.optimizers:
@@ -297,9 +331,10 @@ class UsersState:
 
 
 def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: list):
-    """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``before -
-    after`` of ``full_state_dict`` under ``w -= g``), then, every tensor put back, for real. Returns (the
-    module outputs, the gradients by name, the loss reported, the weights after). What a parameter holds in
+    """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``-after`` of
+    ``full_state_dict`` under ``w = -g``), then, every tensor put back, for real. Returns (the
+    module outputs, the gradients by name, the real step's ``StepResult``, the weights after). An fp16 loss
+    scale is put back too (the probed step would count it, or halve it on an overflow). What a parameter holds in
     ``.grad`` when the step starts is put back too: a gradient a strategy wrongly keeps from one step to the
     next is then seen in the next step's gradients, where the run first differs, not doubled by the probe
     into this step's update; what a user's strategy holds in plain values is put back too (:class:`UsersState`)."""
@@ -308,11 +343,16 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
     grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in held if t.requires_grad]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
     users = UsersState(strategy)
+    scale = getattr(getattr(strategy, "ctx", None), "loss_scale", None)
+    scale_before = scale.state_dict() if scale is not None else None
     with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
         strategy.run_step(step.x, step.y)
     users.restore()
+    if scale is not None:
+        scale.load_state_dict(scale_before)
     probed = strategy.full_state_dict()
-    gradients = {k: before[k] - probed[k].detach() for k in before}
+    # -g where the probe stepped, 0 where nothing stepped a tensor (a skipped step; it kept its value)
+    gradients = {k: torch.where(v.detach() == before[k], 0.0, -v.detach()) for k, v in probed.items()}
     with torch.no_grad():
         for t, k in zip(held, kept):
             if fits(t):
@@ -320,13 +360,13 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
         for t, g in grads:
             t.grad = g
     with steps.entered(step):
-        loss = strategy.run_step(step.x, step.y).loss
-    return mine, gradients, loss, strategy.full_state_dict()
+        result = strategy.run_step(step.x, step.y)
+    return mine, gradients, result, strategy.full_state_dict()
 
 
 def reference_step(ref, step: int) -> tuple[dict, dict]:
-    """The reference's step ``step``: (each parameter's gradient as its optimizer receives it, the state
-    after)."""
+    """The reference's step ``step``: (each parameter's gradient as its optimizer receives it, none where it
+    did not step: an fp16 overflow; the state after)."""
     grads: dict[str, torch.Tensor] = {}
     named = dict(ref.model.named_parameters())
 
@@ -342,21 +382,38 @@ def reference_step(ref, step: int) -> tuple[dict, dict]:
 
 
 def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
-           precision: str) -> Finding | None:
+           judge: Judge) -> Finding | None:
     """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
-    ``step``, advanced by one here): this rank's first difference, or None. Collective, as a step is."""
-    tol, rank = TOLERANCES[precision], strategy.ctx.rank
+    ``step``, advanced by one here, and so are the band's references where ``judge`` has them): this rank's first
+    difference, or None. Collective, as a step is."""
+    rank = strategy.ctx.rank
+    others = judge.band.refs if judge.band is not None else []
     kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
-    expected = reference_calls(ref.model, ref.source, step, ref.replicas, replica, ref.microbatches, ref.seed)
+    expected = reference_calls(ref, step, replica)
+    spread = [reference_calls(other, step, replica) for other in others]
 
-    mine, gradients, loss, after = step_twice(steps.of_shard(ref.source, step, x, y, ref.seed), strategy, roots,
-                                              optimizers)
+    mine, gradients, result, after = step_twice(steps.of_shard(ref.source, step, x, y, ref.seed), strategy, roots,
+                                                optimizers)
+    if ref.run_scales is not None:  # fp16: the reference follows the run's overflow decision, as the check's does
+        ref.run_scales[step] = (bool(result.skipped), strategy.ctx.loss_scale.state_dict())
     grads, ref_after = reference_step(ref, step)
+    theirs = [reference_step(other, step) for other in others]
     ref_loss = ref.losses[step][replica]
     params = [n for n, _ in ref.model.named_parameters()]
 
-    def finding(direction: int, order: int, name: str, tensor: str, dev: float) -> Finding:
-        return Finding(step + 1, direction, order, rank, name, kinds.get(name, "?"), tensor, dev)
+    def beyond(kind: str, dev: float | None, value, values: list, direction: int, order: int, name: str,
+               tensor: str) -> Finding | None:
+        """A finding where ``dev`` (this rank's deviation from the reference's ``value``) is beyond its limit;
+        ``values``: the band's references' values of the same quantity."""
+        if dev is None:
+            return None
+        limit = judge.limit(kind, value, values)
+        if not dev <= judge.tol[kind]:
+            judge.worst = max(judge.worst, judge.ratio(dev, limit))
+        if dev <= limit:
+            return None
+        return Finding(step + 1, direction, order, rank, name, kinds.get(name, "?"), tensor, dev,
+                       judge.ratio(dev, limit))
 
     # 1. forward: the modules' outputs in the order the reference's calls return (a module called twice in a
     # forward, as a block's dropout is, at each of its calls: its second after what runs between), then the
@@ -369,19 +426,25 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     for order, (name, k) in enumerate(expected.sequence):
         if skip_experts and ".experts." in f".{name}.":
             continue
-        ours = mine.calls.get(name, [])
-        dev = deviation(ours[k], expected.calls[name][k], coords, sizes, cp_layout) if k < len(ours) else None
-        if dev is not None and dev > tol["outputs"]:
-            return finding(0, order, name, "output", dev)
-    if loss is not None and not abs(loss - ref_loss) <= tol["loss"]:
-        return Finding(step + 1, 0, len(expected.sequence), rank, "the loss", "as the rank reports it", "value",
-                       abs(loss - ref_loss))
+        ours, whole = mine.calls.get(name, []), expected.calls[name][k]
+        dev = deviation(ours[k], whole, coords, sizes, cp_layout) if k < len(ours) else None
+        values = [c.calls[name][k] for c in spread if k < len(c.calls.get(name, ()))]
+        found = beyond("outputs", dev, whole, values, 0, order, name, "output")
+        if found:
+            return found
+    if result.loss is not None:
+        found = beyond("loss", abs(result.loss - ref_loss), ref_loss, [o.losses[step][replica] for o in others], 0,
+                       len(expected.sequence), "the loss", "value")
+        if found:
+            found.kind = "as the rank reports it"
+            return found
     for name, value in ref_after.items():  # what forward updates besides (BatchNorm's running statistics)
         if name not in params and value.is_floating_point():
-            dev = float((after[name].detach().double().cpu() - value.double()).abs().max())
-            if not dev <= tol["weights"]:
-                module, _, leaf = name.rpartition(".")
-                return finding(0, len(expected.sequence) + 1, module, f"{leaf} buffer", dev)
+            module, _, leaf = name.rpartition(".")
+            found = beyond("weights", max_abs(after[name], value), value, [a[name] for _, a in theirs], 0,
+                           len(expected.sequence) + 1, module, f"{leaf} buffer")
+            if found:
+                return found
     # 2. backward: a parameter's gradient, in the reverse order of its use (a module's own parameters after its
     # children's: it began before them); a module whose weights its parent uses directly takes its parent's place
     place = {n: i for i, n in enumerate(expected.started)}
@@ -392,14 +455,23 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
         return place.get(name, -1)
     backward = sorted(params, key=lambda n: -used(n.rpartition(".")[0]))
     for order, name in enumerate(backward):
-        dev = float((gradients[name].double().cpu() - grads[name].double().cpu()).abs().max())
-        if not dev <= tol["weights"]:
-            module, _, leaf = name.rpartition(".")
-            return finding(1, order, module, f"{leaf} gradient", dev)
+        if name not in grads:  # the reference did not step (fp16: its gradient overflowed)
+            continue
+        module, _, leaf = name.rpartition(".")
+        found = beyond("weights", max_abs(gradients[name], grads[name]), grads[name],
+                       [g[name] for g, _ in theirs if name in g], 1, order, module, f"{leaf} gradient")
+        if found:
+            return found
     # 3. the optimizer's step: the weights after it
     for order, name in enumerate(params):
-        dev = float((after[name].detach().double().cpu() - ref_after[name].double()).abs().max())
-        if not dev <= tol["weights"]:
-            module, _, leaf = name.rpartition(".")
-            return finding(2, order, module, leaf, dev)
+        module, _, leaf = name.rpartition(".")
+        found = beyond("weights", max_abs(after[name], ref_after[name]), ref_after[name],
+                       [a[name] for _, a in theirs], 2, order, module, leaf)
+        if found:
+            return found
     return None
+
+
+def max_abs(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The largest |mine - theirs|, exactly, on the host (NaN where either has one)."""
+    return max_abs_diff(mine.detach().cpu(), theirs.detach().cpu())

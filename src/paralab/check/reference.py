@@ -193,7 +193,11 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     # docstring), which is what catches a run's piece of it counting wrong. The noise band's reordered
     # reference cuts the batch otherwise, on purpose.
     batchnorm = has_batchnorm(model)
-    must = batchnorm or how.combine is not None or bool(moe_layers(model)) or how.wired
+    # fp16: a backward's float16 weight gradients sum over the rows it holds, and a sum over twice the rows can
+    # overflow where the run's microbatch or shard does not: the reference backs the same rows (not over
+    # documents, above; nor the band's reordered reference, whose smaller pieces are its perturbation)
+    fp16 = (how.scaler is not None or how.scales is not None) and how.packing is None and how.perturb != "reordered"
+    must = batchnorm or how.combine is not None or bool(moe_layers(model)) or how.wired or fp16
     pair = how.replicas == 2 and how.microbatches == 1 and how.packing is None
     split = must or (pair and how.perturb != "reordered")
     params = [p for p in model.parameters() if p.requires_grad]

@@ -196,6 +196,14 @@ class Reference:
         self.losses.update(zip(range(self.step, step), losses))
         self.step = step
 
+    def band(self, strategy, source, model_fn, optim_fn, lr_for) -> Band:
+        """The noise band beside this reference (``check/band.py``): its three references, each this training
+        changed once (built on first need), an fp16 run's following this one's loss scale and skips."""
+        wire = strategy.gradient_wire
+        return Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for, self.seed,
+                                                    self.precision_name, perturb, unit, wire, self.scales),
+                    self.precision_name, next(self.model.parameters()).device, wire)
+
     def snapshot(self, copy: bool = False) -> kept.Snapshot:
         """The weights and optimizer state now: the live tensors (read before the reference trains on), or
         copies to keep."""
@@ -253,10 +261,7 @@ class Check:
             say(f"check: the single-process reference trains beside the run ({self.ref.describe()}); compared "
                 f"after step{'s' if len(self.steps) > 1 else ''} {', '.join(map(str, self.steps))}")
             if self.banded:  # its references trained where a comparison is first beyond exact (or to be kept)
-                self.band = Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for,
-                                                                 cfg.seed, cfg.precision, perturb, unit,
-                                                                 strategy.gradient_wire, self.ref.scales),
-                                 cfg.precision, next(self.ref.model.parameters()).device, strategy.gradient_wire)
+                self.band = self.ref.band(strategy, source, model_fn, optim_fn, lr_for)
                 say(f"check: {cfg.precision}: where a comparison is beyond exact, {self.band.describe()}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")

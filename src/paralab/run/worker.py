@@ -242,12 +242,9 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     reference until a module's output, a gradient or a weight first differs (``check/diverge.py``); that
     place as one line, said and returned. Collective."""
     from ..check import diverge
+    from ..check.reference import banded
     from ..check.verdict import Reference
-    from ..check.reference import TOLERANCES
     why = ("the run resumed from a checkpoint: replay it from the start" if resumed else
-           f"in {cfg.precision} every module's output differs from the reference's by rounding, and the replay "
-           "compares each with a fixed tolerance, which it has for fp32 and fp64 only: check the same layout in "
-           "fp64 (--precision fp64) to name where it first goes wrong" if cfg.precision not in TOLERANCES else
            "--compress keeps state (the error feedback, the steps until PowerSGD starts) that a replayed step "
            "would advance twice" if getattr(cfg, "compress", "none") != "none" else None)
     if why:
@@ -256,8 +253,14 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         return line
     s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)
     replicas, replica = s.strategy.replicas()
-    ref = Reference(s.strategy, s.source, build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg),
-                    s.lr_for, cfg.seed)
+    model_fn, optim_fn = build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg)
+    ref = Reference(s.strategy, s.source, model_fn, optim_fn, s.lr_for, cfg.seed, cfg.precision)
+    if ref.scaler is not None:  # fp16: it follows the run's overflow decisions (diverge.locate)
+        ref.run_scales = {}
+    # below fp64 (or a lossy wire) each compared quantity is judged by its own noise band (check/band.py)
+    band = ref.band(s.strategy, s.source, model_fn, optim_fn, s.lr_for) \
+        if banded(cfg.precision, s.strategy.gradient_wire) else None
+    judge = diverge.Judge(cfg.precision, band)
     tp = tp_of(s.strategy)  # the modules tp built in a unit's place are hooked too, under the unit's name
     roots = s.roots + ([tp.modules()] if tp is not None else [])
     progress = Progress(s.total_steps, "first divergence", enabled=rank == 0 and cfg.progress)
@@ -266,15 +269,17 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         set_lr(s.optimizers, s.lr_for(step))
         x, y = s.source.batch(step)
         x, y = to_device(x, device, s.dtype), y.to(device)
-        mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, cfg.precision)
+        mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, judge)
         every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
         progress.update(step + 1)
         if every:
             found = min(every)
             break
     progress.close()
+    worst = max(s.comm.all_gather_objects(judge.worst))  # below fp64: the largest deviation over its band
+    agreed = f"agreed within its band, the worst at {worst:.3g} of it" if worst else "agreed"
     line = found.line() if found else (f"first divergence: none in {s.total_steps} replayed steps (every module's "
-                                       "output, the loss, every gradient and weight agreed: what failed lies "
+                                       f"output, the loss, every gradient and weight {agreed}: what failed lies "
                                        "outside the steps, e.g. the state a checkpoint saves)")
     say(f"check: {line}")
     return line
