@@ -69,6 +69,9 @@ LAYOUTS = {
     "torch-fsdp x tp": ("torch-fsdp", "--workers", "4", "--tp", "2"),
     "dp x tp x pp": ("ddp", "--workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"),
     "recipe": ("ddp", "--workers", "2", "--clip-grad", "0.05", "--optimizer", "adamw", "--lr", "0.01"),
+    # PowerSGD from the first step: the probed step's Q, error feedback and count are put back (the replay once
+    # skipped --compress, since a probed step advanced them twice)
+    "powersgd": ("ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "0"),
 }
 FAST = ("tp+sp", "pp 1f1b", "zero-1")
 

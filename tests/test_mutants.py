@@ -301,7 +301,7 @@ FIRST = {
     "pipeline-microbatch-loss-unweighted": "step 1, rank 1, forward of the loss",  # M times, as the gradients
     "pipeline-reports-last-microbatch": "step 1, rank 1, forward of the loss",
     "zero-bubble-w-first-unit-only": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
-    "powersgd-no-error-feedback": "not looked for (--compress",
+    "powersgd-no-error-feedback": "step 4, rank 0, backward of 13.1 (Linear) weight gradient",
     "recompute-forgets-the-generator": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
     "recompute-forgets-where-samples-sit": "step 1, rank 0, backward of 2.mlp.proj (Linear) weight gradient",
     "recompute-batchnorm-twice": "step 1, rank 0, forward of 0.1 (BatchNorm2d) running_mean buffer",

@@ -42,6 +42,8 @@ LAYOUTS = {
     "ddp": (["ddp", "--workers", "2"], 2),
     "fsdp3": (["fsdp", "--workers", "2", "--zero-stage", "3"], 2),
     "pipeline": (["pipeline", "--workers", "2", "--microbatches", "2", "--partition", "params"], 2),  # a fixed cut
+    # PowerSGD carries its steps, Q and error feedback from step to step: the checkpoint holds them
+    "powersgd": (["ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "2"], 2),
     "3d": (["ddp", "--workers", "8", "--pp", "2", "--tp", "2", "--microbatches", "2", "--partition", "params",
             "--model", "gpt", "--dataset", "synthetic-text", "--layers", "2", "--embed", "32", "--heads", "2",
             "--context", "16"], 8),
@@ -52,8 +54,9 @@ LAYOUTS = {
     ("ddp", "1:3:kill:1,0:5:raise:2"),   # SIGKILL in the first start, an exception in the second
     ("fsdp3", "0:2:oom:1"),             # an out-of-memory-style exit (137) in a sharded run
     ("pipeline", "1:4:kill:1"),
+    ("powersgd", "1:5:kill:1"),  # resumed from step 4: two compressed steps behind it
     pytest.param("3d", "5:3:kill:1", marks=pytest.mark.slow),  # dp 2 x pp 2 x tp 2: 8 ranks on 2 cores
-], ids=["ddp-kill-then-raise", "fsdp3-oom", "pipeline-kill", "3d-kill"])
+], ids=["ddp-kill-then-raise", "fsdp3-oom", "pipeline-kill", "powersgd-kill", "3d-kill"])
 def test_a_restarted_run_equals_one_never_interrupted(paralab, layout, faults):
     args, world = LAYOUTS[layout]
     plain = paralab("train", *args, *EXACT)

@@ -295,9 +295,9 @@ def _plain(v) -> bool:
     return False
 
 
-def users_objects(strategy) -> list:
-    """The objects of classes from a user's file (``strategies/user.py``) a strategy holds: itself, its
-    data-parallel flavour, an inner strategy's (followed through paralab's own objects, not modules or
+def held_objects(strategy, wanted) -> list:
+    """The objects a strategy holds for which ``wanted(o)``: itself, its data-parallel flavour, an inner
+    strategy's, their compressors (followed through paralab's and a user's file's objects, not modules or
     tensors)."""
     from ..strategies.user import PREFIX
     found, seen, todo = [], set(), [strategy]
@@ -306,12 +306,33 @@ def users_objects(strategy) -> list:
         if id(o) in seen:
             continue
         seen.add(id(o))
-        if type(o).__module__.startswith(PREFIX):
+        if wanted(o):
             found.append(o)
         for v in getattr(o, "__dict__", {}).values():
             if type(v).__module__.startswith(("paralab.", PREFIX)) and not isinstance(v, (nn.Module, torch.Tensor)):
                 todo.append(v)
     return found
+
+
+def users_objects(strategy) -> list:
+    """The objects of classes from a user's file (``strategies/user.py``) a strategy holds."""
+    from ..strategies.user import PREFIX
+    return held_objects(strategy, lambda o: type(o).__module__.startswith(PREFIX))
+
+
+class CarriedState:
+    """What a strategy's gradient compressors carry from step to step (PowerSGD's step count, Q and error
+    feedback: ``state_dict``), kept before the probed step and put back after it, so the real step compresses
+    as the run did."""
+
+    def __init__(self, strategy):
+        from ..strategies.compression import NoCompression
+        self.kept = [(c, c.state_dict()) for c in held_objects(strategy, lambda o: isinstance(o, NoCompression))]
+        self.device = getattr(getattr(strategy, "ctx", None), "device", torch.device("cpu"))
+
+    def restore(self) -> None:
+        for compressor, state in self.kept:
+            compressor.load_state_dict(state, self.device)
 
 
 class UsersState:
@@ -334,7 +355,8 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
     """The rank's step taken twice: once probed (its module outputs, and the whole gradient as ``-after`` of
     ``full_state_dict`` under ``w = -g``), then, every tensor put back, for real. Returns (the
     module outputs, the gradients by name, the real step's ``StepResult``, the weights after). An fp16 loss
-    scale is put back too (the probed step would count it, or halve it on an overflow). What a parameter holds in
+    scale is put back too (the probed step would count it, or halve it on an overflow), and what a compressor
+    carries between steps (:class:`CarriedState`). What a parameter holds in
     ``.grad`` when the step starts is put back too: a gradient a strategy wrongly keeps from one step to the
     next is then seen in the next step's gradients, where the run first differs, not doubled by the probe
     into this step's update; what a user's strategy holds in plain values is put back too (:class:`UsersState`)."""
@@ -342,12 +364,13 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
     kept = [t.detach().clone() for t in held]
     grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in held if t.requires_grad]
     before = {k: v.detach().clone() for k, v in strategy.full_state_dict().items()}
-    users = UsersState(strategy)
+    users, carried = UsersState(strategy), CarriedState(strategy)
     scale = getattr(getattr(strategy, "ctx", None), "loss_scale", None)
     scale_before = scale.state_dict() if scale is not None else None
     with steps.entered(step), Calls(names_of(roots)) as mine, Probe(optimizers):
         strategy.run_step(step.x, step.y)
     users.restore()
+    carried.restore()
     if scale is not None:
         scale.load_state_dict(scale_before)
     probed = strategy.full_state_dict()

@@ -266,7 +266,7 @@ def carried_notes(old, new, model) -> list[str]:
                      "(--norm none, or layer norm, makes it layout-free)")
     if old.compress == "powersgd":
         notes.append("NOT carried: PowerSGD's error-feedback and warm-start matrices (--compress powersgd) are "
-                     "not in the checkpoint; this run starts without them")
+                     "each rank's, per bucket of the old layout; this run starts without them")
     notes.append("a pipeline keeps nothing per microbatch between steps: nothing to carry")
     return notes
 

@@ -244,11 +244,8 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     from ..check import diverge
     from ..check.reference import banded
     from ..check.verdict import Reference
-    why = ("the run resumed from a checkpoint: replay it from the start" if resumed else
-           "--compress keeps state (the error feedback, the steps until PowerSGD starts) that a replayed step "
-           "would advance twice" if getattr(cfg, "compress", "none") != "none" else None)
-    if why:
-        line = f"first divergence: not looked for ({why})"
+    if resumed:
+        line = "first divergence: not looked for (the run resumed from a checkpoint: replay it from the start)"
         say(f"check: {line}")
         return line
     s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)

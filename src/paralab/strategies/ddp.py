@@ -195,6 +195,16 @@ class DDPReplicas(Replicas):
         for p, (_, view) in zip(self.params, self.slot):
             p.grad = view  # the mean gradient, in place in the bucket
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        carried = self.compressor.state_dict()  # PowerSGD's steps, Q and error feedback; nothing otherwise
+        return {**super().state_dict(), **({"compressor": carried} if carried else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"], self.buckets[0].buffer.device)
+
     # ------------------------------------------------------------------ records
     def unexercised(self) -> list[str]:
         if len(self.buckets) == 1 and self.comm.world > 1:

@@ -32,8 +32,15 @@ class InFlight:
 class NoCompression:
     """What ``ddp`` asks of a compressor: ``launch`` a full bucket (``key``: its index, ``views``: its
     tensors' slices of ``buffer``) and get an :class:`InFlight`; ``end_step()`` after every bucket is
-    complete; ``summary()`` for the rank's details. This one sends the bucket as it is."""
+    complete; ``summary()`` for the rank's details; ``state_dict()``/``load_state_dict()`` what it carries from
+    one step to the next (a checkpoint holds it). This one sends the bucket as it is and carries nothing."""
     name = "none"
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        pass
 
     def launch(self, comm, key: int, buffer: torch.Tensor, views: list[torch.Tensor], label: str) -> InFlight:
         return InFlight([comm.all_reduce(buffer, name=label, async_op=True)])
@@ -107,6 +114,18 @@ class PowerSGD(NoCompression):
     def summary(self) -> dict:
         return {"compress": self.name, "powersgd_rank": self.rank, "powersgd_start_iter": self.start_iter,
                 "elements_sent_last_step": dict(self.sent)}
+
+    def state_dict(self) -> dict:
+        """The steps taken (it compresses from ``start_iter`` on) and each compressed tensor's Q and error,
+        keyed ``"bucket.tensor"``: without them a resumed run would send uncompressed again and start its
+        error feedback and warm start afresh."""
+        return {"steps": self.steps, "q": {f"{b}.{i}": t.clone() for (b, i), t in self.q.items()},
+                "error": {f"{b}.{i}": t.clone() for (b, i), t in self.error.items()}}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        def keyed(tensors: dict) -> dict:
+            return {tuple(int(x) for x in k.split(".")): t.to(device).clone() for k, t in tensors.items()}
+        self.steps, self.q, self.error = int(state["steps"]), keyed(state["q"]), keyed(state["error"])
 
 
 class _PowerSGDBucket(InFlight):
