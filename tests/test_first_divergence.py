@@ -193,3 +193,24 @@ def test_the_probe_reads_a_gradient_exactly_beside_a_large_weight():
     w, g = expected.model.weight.detach(), expected.model.weight.grad
     assert not torch.equal(w - (w - g), g)  # what ``w -= g`` would have read
     assert torch.equal(gradients["bias"], torch.zeros(2))
+
+
+def test_a_replay_that_cannot_fit_beside_the_run_is_not_looked_for():
+    """Every local rank trains a reference of its own in the replay (below fp64 four: the band's too) beside the
+    run's state: where that is more than the memory free, the replay is declined, saying what to change."""
+    from types import SimpleNamespace
+    from paralab.run.config import replay_too_large
+    cfg = SimpleNamespace(precision="fp32", optimizer="sgd", momentum=0.9, device="cpu", backend="gloo", workers=2,
+                          world_size=None)
+    gib = 2 ** 30
+    # CS1390's VGG-16 (134M parameters) in fp32 over 2 local ranks: a rank's reference and band hold weights,
+    # gradients and momentum in float32 three times and in float64 once, beside the whole model built again
+    why = replay_too_large(cfg, 134_000_000, available=8 * gib)
+    assert why is not None and "each of the 2 local rank(s)" in why and "--replay" in why
+    said = float(why.split(" beside the run, ")[1].split(" GiB")[0])
+    assert said == pytest.approx(2 * 134e6 * (3 * (4 + 4 + 4 + 8) + 4) / gib, abs=0.05)
+    assert replay_too_large(cfg, 134_000_000, available=64 * gib) is None
+    # in fp64 one reference a rank, in float64: 2 x 134M x (3 x 8 + 8) bytes, 8.0 GiB
+    fp64 = SimpleNamespace(**{**vars(cfg), "precision": "fp64"})
+    assert replay_too_large(fp64, 134_000_000, available=7 * gib) is not None
+    assert replay_too_large(fp64, 134_000_000, available=9 * gib) is None

@@ -517,6 +517,31 @@ def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
                          "layout (--layers, --embed, --width), or drop --check")
 
 
+def replay_too_large(cfg: RunConfig, parameters: int, wire=None, available: int | None = None,
+                     local: int | None = None) -> str | None:
+    """Why the first divergence's replay cannot fit beside the run, or None: every local rank builds the whole
+    model again and trains a reference of its own (below fp64, and for a lossy ``wire``, the band's three more
+    too: ``reference_bytes``), while the run's own state is still held. ``available``: the memory free now
+    (default: this machine's, or the GPU's)."""
+    from ..check.reference import reference_bytes
+    if local is None:
+        local = 1 if cfg.device == "cuda" or cfg.backend == "nccl" else (cfg.workers if cfg.world_size is None else 1)
+    if available is None:
+        if cfg.device == "cuda" or cfg.backend == "nccl":
+            import torch
+            available = torch.cuda.mem_get_info()[0]
+        else:
+            available = available_memory()
+    weights = parameters * (8 if cfg.precision == "fp64" else 4)
+    need = local * (reference_bytes(cfg, parameters, wire) + weights)
+    if available is None or need <= available:
+        return None
+    gib = 2 ** 30
+    return (f"the replay trains a reference on each of the {local} local rank(s) beside the run, "
+            f"{need / gib:.1f} GiB, more than the {available / gib:.1f} GiB free now: replay a smaller shape of "
+            "the same layout (--layers, --embed, --width) with --replay")
+
+
 def check_moe(cfg: RunConfig, modality: str) -> None:
     """The mixture-of-experts options (models/moe.py) against the model and each other."""
     from ..models import MoEOptions

@@ -11,6 +11,7 @@ writes the run directory.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ from . import checkpoint, hangs, loop, records
 from .faults import Faults
 from .. import oplog
 from ..comm import Comm
-from .config import RunConfig, slow_fp16
+from .config import RunConfig, replay_too_large, slow_fp16
 from .failures import GroupNotFormed, group_not_formed
 from .rendezvous import bound_store, on_gpu
 from ..data import BatchSource, load_dataset, to_device
@@ -205,8 +206,12 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
         if check is not None:
             verdict = check.finish(kept.losses, s.strategy.replicas()[1], kept.norms)
             if cfg.first_divergence and (not verdict["passed"] or cfg.replay):
+                check = listeners = None  # the check's references freed before the replay trains its own
+                gc.collect()
+                # rank 0's word for every rank: the memory each sees free differs a little
+                too_large = s.comm.all_gather_objects(replay_too_large(cfg, s.parameters, s.strategy.gradient_wire))[0]
                 verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, s.run_dir, say,
-                                                               resumed=start > 0)
+                                                               resumed=start > 0, too_large=too_large)
     try:
         records.write_run(s.run_dir, cfg, s.comm, s.recorder, kept.rows, s.strategy, earlier=earlier,
                           parameters=s.parameters, world=world, backend=backend, device=device, dataset=s.data,
@@ -237,15 +242,16 @@ def untimed_line(untimed: dict) -> str:
 
 
 def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str, run_dir: Path,
-                     say, resumed: bool = False) -> str:
+                     say, resumed: bool = False, too_large: str | None = None) -> str:
     """After a failed ``--check``: the run built again and replayed from its first step beside a fresh
     reference until a module's output, a gradient or a weight first differs (``check/diverge.py``); that
     place as one line, said and returned. Collective."""
     from ..check import diverge
     from ..check.reference import banded
     from ..check.verdict import Reference
-    if resumed:
-        line = "first divergence: not looked for (the run resumed from a checkpoint: replay it from the start)"
+    why = "the run resumed from a checkpoint: replay it from the start" if resumed else too_large
+    if why:
+        line = f"first divergence: not looked for ({why})"
         say(f"check: {line}")
         return line
     s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)
