@@ -72,6 +72,10 @@ LAYOUTS = {
     # PowerSGD from the first step: the probed step's Q, error feedback and count are put back (the replay once
     # skipped --compress, since a probed step advanced them twice)
     "powersgd": ("ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "0"),
+    # ... and each of a rank's stages' compressors (a pipeline's data-parallel flavours, one per virtual stage)
+    "powersgd x interleaved": ("ddp", "--workers", "4", "--pp", "2", "--schedule", "interleaved-1f1b",
+                               "--virtual-stages", "2", "--microbatches", "4", "--layers", "4", "--compress",
+                               "powersgd", "--powersgd-start-iter", "0"),
 }
 FAST = ("tp+sp", "pp 1f1b", "zero-1")
 

@@ -242,3 +242,17 @@ def test_a_restarted_run_reads_as_one_run(paralab):
     assert all(s["t0"] >= first for s in spans if s["attempt"] == 2)  # one timeline, the attempts in order
     assert all(x["t0"] >= first for x in rows if x["attempt"] == 2)
     assert not (r.out / "records").exists()
+
+
+@pytest.mark.slow
+def test_a_powersgd_run_resumed_goes_on_as_one_never_stopped(paralab):
+    """--resume of a --compress powersgd run (once refused: its error feedback and warm start were not in the
+    checkpoint): 4 steps, then resumed to 6, the same losses and state as 6 steps in one go."""
+    args = ["ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "2", *EXACT]
+    plain = paralab("train", *args)
+    first = paralab("train", *args, "--num-batches", "4")
+    assert plain.returncode == 0 and first.returncode == 0, first.stderr[-3000:]
+    r = paralab("train", *args, "--resume", str(first.out), out=first.out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(r.out) == losses(plain.out) and len(losses(plain.out)) == 6 * 2
+    assert same(state(r.out, 2), state(plain.out, 2))

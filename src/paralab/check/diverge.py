@@ -296,9 +296,9 @@ def _plain(v) -> bool:
 
 
 def held_objects(strategy, wanted) -> list:
-    """The objects a strategy holds for which ``wanted(o)``: itself, its data-parallel flavour, an inner
-    strategy's, their compressors (followed through paralab's and a user's file's objects, not modules or
-    tensors)."""
+    """The objects a strategy holds for which ``wanted(o)``: itself, its data-parallel flavour (a pipeline's, one
+    per stage it holds), an inner strategy's, their compressors (followed through paralab's and a user's file's
+    objects and the dicts, lists and tuples they hold, not modules or tensors)."""
     from ..strategies.user import PREFIX
     found, seen, todo = [], set(), [strategy]
     while todo:
@@ -308,9 +308,10 @@ def held_objects(strategy, wanted) -> list:
         seen.add(id(o))
         if wanted(o):
             found.append(o)
-        for v in getattr(o, "__dict__", {}).values():
-            if type(v).__module__.startswith(("paralab.", PREFIX)) and not isinstance(v, (nn.Module, torch.Tensor)):
-                todo.append(v)
+        values = list(o.values()) if isinstance(o, dict) else list(o) if isinstance(o, (list, tuple)) else \
+            list(getattr(o, "__dict__", {}).values())
+        todo += [v for v in values if isinstance(v, (dict, list, tuple)) or (
+            type(v).__module__.startswith(("paralab.", PREFIX)) and not isinstance(v, (nn.Module, torch.Tensor)))]
     return found
 
 
@@ -375,7 +376,8 @@ def step_twice(step: steps.Step, strategy, roots: list[nn.Module], optimizers: l
         scale.load_state_dict(scale_before)
     probed = strategy.full_state_dict()
     # -g where the probe stepped, 0 where nothing stepped a tensor (a skipped step; it kept its value)
-    gradients = {k: torch.where(v.detach() == before[k], 0.0, -v.detach()) for k, v in probed.items()}
+    gradients = {k: torch.where(v.detach() == before[k], 0.0, -v.detach()) for k, v in probed.items()
+                 if v.is_floating_point()}
     with torch.no_grad():
         for t, k in zip(held, kept):
             if fits(t):
@@ -431,6 +433,8 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
         if dev is None:
             return None
         limit = judge.limit(kind, value, values)
+        if dev != dev or dev == float("inf"):  # no band admits an infinity or a NaN
+            limit = judge.tol[kind]
         if not dev <= judge.tol[kind]:
             judge.worst = max(judge.worst, judge.ratio(dev, limit))
         if dev <= limit:

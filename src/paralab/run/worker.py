@@ -208,8 +208,11 @@ def train(cfg: RunConfig, rank: int, world: int, device: torch.device, backend: 
             if cfg.first_divergence and (not verdict["passed"] or cfg.replay):
                 check = listeners = None  # the check's references freed before the replay trains its own
                 gc.collect()
-                # rank 0's word for every rank: the memory each sees free differs a little
-                too_large = s.comm.all_gather_objects(replay_too_large(cfg, s.parameters, s.strategy.gradient_wire))[0]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                # declined on every rank where any rank's memory is short (each sees its own free memory)
+                too_large = next((why for why in s.comm.all_gather_objects(
+                    replay_too_large(cfg, s.parameters, s.strategy.gradient_wire)) if why), None)
                 verdict["first_divergence"] = first_divergence(cfg, rank, world, device, backend, s.run_dir, say,
                                                                resumed=start > 0, too_large=too_large)
     try:

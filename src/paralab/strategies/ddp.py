@@ -203,7 +203,7 @@ class DDPReplicas(Replicas):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "compressor" in state:
-            self.compressor.load_state_dict(state["compressor"], self.buckets[0].buffer.device)
+            self.compressor.load_state_dict(state["compressor"], self.ctx.device)
 
     # ------------------------------------------------------------------ records
     def unexercised(self) -> list[str]:

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 from .buckets import CastCompression, InFlight, NoCompression, PowerSGD, make_compressor
 from .lowrank import compressible, initial_q, matrix_shape, orthonormalize_
-from .methods import (COMPRESSIONS, MIN_COMPRESSION_RATE, NOT_RESUMABLE, POWERSGD_START, Q_SEED, VARIANT_FIELDS,
+from .methods import (COMPRESSIONS, MIN_COMPRESSION_RATE, POWERSGD_START, Q_SEED, VARIANT_FIELDS,
                       VARIANT_SPELLINGS, WIRE_DTYPES, CompressOptions, accepts, parse_variants, run_label, validate,
                       validate_buckets, validate_pytorch_hooks)
 from .pytorch_hooks import bf16_mean_hook, one_bucket_at_a_time, pytorch_comm_hook, pytorch_hook_details
 from .reference import ReferenceCompression, reference_for
 
 __all__ = ["CastCompression", "InFlight", "NoCompression", "PowerSGD", "make_compressor", "compressible", "initial_q",
-           "matrix_shape", "orthonormalize_", "COMPRESSIONS", "MIN_COMPRESSION_RATE", "NOT_RESUMABLE", "POWERSGD_START",
+           "matrix_shape", "orthonormalize_", "COMPRESSIONS", "MIN_COMPRESSION_RATE", "POWERSGD_START",
            "Q_SEED", "VARIANT_FIELDS", "VARIANT_SPELLINGS", "WIRE_DTYPES", "CompressOptions", "accepts",
            "parse_variants", "run_label", "validate", "validate_buckets", "validate_pytorch_hooks", "bf16_mean_hook",
            "one_bucket_at_a_time", "pytorch_comm_hook", "pytorch_hook_details", "ReferenceCompression", "reference_for"]

@@ -140,7 +140,7 @@ class _PowerSGDBucket(InFlight):
             if compressible(v.shape, r):
                 k = (key, i)
                 if k not in method.q:
-                    method.q[k] = initial_q(v.shape, r, v.dtype)
+                    method.q[k] = initial_q(v.shape, r, v.dtype).to(v.device)
                     method.error[k] = torch.zeros_like(v)
                 v.add_(method.error[k])                              # M = G/N + e
                 self.matrices.append(v.view(matrix_shape(v.shape)))

@@ -16,8 +16,6 @@ from ...options import option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-#: methods whose state between steps is not in a checkpoint (PowerSGD's error feedback and Q)
-NOT_RESUMABLE = ("powersgd",)
 MIN_COMPRESSION_RATE = 2  # PowerSGD: compress a tensor only where it sends at most half its numbers
 Q_SEED = 0                # PowerSGD: the initial Q's seed (with the tensor's shape)
 
@@ -39,17 +37,13 @@ def accepts(strategy_cls) -> bool:
 
 
 def validate(cfg, strategy_cls) -> None:
-    """``RunConfig.validate``'s part: ``--compress`` only where ``strategy_cls`` takes it, and
-    never with ``--resume`` where the method's state is not in the checkpoint."""
+    """``RunConfig.validate``'s part: ``--compress`` only where ``strategy_cls`` takes it. (A resume carries
+    PowerSGD's state in each rank's checkpoint into the same layout: ``PowerSGD.state_dict``.)"""
     if cfg.compress == "none":
         return
     if not accepts(strategy_cls):
         raise UsageError(f"--compress {cfg.compress}: only {_accepting_names()} compress their gradient "
                          f"buckets; {cfg.strategy} sends them uncompressed: drop --compress")
-    if cfg.resume and cfg.compress in NOT_RESUMABLE:
-        raise UsageError("--compress powersgd --resume: PowerSGD's error feedback and warm-start matrices "
-                         "are not in the checkpoint, so a resumed run would not continue the same "
-                         "arithmetic; start the run again instead")
 
 
 def _accepting_names() -> str:

@@ -77,7 +77,7 @@ class ReferenceCompression:
     def _powersgd(self, i: int, grads: list[torch.Tensor]) -> torch.Tensor:
         rank, shape = self.options.powersgd_rank, grads[0].shape
         if i not in self.q:
-            self.q[i] = initial_q(shape, rank, grads[0].dtype)
+            self.q[i] = initial_q(shape, rank, grads[0].dtype).to(grads[0].device)
         ms = []
         for r, g in enumerate(grads):
             e = self.error.setdefault((r, i), torch.zeros_like(g))
