@@ -251,3 +251,9 @@ def test_check_band_bench_tells_a_bug_from_rounding(benched):
             (precision == "fp16")
     assert d["summary"]["correct_fp32"]["bug_verdicts"] == d["summary"]["correct_fp16"]["bug_verdicts"] == 0
     assert d["summary"]["bugs_fp16"]["missed"] == []
+    # the replay names the bug where fp64's does (fp16: a step later where its first step overflowed, skipped)
+    fp64 = bug["fp64"]["first_divergence"]
+    assert fp64.startswith("first divergence: step 1, rank 0, backward of 13.1 (Linear) weight gradient"), fp64
+    assert bug["fp32"]["first_divergence"].startswith(fp64.split(", max |d|")[0])
+    assert d["summary"]["bugs_fp32"]["named_where_fp64_is"] == 1 and d["summary"]["bugs_fp32"]["named_elsewhere"] == {}
+    assert "backward of 13.1 (Linear) weight gradient" in bug["fp16"]["first_divergence"]

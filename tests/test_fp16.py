@@ -114,6 +114,11 @@ def test_a_bug_in_fp16_is_a_bug(runs):
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["verdict"] == "bug" and check["worst_ratio"] > 10 and "check: FAIL (bug, worst " in r.stdout
+    # replayed in fp16, each quantity against its own band: the first gradient backward meets, fp64's place (a
+    # step later where the first step overflowed at the starting scale and was skipped by both)
+    line = check["first_divergence"]
+    assert "rank 0, backward of 13.1 (Linear) weight gradient, max |d| " in line and " x its band" in line, line
+    assert float(line.rpartition(", ")[2].split(" x its band")[0]) > 2, line
 
 
 def test_an_overflow_is_exercised_or_said_not_to_be(runs):
