@@ -3,7 +3,7 @@
     python bench/published.py                  # every run (4 minutes on 2 cores): table + JSON
     python bench/published.py --runs "GPT 1.7B,BLOOM 176B" --out /tmp/p.json
 
-For each run of ``paralab.analysis.plan.published.RUNS`` (Narayanan et al.
+For each run of ``paralab.analysis.published.RUNS`` (Narayanan et al.
 2021's Table 1 and BLOOM-176B, each with its source): the planner's
 prediction for the published layout, predicted / published throughput, and
 the layout's rank among every layout the planner lists that fits and among
@@ -22,7 +22,7 @@ from common import RESULTS, SRC, cpu_name, write_result
 
 sys.path.insert(0, str(SRC))
 
-from paralab.analysis.plan.published import RUNS, against  # noqa: E402
+from paralab.analysis.published import RUNS, against  # noqa: E402
 from paralab.progress import Progress  # noqa: E402
 
 

@@ -150,3 +150,11 @@ def test_layers_never_import_upward():
     bad = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
                  for m, deps in imports().items() for d in deps if layer_of(d) > layer_of(m))
     assert not bad, "; ".join(bad)
+
+
+def test_the_planner_stays_under_3000_lines():
+    """The planner (``analysis/plan/``) does not grow with what holds it to the world (issue 49): the fit and
+    the published runs read it from ``analysis/``, and fitted figures live in data files."""
+    plan = Path(__file__).resolve().parent.parent / "src" / "paralab" / "analysis" / "plan"
+    lines = sum(len(f.read_text().splitlines()) for f in plan.glob("*.py"))
+    assert lines < 3000, f"analysis/plan/ is {lines} lines"

@@ -1,6 +1,6 @@
 """The planner against published training runs (docs/plan.md, "Published runs").
 
-Each run of ``analysis/plan/published.RUNS`` (Narayanan et al. 2021's Table 1,
+Each run of ``analysis/published.RUNS`` (Narayanan et al. 2021's Table 1,
 BLOOM-176B) is its published layout; the planner predicts it and the page
 prints predicted against published. These tests hold the page to the planner
 (every figure of its table, recomputed), the published step to the paper's own
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from paralab.analysis.plan import Layout, Setting, load_cluster, predict
-from paralab.analysis.plan.published import JEAN_ZAY, RUNS, predicted, workload
+from paralab.analysis.published import JEAN_ZAY, RUNS, predicted, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "plan.md"

@@ -27,11 +27,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-from .cluster import PRESETS, Cluster
-from .layouts import Layout, enumerate_layouts
-from .predict import Setting, predict
-from .search import evaluate, rough_many
-from .workload import gpt_workload
+from .plan.cluster import PRESETS, Cluster
+from .plan.layouts import Layout, enumerate_layouts
+from .plan.predict import Setting, predict
+from .plan.search import evaluate, rough_many
+from .plan.workload import gpt_workload
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
              "Megatron-LM (arXiv:2104.04473), Table 1: shape, GPUs, batch, TFLOP/s per GPU; the layouts (tensor "
