@@ -105,6 +105,35 @@ class Finding:
                 + (f", {self.ratio:.3g} x its band" if self.ratio else ""))
 
 
+class BandAt:
+    """The band's references at one replayed step, worked out on first need (a step whose every quantity is
+    within fp64's tolerances trains none of them, as the check trains its band only beyond exact): ``calls()``
+    their module outputs on the rank's shard, then ``stepped()`` each one's (gradients, state after) and its
+    losses. They catch up from wherever they stand (``Reference.advance_to``), so a step that needed none
+    costs nothing later."""
+
+    def __init__(self, band, step: int, replica: int):
+        self.band, self.step, self.replica = band, step, replica
+        self._calls = self._stepped = None
+
+    def calls(self) -> list:
+        if self._calls is None:
+            assert self._stepped is None, "a step's forward is compared before its step"
+            for ref in self.band.refs:
+                ref.advance_to(self.step)
+            self._calls = [reference_calls(ref, self.step, self.replica) for ref in self.band.refs]
+        return self._calls
+
+    def stepped(self) -> list:
+        if self._stepped is None:
+            self._stepped = [reference_step(ref, self.step) for ref in self.band.refs]
+        return self._stepped
+
+    def losses(self) -> list:
+        self.stepped()
+        return [ref.losses[self.step][self.replica] for ref in self.band.refs]
+
+
 class Judge:
     """How far a replayed quantity may lie from the reference's: fp64's fixed tolerances; with a ``band``
     (below fp64, or a lossy wire) beyond them its own noise band, from the values the band's references
@@ -115,10 +144,11 @@ class Judge:
         self.tol = TOLERANCES["fp64" if band is not None else precision]
         self.worst = 0.0  # the largest ratio to its band of any quantity beyond fp64's tolerances so far
 
-    def limit(self, kind: str, value, others: list) -> float:
+    def limit(self, kind: str, value, others) -> float:
+        """``others()``: the band's references' values of the quantity, asked for only where a band is."""
         if self.band is None:
             return self.tol[kind]
-        return max(self.tol[kind], self.band.of(value, others))
+        return max(self.tol[kind], self.band.of(value, others()))
 
     def ratio(self, deviation: float, limit: float) -> float:
         return deviation / limit if self.band is not None and limit > 0 else 0.0
@@ -412,31 +442,27 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     ``step``, advanced by one here, and so are the band's references where ``judge`` has them): this rank's first
     difference, or None. Collective, as a step is."""
     rank = strategy.ctx.rank
-    others = judge.band.refs if judge.band is not None else []
+    at = BandAt(judge.band, step, replica) if judge.band is not None else None
     kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
     expected = reference_calls(ref, step, replica)
-    spread = [reference_calls(other, step, replica) for other in others]
 
     mine, gradients, result, after = step_twice(steps.of_shard(ref.source, step, x, y, ref.seed), strategy, roots,
                                                 optimizers)
     if ref.run_scales is not None:  # fp16: the reference follows the run's overflow decision, as the check's does
         ref.run_scales[step] = (bool(result.skipped), strategy.ctx.loss_scale.state_dict())
     grads, ref_after = reference_step(ref, step)
-    theirs = [reference_step(other, step) for other in others]
     ref_loss = ref.losses[step][replica]
     params = [n for n, _ in ref.model.named_parameters()]
 
-    def beyond(kind: str, dev: float | None, value, values: list, direction: int, order: int, name: str,
+    def beyond(kind: str, dev: float | None, value, values, direction: int, order: int, name: str,
                tensor: str) -> Finding | None:
         """A finding where ``dev`` (this rank's deviation from the reference's ``value``) is beyond its limit;
-        ``values``: the band's references' values of the same quantity."""
-        if dev is None:
+        ``values()``: the band's references' values of the same quantity, asked for only beyond exact (no band
+        admits an infinity or a NaN)."""
+        if dev is None or dev <= judge.tol[kind]:
             return None
-        limit = judge.limit(kind, value, values)
-        if dev != dev or dev == float("inf"):  # no band admits an infinity or a NaN
-            limit = judge.tol[kind]
-        if not dev <= judge.tol[kind]:
-            judge.worst = max(judge.worst, judge.ratio(dev, limit))
+        limit = judge.limit(kind, value, values) if dev == dev and dev != float("inf") else judge.tol[kind]
+        judge.worst = max(judge.worst, judge.ratio(dev, limit))
         if dev <= limit:
             return None
         return Finding(step + 1, direction, order, rank, name, kinds.get(name, "?"), tensor, dev,
@@ -455,12 +481,12 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
             continue
         ours, whole = mine.calls.get(name, []), expected.calls[name][k]
         dev = deviation(ours[k], whole, coords, sizes, cp_layout) if k < len(ours) else None
-        values = [c.calls[name][k] for c in spread if k < len(c.calls.get(name, ()))]
-        found = beyond("outputs", dev, whole, values, 0, order, name, "output")
+        found = beyond("outputs", dev, whole, lambda: [c.calls[name][k] for c in at.calls()
+                                                        if k < len(c.calls.get(name, ()))], 0, order, name, "output")
         if found:
             return found
     if result.loss is not None:
-        found = beyond("loss", abs(result.loss - ref_loss), ref_loss, [o.losses[step][replica] for o in others], 0,
+        found = beyond("loss", abs(result.loss - ref_loss), ref_loss, lambda: at.losses(), 0,
                        len(expected.sequence), "the loss", "value")
         if found:
             found.kind = "as the rank reports it"
@@ -468,7 +494,7 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
     for name, value in ref_after.items():  # what forward updates besides (BatchNorm's running statistics)
         if name not in params and value.is_floating_point():
             module, _, leaf = name.rpartition(".")
-            found = beyond("weights", max_abs(after[name], value), value, [a[name] for _, a in theirs], 0,
+            found = beyond("weights", max_abs(after[name], value), value, lambda: [a[name] for _, a in at.stepped()], 0,
                            len(expected.sequence) + 1, module, f"{leaf} buffer")
             if found:
                 return found
@@ -486,14 +512,15 @@ def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, 
             continue
         module, _, leaf = name.rpartition(".")
         found = beyond("weights", max_abs(gradients[name], grads[name]), grads[name],
-                       [g[name] for g, _ in theirs if name in g], 1, order, module, f"{leaf} gradient")
+                       lambda: [g[name] for g, _ in at.stepped() if name in g], 1, order, module,
+                       f"{leaf} gradient")
         if found:
             return found
     # 3. the optimizer's step: the weights after it
     for order, name in enumerate(params):
         module, _, leaf = name.rpartition(".")
         found = beyond("weights", max_abs(after[name], ref_after[name]), ref_after[name],
-                       [a[name] for _, a in theirs], 2, order, module, leaf)
+                       lambda: [a[name] for _, a in at.stepped()], 2, order, module, leaf)
         if found:
             return found
     return None
