@@ -183,8 +183,8 @@ MUTANTS = [
            "a zero-bubble W computes the weight gradients of one unit of the stage"),
     # ---- compression
     Mutant("powersgd-no-error-feedback", "strategies/compression/buckets.py",
-           "v.add_(method.error[k])                              # M = G/N + e",
-           "v.add_(0 * method.error[k])",
+           "v.add_(method.error[k], alpha=self.scale)            # M = G/N + e",
+           "v.add_(0 * method.error[k], alpha=self.scale)",
            cnn("ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "2", "--num-batches", "5"),
            "PowerSGD without error feedback: invisible before it starts (--powersgd-start-iter, 10 by default)"),
     # ---- recomputation and dropout

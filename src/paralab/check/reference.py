@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -127,9 +126,11 @@ class Replay:
 
     - ``replicas`` x ``microbatches``: the strategy's data-parallel shards and the microbatches inside each;
       ``bn_rule``: its BatchNorm rule (the module's docstring);
-    - ``combine`` (gradient compression: ``compression.reference_for``): each shard's gradient is kept apart (its
-      share of the loss, as a rank's bucket holds it) and ``combine(per_shard)`` gives the gradient the
-      optimizer uses, as the compressed exchange leaves it on every rank;
+    - ``compression`` (``compression.reference_for``): each shard's gradient is kept apart (its share of the
+      loss, as a rank's bucket holds it) and ``compression.combine(per_shard, scale)`` gives the gradient the
+      optimizer uses, as the compressed exchange leaves it on every rank (``scale``: fp16's loss scale, which
+      the shards' gradients carry); a skipped step leaves what it carries as it was (``state``/``restore``), as
+      the run's ddp does;
     - ``seed``: the run's, from which the gpt's dropout masks are drawn (``models/dropout.py``: each forward says
       where its samples sit in the global batch, so the masks are the run's whatever the split);
     - ``clip`` (``--clip-grad``): the gradient clipped to that norm by torch's ``clip_grad_norm_`` before each
@@ -157,7 +158,7 @@ class Replay:
     replicas: int = 1
     microbatches: int = 1
     bn_rule: str = "first-replica"
-    combine: Callable | None = None
+    compression: object | None = None
     seed: int = 0
     clip: float | None = None
     packing: bool | None = None
@@ -197,7 +198,7 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     # overflow where the run's microbatch or shard does not: the reference backs the same rows (not over
     # documents, above; nor the band's reordered reference, whose smaller pieces are its perturbation)
     fp16 = (how.scaler is not None or how.scales is not None) and how.packing is None and how.perturb != "reordered"
-    must = batchnorm or how.combine is not None or bool(moe_layers(model)) or how.wired or fp16
+    must = batchnorm or how.compression is not None or bool(moe_layers(model)) or how.wired or fp16
     pair = how.replicas == 2 and how.microbatches == 1 and how.packing is None
     split = must or (pair and how.perturb != "reordered")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -212,6 +213,7 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
     for step in range(first_step, until):
         if lr_for is not None:
             set_lr([optimizer], lr_for(step))
+        carried = how.compression.state() if how.compression is not None and how.scales is not None else None
         shards = [(to_device(x, x.device, dtype), y) for x, y in (source_batch(step, r) for r in range(how.replicas))]
         targets = None if how.packing is None else [y for _, y in shards]  # documents: the loss's global count
         model.train()
@@ -246,6 +248,8 @@ def reference_train(model, optimizer, source_batch, until: int, how: Replay, lr_
             optimizer.step()
         if how.scales is not None and how.scales[step][1] and norms is not None:
             norms.pop(step, None)  # fp16: a skipped step has no gradient norm (the run reports none either)
+        if carried is not None and how.scales[step][1]:
+            how.compression.restore(carried)  # a skipped step's compression undone, as the run's ddp does
         optimizer.zero_grad(set_to_none=True)
         take_history(model)  # the reference keeps no routing records
     return losses
@@ -285,6 +289,13 @@ def _finite(params) -> bool:
 
 #: what a step's note says where the run's loss scale is not torch's GradScaler's after an agreed step: a bug
 SCALE_DIFFERS = "the run scales its loss otherwise than torch"
+
+
+def _scale_now(how: Replay, step: int) -> float:
+    """The loss scale this step's gradients carry: fp16's (torch's GradScaler's, or the one followed), else 1."""
+    if how.scaler is not None:
+        return float(how.scaler.get_scale())
+    return float(how.scales[step][0]) if how.scales is not None else 1.0
 
 
 def _scale(how: Replay, step: int):
@@ -333,8 +344,8 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
     # each shard's gradient weighted after the sum: reordered; and under fp16, where a shard's backward at its
     # share of the loss would carry other activation gradients than its rank's at its whole (a factor of 2 moves
     # a value across float16's subnormal range, which the loss scale leaves near the smallest gradients)
-    after = (how.perturb == "reordered" or how.scales is not None) and how.combine is None
-    apart = how.combine is not None or after or how.wired  # each shard's gradient kept apart
+    after = how.perturb == "reordered" or how.scales is not None
+    apart = how.compression is not None or after or how.wired  # each shard's gradient kept apart
     kept_buffers, shard_losses, per_shard = None, [], []
     first = 0  # the shard's first row in the global batch
     for r, (x, y) in enumerate(shards):
@@ -357,11 +368,13 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
         if r == 0 and how.bn_rule == "first-replica" and batchnorm:  # the only buffers a forward changes
             kept_buffers = [b.detach().clone() for b in model.buffers()]
         if apart:
-            per_shard.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                              for p in params])
+            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+            if after and how.compression is not None:  # compressed as a rank's bucket holds it: its share
+                grads = [g * (len(y) / total) for g in grads]
+            per_shard.append(grads)
             optimizer.zero_grad(set_to_none=True)
     if apart:
-        for p, g in zip(params, _combined(per_shard, [len(s[1]) for s in shards], how)):
+        for p, g in zip(params, _combined(per_shard, [len(s[1]) for s in shards], how, _scale_now(how, step))):
             p.grad = g
     if kept_buffers is not None:
         with torch.no_grad():
@@ -370,11 +383,12 @@ def _shards_step(model, optimizer, params, forward, shards, step: int, targets, 
     return shard_losses
 
 
-def _combined(per_shard: list[list[torch.Tensor]], sizes: list[int], how: Replay) -> list[torch.Tensor]:
+def _combined(per_shard: list[list[torch.Tensor]], sizes: list[int], how: Replay, scale: float = 1.0
+              ) -> list[torch.Tensor]:
     """The step's gradient from each shard's (``per_shard``, shards of ``sizes`` samples): compressed as the run
     compresses, or added as ``how.perturb`` says."""
-    if how.combine is not None:  # compression; reordered: its shards handed to it last first
-        return how.combine(per_shard[::-1] if how.perturb == "reordered" else per_shard)
+    if how.compression is not None:  # compression; reordered: its shards handed to it last first
+        return how.compression.combine(per_shard[::-1] if how.perturb == "reordered" else per_shard, scale)
     if how.wired:  # a lossy all-reduce: each shard's share rounded to the wire, added, the sum rounded again
         rounded = [[g.to(how.wire).to(g.dtype) for g in grads] for grads in per_shard]
         return [g.to(how.wire).to(g.dtype) for g in _added(rounded)]

@@ -188,7 +188,7 @@ class Reference:
 
     def advance_to(self, step: int) -> None:
         how = Replay(replicas=self.replicas, microbatches=self.microbatches, bn_rule=self.bn_rule,
-                     combine=self.compression.combine if self.compression else None, seed=self.seed, clip=self.clip,
+                     compression=self.compression, seed=self.seed, clip=self.clip,
                      packing=self.packing, autocast=self.autocast, scaler=self.scaler, scales=self.scales,
                      run=self.run_scales, perturb=self.perturb, unit=self.unit, wire=self.wire)
         losses = reference_train(self.model, self.optimizer, lambda s, r: self.source.batch(s, rank=r), step, how,

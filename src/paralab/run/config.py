@@ -320,11 +320,6 @@ class RunConfig(*reversed(RUN_OPTION_CLASSES), _Strategy, StrategyOptions):
         if self.clip_grad is not None or self.on_nonfinite or self.precision == "fp16":
             refuse_unclipped(self, named_cls, strategy_cls)
         check_loss_scale(self)
-        if self.precision == "fp16" and str(getattr(self, "compress", "none")).startswith("powersgd"):
-            raise UsageError("--compress powersgd with --precision fp16: PowerSGD's error feedback keeps what each "
-                             "step's compression left out of the loss-scaled gradient, which an overflow makes "
-                             "infinite for good and a change of scale leaves in the old scale's units; use "
-                             "--compress fp16|bf16, or --precision bf16")
         if strategy_cls is not named_cls:
             strategy_cls.validate(self, world)  # the pipeline a data-parallel flavour is composed with
         if self.packing:

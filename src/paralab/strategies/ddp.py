@@ -123,7 +123,9 @@ class DDPReplicas(Replicas):
                 self.slot[i] = (bucket, view)
 
         # what a bucket sends: itself, or a compressed form of it (--compress, compression/buckets.py)
-        self.compressor = compression.make_compressor(ctx.options, comm.world)
+        self.compressor = compression.make_compressor(
+            ctx.options, comm.world, scale=(lambda: ctx.loss_scale.scale) if ctx.loss_scale is not None else None)
+        self._carried = None  # what the compressor carried when the step began, where a step may be skipped
 
         # 3. one hook per parameter
         for i, p in enumerate(self.params):
@@ -160,6 +162,8 @@ class DDPReplicas(Replicas):
 
     # ------------------------------------------------------------------ the step
     def start(self) -> None:
+        if self.ctx.loss_scale is not None or self.ctx.on_nonfinite:  # a step these skip leaves it as it was
+            self._carried = self.compressor.state_dict() or None
         self._ready = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.missing = len(bucket.params)
@@ -194,6 +198,11 @@ class DDPReplicas(Replicas):
         self.compressor.end_step()
         for p, (_, view) in zip(self.params, self.slot):
             p.grad = view  # the mean gradient, in place in the bucket
+
+    def step(self) -> None:
+        super().step()
+        if self.ctx.skipping and self._carried is not None:  # the skipped step's compression undone too
+            self.compressor.load_state_dict(self._carried, self.ctx.device)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -93,8 +93,11 @@ class PowerSGD(NoCompression):
     """
     name = "powersgd"
 
-    def __init__(self, rank: int, start_iter: int, world: int):
+    def __init__(self, rank: int, start_iter: int, world: int, scale=None):
         self.rank, self.start_iter, self.world = rank, start_iter, world
+        # fp16: the loss scale the bucket's gradients carry now; the error is kept unscaled (so a change of scale
+        # leaves it right), multiplied in as M is made and divided out as it is kept
+        self.scale = scale or (lambda: 1.0)
         self.steps = 0                                   # synchronised steps so far
         self.q: dict[tuple[int, int], torch.Tensor] = {}       # (bucket, tensor) -> Q, kept between steps
         self.error: dict[tuple[int, int], torch.Tensor] = {}   # (bucket, tensor) -> e
@@ -134,6 +137,7 @@ class _PowerSGDBucket(InFlight):
     def __init__(self, method: PowerSGD, comm, key: int, views: list[torch.Tensor], label: str):
         self.method, self.comm, self.label = method, comm, label
         r, n_ranks = method.rank, method.world
+        self.scale = method.scale()
         self.plain = [v for v in views if not compressible(v.shape, r)]
         self.matrices, self.keys = [], []
         for i, v in enumerate(views):
@@ -142,7 +146,7 @@ class _PowerSGDBucket(InFlight):
                 if k not in method.q:
                     method.q[k] = initial_q(v.shape, r, v.dtype).to(v.device)
                     method.error[k] = torch.zeros_like(v)
-                v.add_(method.error[k])                              # M = G/N + e
+                v.add_(method.error[k], alpha=self.scale)            # M = G/N + e
                 self.matrices.append(v.view(matrix_shape(v.shape)))
                 self.keys.append(k)
         ps = [m @ method.q[k] for m, k in zip(self.matrices, self.keys)]
@@ -184,15 +188,17 @@ class _PowerSGDBucket(InFlight):
             q = self.second[offset:offset + size].view(m.shape[1], -1)
             offset += size
             approx = p @ q.t()
-            self.method.error[k].copy_((m - approx / self.n_ranks).view_as(self.method.error[k]))  # e = M - PQ^T/N
+            self.method.error[k].copy_((m - approx / self.n_ranks).view_as(self.method.error[k]) / self.scale)
+            #                                                                                   e = M - PQ^T/N
             self.method.q[k] = q.clone()                                                        # warm start
             m.copy_(approx)                                                                     # the mean's estimate
 
 
-def make_compressor(options, world: int):
-    """The bucket compressor that ``--compress`` names (``options``: a strategy's ``ctx.options``)."""
+def make_compressor(options, world: int, scale=None):
+    """The bucket compressor that ``--compress`` names (``options``: a strategy's ``ctx.options``; ``scale()``:
+    the loss scale the gradients carry, under fp16)."""
     if options.compress in WIRE_DTYPES:
         return CastCompression(options.compress)
     if options.compress == "powersgd":
-        return PowerSGD(options.powersgd_rank, options.powersgd_start_iter, world)
+        return PowerSGD(options.powersgd_rank, options.powersgd_start_iter, world, scale)
     return NoCompression()

@@ -50,8 +50,16 @@ class ReferenceCompression:
                 "exactly), so this is not a comparison with plain training: the reference applies the same "
                 "compression")
 
+    def state(self) -> tuple:
+        """What it carries from step to step (a copy): the steps, Q and the errors."""
+        return (self.steps, {k: v.clone() for k, v in self.q.items()}, {k: v.clone() for k, v in self.error.items()})
+
+    def restore(self, state: tuple) -> None:
+        self.steps, self.q, self.error = state[0], dict(state[1]), dict(state[2])
+
     @torch.no_grad()
-    def combine(self, per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def combine(self, per_replica: list[list[torch.Tensor]], scale: float = 1.0) -> list[torch.Tensor]:
+        """``scale``: the loss scale the gradients carry (fp16); PowerSGD's error is kept without it."""
         o, n = self.options, self.n
         out = []
         for i in range(len(per_replica[0])):
@@ -65,7 +73,7 @@ class ReferenceCompression:
                 out.append(total.to(wire).to(dtype))
             elif o.compress == "powersgd" and self.steps >= o.powersgd_start_iter \
                     and compressible(grads[0].shape, o.powersgd_rank):
-                out.append(self._powersgd(i, grads))
+                out.append(self._powersgd(i, grads, scale))
             else:
                 total = grads[0].clone()
                 for g in grads[1:]:
@@ -74,14 +82,14 @@ class ReferenceCompression:
         self.steps += 1
         return out
 
-    def _powersgd(self, i: int, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _powersgd(self, i: int, grads: list[torch.Tensor], scale: float) -> torch.Tensor:
         rank, shape = self.options.powersgd_rank, grads[0].shape
         if i not in self.q:
             self.q[i] = initial_q(shape, rank, grads[0].dtype).to(grads[0].device)
         ms = []
         for r, g in enumerate(grads):
             e = self.error.setdefault((r, i), torch.zeros_like(g))
-            ms.append((g + e).view(matrix_shape(shape)))
+            ms.append(g.add(e, alpha=scale).view(matrix_shape(shape)))
         p = ms[0] @ self.q[i]
         for m in ms[1:]:
             p = p + m @ self.q[i]
@@ -91,6 +99,6 @@ class ReferenceCompression:
             q = q + m.t() @ p
         approx = p @ q.t()
         for r, m in enumerate(ms):
-            self.error[(r, i)] = (m - approx / self.n).view(shape)
+            self.error[(r, i)] = (m - approx / self.n).view(shape) / scale
         self.q[i] = q
         return approx.view(shape)
