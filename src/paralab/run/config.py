@@ -491,11 +491,10 @@ def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
     ``gradient_wire``, whose noise band is trained in fp64 too)."""
     from ..check.reference import banded, reference_bytes
     each, weights = reference_bytes(cfg, parameters, wire), parameters * (8 if cfg.precision == "fp64" else 4)
-    local = cfg.workers if cfg.world_size is None else 1
-    if cfg.device == "cuda" or cfg.backend == "nccl":
+    local = local_ranks(cfg)
+    if _cuda_memory(cfg):
         import torch
         available, where = torch.cuda.mem_get_info()[1], "a GPU's memory"  # the reference on rank 0's GPU
-        local = 1
     else:
         available, where = available_memory(), "the memory this machine has available"
     if available is not None and each + local * weights > available:
@@ -512,6 +511,18 @@ def check_reference_fits(cfg: RunConfig, parameters: int, wire=None) -> None:
                          "layout (--layers, --embed, --width), or drop --check")
 
 
+def _cuda_memory(cfg: RunConfig) -> bool:
+    """Whether a check's reference lives in a GPU's memory, as the memory estimates here decide it (``--device
+    cuda`` or nccl)."""
+    return cfg.device == "cuda" or cfg.backend == "nccl"
+
+
+def local_ranks(cfg: RunConfig) -> int:
+    """The ranks that share one memory: this machine's workers on a CPU (one where it is one of many launched
+    apart), one on a GPU (each rank its own)."""
+    return 1 if _cuda_memory(cfg) or cfg.world_size is not None else cfg.workers
+
+
 def replay_too_large(cfg: RunConfig, parameters: int, wire=None, available: int | None = None,
                      local: int | None = None) -> str | None:
     """Why the first divergence's replay cannot fit beside the run, or None: every local rank builds the whole
@@ -520,9 +531,9 @@ def replay_too_large(cfg: RunConfig, parameters: int, wire=None, available: int 
     (default: this machine's, or the GPU's)."""
     from ..check.reference import reference_bytes
     if local is None:
-        local = 1 if cfg.device == "cuda" or cfg.backend == "nccl" else (cfg.workers if cfg.world_size is None else 1)
+        local = local_ranks(cfg)
     if available is None:
-        if cfg.device == "cuda" or cfg.backend == "nccl":
+        if _cuda_memory(cfg):
             import torch
             available = torch.cuda.mem_get_info()[0]
         else:
