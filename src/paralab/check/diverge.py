@@ -437,17 +437,22 @@ def reference_step(ref, step: int) -> tuple[dict, dict]:
 
 
 def locate(step: int, x, y, strategy, roots: list[nn.Module], optimizers: list, ref, mesh, replica: int,
-           judge: Judge) -> Finding | None:
+           judge: Judge, routing=None) -> Finding | None:
     """Step ``step`` (from 0) of the run on this rank, beside the reference (``check.verdict.Reference`` at
     ``step``, advanced by one here, and so are the band's references where ``judge`` has them): this rank's first
-    difference, or None. Collective, as a step is."""
+    difference, or None. ``routing``: a mixture of experts below fp64, the run's ``routing.Recording`` and the
+    ``Routes`` the references follow, every rank's choices of this step handed to them before they step.
+    Collective, as a step is."""
     rank = strategy.ctx.rank
     at = BandAt(judge.band, step, replica) if judge.band is not None else None
     kinds = {n: type(m).__name__ for n, m in ref.model.named_modules() if n}
-    expected = reference_calls(ref, step, replica)
 
     mine, gradients, result, after = step_twice(steps.of_shard(ref.source, step, x, y, ref.seed), strategy, roots,
                                                 optimizers)
+    if routing is not None:  # every rank's shard is replayed by every rank's reference
+        recording, routes = routing
+        routes.add(strategy.ctx.comm.all_gather_objects(recording.take()))
+    expected = reference_calls(ref, step, replica)
     if ref.run_scales is not None:  # fp16: the reference follows the run's overflow decision, as the check's does
         ref.run_scales[step] = (bool(result.skipped), strategy.ctx.loss_scale.state_dict())
     grads, ref_after = reference_step(ref, step)

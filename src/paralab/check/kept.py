@@ -69,11 +69,14 @@ class Snapshot:
 
 
 def usable(cfg, ref) -> bool:
-    """Whether this run's reference may be shared: asked for, untrained so far, without compression, not fp16."""
+    """Whether this run's reference may be shared: asked for, untrained so far, without compression, not fp16,
+    not following a run's routing."""
     # (a clipped reference's gradient norms are not kept: it trains beside the run; an fp16 one follows its run's
-    # overflow decisions, which another layout may take at other steps)
+    # overflow decisions, which another layout may take at other steps; so does a mixture of experts' below fp64
+    # its run's near-ties, check/routing.py)
     return bool(getattr(cfg, "check_cache", None)) and ref.step == 0 and ref.compression is None \
-        and not getattr(cfg, "clip_grad", None) and getattr(cfg, "precision", None) != "fp16"
+        and not getattr(cfg, "clip_grad", None) and getattr(cfg, "precision", None) != "fp16" \
+        and getattr(ref, "routes", None) is None
 
 
 def _source_files(model) -> list[str]:

@@ -48,6 +48,7 @@ from ..training.loss_scale import torch_scaler
 from ..training.lr_schedule import LRSchedule
 from . import kept
 from .band import Band
+from .routing import Following, Recording, Routes, followed_line, modules_held, unexplained_line
 from .reference import (ADAMS, SCALE_DIFFERS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation,
                         compare_optimizer, Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
 
@@ -148,12 +149,15 @@ class Reference:
 
     def __init__(self, strategy, source, model_fn, optim_fn, lr_for, seed: int = 0, precision: str = "fp64",
                  perturb: str | None = None, unit: float = 0.0, wire: torch.dtype | None = None,
-                 follow: dict | None = None):
+                 follow: dict | None = None, routes: Routes | None = None):
         self.model = model_fn()
         # the noise band's references (check/band.py): one change each; "exact" trains in float64, no autocast
         self.perturb, self.unit, self.wire = perturb, unit, wire
         if perturb == "exact":
             self.model = self.model.double()
+        # a mixture of experts below fp64: the run's near-ties followed (check/routing.py), by the band's too
+        self.routes = routes
+        self.following = Following(routes, self.model) if routes is not None else None
         self.autocast = AUTOCAST.get(precision) if perturb != "exact" else None
         self.precision_name = precision
         # fp16: torch's own GradScaler, from where the run's loss scale stands (a resumed run's included), each
@@ -201,7 +205,8 @@ class Reference:
         changed once (built on first need), an fp16 run's following this one's loss scale and skips."""
         wire = strategy.gradient_wire
         return Band(lambda perturb, unit: Reference(strategy, source, model_fn, optim_fn, lr_for, self.seed,
-                                                    self.precision_name, perturb, unit, wire, self.scales),
+                                                    self.precision_name, perturb, unit, wire, self.scales,
+                                                    self.routes),
                     self.precision_name, next(self.model.parameters()).device, wire)
 
     def snapshot(self, copy: bool = False) -> kept.Snapshot:
@@ -239,10 +244,14 @@ class Check:
         tp = tp_of(strategy)
         self.seen = {"dropped": 0, "routed": False, "uneven": False, "short": False, "overflowed": False,
                      "shares": [[tp.group.rank, a, b, 0] for a, b in tp.vocabulary_shares()] if tp else []}
+        # a mixture of experts below fp64: every rank records its routers' choices, and rank 0's references
+        # follow them at the near-ties the run's own scores explain (check/routing.py)
+        self.recording = Recording(modules_held(strategy)) if self.banded and getattr(cfg, "experts", 0) else None
         if comm.rank != 0:  # the reference lives on rank 0 (see the module's docstring)
             self.ref, self.key = None, None
             return
-        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed, cfg.precision)
+        self.ref = Reference(strategy, source, model_fn, optim_fn, lr_for, cfg.seed, cfg.precision,
+                             routes=Routes() if self.recording is not None else None)
         if self.ref.scaler is not None:
             self.ref.run_scales = {}
         self.key = kept.digest(cfg, self.ref, self.steps, strategy.gradient_wire) if kept.usable(cfg, self.ref) \
@@ -315,6 +324,10 @@ class Check:
         return self.bands[step]
 
     def compare_at(self, step: int) -> None:
+        if self.recording is not None:  # the routers' choices so far, to rank 0's references (a collective)
+            taken = self.comm.gather_objects(self.recording.take())
+            if self.ref is not None:
+                self.ref.routes.add(taken)
         ref = self.reference_at(step) if self.ref is not None else None  # rank 0
         whole = self.strategy.full_state_dict()
         self.found.append(self.weights_comparison(whole, ref, step))
@@ -515,7 +528,7 @@ class Check:
                 "max": {k: max(c.max_abs for c in self.found if c.what == k) for k in by_kind},
                 "history": sorted(history.items()),
                 "unexercised": unexercised(self.cfg, self.strategy, self.start, self.total) + self.unclipped(),
-                "seen": self.seen, "followed": self.followed()}
+                "seen": self.seen, "followed": self.followed(), "experts": self.experts_followed()}
         verdicts = self.comm.all_gather_objects(mine)
         for v in verdicts:
             self.say(f"check rank {v['rank']}: {'PASS' if v['passed'] else 'FAIL'}  " + "; ".join(v["lines"]))
@@ -528,6 +541,12 @@ class Check:
         if too_many:
             passed, word = False, "bug"
             self.say(f"check: fp16: {too_many}")
+        experts = verdicts[0]["experts"]  # rank 0's references: the run's near-ties followed, or a wrong choice
+        for line in experts["followed"]:
+            self.say(f"check: {line}")
+        if experts["unexplained"]:
+            passed, word = False, "bug"
+            self.say(f"check: {experts['unexplained']}")
         ratios = [v["worst_ratio"] for v in verdicts if v["worst_ratio"] is not None]
         worst_ratio = max(ratios) if ratios else None
         band = f", worst {worst_ratio:.3g} of the band" if word != "exact" and worst_ratio is not None else ""
@@ -551,13 +570,25 @@ class Check:
                 "max_loss_dev": largest["loss"], "max_grad_norm_dev": largest["grad_norm"],
                 "max_output_dev": largest["outputs"],
                 "history": [by_step[s] for s in sorted(by_step)],
-                "unexercised": notes, "ranks": verdicts} | ({"loss_scale_followed": followed} if followed else {})
+                "unexercised": notes, "ranks": verdicts} | ({"loss_scale_followed": followed} if followed else {}) \
+            | ({"experts_followed": experts["followed"]} if experts["followed"] else {}) \
+            | ({"experts_unexplained": experts["unexplained"]} if experts["unexplained"] else {})
 
     def followed(self) -> list[str]:
         """fp16, rank 0: the steps whose overflow the reference decided otherwise than the run (each said by
         ``reference._scaler_step``); [] elsewhere or where the reference came from --check-cache."""
         scales = self.ref.scales if self.ref is not None and self.kept is None else None
         return [step[2] for _, step in sorted((scales or {}).items()) if len(step) > 2 and step[2]]
+
+    def experts_followed(self) -> dict:
+        """A mixture of experts below fp64, rank 0: the line saying at which tokens the reference took the run's
+        choice of experts, and the one saying the run chose what its scores do not explain (a bug); empty
+        elsewhere (``check/routing.py``)."""
+        following = getattr(self.ref, "following", None)
+        if following is None:
+            return {"followed": [], "unexplained": None}
+        line = followed_line(following.followed)
+        return {"followed": [line] if line else [], "unexplained": unexplained_line(following.unexplained)}
 
     def unreached(self, verdicts: list[dict]) -> list[str]:
         """Paths that depend on the data, over every rank's steps (:meth:`saw`): a capacity that dropped nothing,

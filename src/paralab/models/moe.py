@@ -136,15 +136,20 @@ def scores(logits: torch.Tensor, gating: str = "softmax") -> torch.Tensor:
 
 
 def route(probs: torch.Tensor, k: int, capacity_factor: float | None, dtype: torch.dtype,
-          gating: str = "softmax") -> Routing:
+          gating: str = "softmax", choose=None) -> Routing:
     """Top-``k`` choices, the capacity's drops, the auxiliary loss (see the module docstring).
 
     ``probs``: the router's :func:`scores` under ``gating``. Softmax: the gates are the chosen
     probabilities as they are. Sigmoid: the gates are the chosen scores normalised to sum to 1 over the
-    ``k`` chosen, and the auxiliary loss's ``P`` is each token's scores normalised over all experts."""
+    ``k`` chosen, and the auxiliary loss's ``P`` is each token's scores normalised over all experts.
+    ``choose(probs, expert)``: given the top-``k`` experts ``[N, K]`` (best first), the experts to use
+    instead (a check's reference following a run's near-ties, ``check/routing.py``); None: those."""
     n, e = probs.shape
     top = probs.topk(min(k + 1, e), dim=-1)
     gate, expert = top.values[:, :k], top.indices[:, :k]
+    if choose is not None:
+        expert = choose(probs, expert)
+        gate = probs.gather(1, expert)
     share = probs  # each token's distribution over the experts, for the auxiliary loss
     if gating == "sigmoid":
         gate = gate / gate.sum(-1, keepdim=True)
@@ -191,6 +196,9 @@ class MoE(nn.Module):
             raise ValueError(f"unknown gating {gating!r}; choose one of {', '.join(GATINGS)}")
         self.gating = gating
         self.dispatch = local_dispatch
+        #: who may change the top-k choice: None, or a check's ``choose(moe, probs, expert) -> expert``
+        #: (``check/routing.py``: a run's forwards recorded, a reference following the run at near-ties)
+        self.choose = None
         self.aux_loss: torch.Tensor | None = None  # the last training forward's, until taken
         self.history: list[dict] = []               # per training forward: counts, dropped, aux, min_margin
         self.layer = 0  # which block of the model it is (gpt.py numbers them): records name it under a pipeline
@@ -201,7 +209,9 @@ class MoE(nn.Module):
         logits = F.linear(tokens.double(), self.router.weight.double())
         if self.router_skew:
             logits = logits + logits.new_tensor([self.router_skew] + [0.0] * (self.num_experts - 1))
-        routing = route(scores(logits, self.gating), self.top_k, self.capacity_factor, tokens.dtype, self.gating)
+        choose = (lambda probs, expert: self.choose(self, probs, expert)) if self.choose is not None else None
+        routing = route(scores(logits, self.gating), self.top_k, self.capacity_factor, tokens.dtype, self.gating,
+                        choose)
         out = self.dispatch(tokens, routing, self.experts)
         if self.training and torch.is_grad_enabled():
             self.aux_loss = routing.aux

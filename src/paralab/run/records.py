@@ -262,7 +262,8 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
                                               "max_optimizer_dev", "max_loss_dev", "max_grad_norm_dev",
                                               "max_output_dev",
                                               "precision", "tolerances", "history", "unexercised")}
-        | ({"first_divergence": check["first_divergence"]} if "first_divergence" in check else {}),
+        | {k: check[k] for k in ("first_divergence", "loss_scale_followed", "experts_followed", "experts_unexplained")
+           if k in check},
         "error": error,
     }
     if getattr(cfg, "on_nonfinite", None) or getattr(cfg, "precision", None) == "fp16":

@@ -251,6 +251,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     place as one line, said and returned. Collective."""
     from ..check import diverge
     from ..check.reference import banded
+    from ..check.routing import Recording, Routes
     from ..check.verdict import Reference
     why = "the run resumed from a checkpoint: replay it from the start" if resumed else too_large
     if why:
@@ -260,12 +261,15 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)
     replicas, replica = s.strategy.replicas()
     model_fn, optim_fn = build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg)
-    ref = Reference(s.strategy, s.source, model_fn, optim_fn, s.lr_for, cfg.seed, cfg.precision)
+    below = banded(cfg.precision, s.strategy.gradient_wire)
+    # a mixture of experts below fp64: the references follow the run's near-ties as the check's do (routing.py)
+    routing = (Recording(s.roots), Routes()) if below and cfg.experts else None
+    ref = Reference(s.strategy, s.source, model_fn, optim_fn, s.lr_for, cfg.seed, cfg.precision,
+                    routes=routing[1] if routing else None)
     if ref.scaler is not None:  # fp16: it follows the run's overflow decisions (diverge.locate)
         ref.run_scales = {}
     # below fp64 (or a lossy wire) each compared quantity is judged by its own noise band (check/band.py)
-    band = ref.band(s.strategy, s.source, model_fn, optim_fn, s.lr_for) \
-        if banded(cfg.precision, s.strategy.gradient_wire) else None
+    band = ref.band(s.strategy, s.source, model_fn, optim_fn, s.lr_for) if below else None
     judge = diverge.Judge(cfg.precision, band)
     tp = tp_of(s.strategy)  # the modules tp built in a unit's place are hooked too, under the unit's name
     roots = s.roots + ([tp.modules()] if tp is not None else [])
@@ -275,7 +279,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         set_lr(s.optimizers, s.lr_for(step))
         x, y = s.source.batch(step)
         x, y = to_device(x, device, s.dtype), y.to(device)
-        mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, judge)
+        mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, judge, routing)
         every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
         progress.update(step + 1)
         if every:
@@ -287,6 +291,9 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     line = found.line() if found else (f"first divergence: none in {s.total_steps} replayed steps (every module's "
                                        f"output, the loss, every gradient and weight {agreed}: what failed lies "
                                        "outside the steps, e.g. the state a checkpoint saves)")
+    followed = sum(f[2] for f in ref.following.followed) if ref.following is not None else 0
+    if followed:  # rank 0's reference (every rank's replays every shard alike)
+        line += f"; the reference took the run's choice of experts at {followed} near-tie token(s) (check/routing.py)"
     say(f"check: {line}")
     return line
 

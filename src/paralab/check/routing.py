@@ -1,0 +1,155 @@
+"""A router's near-ties: where the check's reference takes the run's choice of experts.
+
+A mixture of experts chooses each token's top-k experts from its router's
+scores (``models/moe.py``): a threshold. Below fp64 the run's scores and the
+reference's differ by rounding, and where a token's K-th and (K+1)-th scores
+are that close the two choose differently; from there the experts learn from
+different tokens and the run drifts outside its noise band, a correct layout
+said to be a bug (the band's references cross such ties only by chance). An
+fp16 overflow is the same kind of threshold, and there the reference follows
+the run's decision (``reference._scaler_step``). So it does here, token by
+token, but only where the run's own scores explain its choice:
+
+- on every rank, the run's MoE layers record each training forward's scores
+  and choices (:class:`Recording`), keyed by (step, block, the forward's first
+  row in the global batch), and rank 0 gathers them before its reference
+  trains (:class:`Routes`);
+- at each forward of the reference (and of each of the band's references), a
+  token whose top-k differs from the run's takes the run's where, at every
+  position j of the k, the reference's own scores of its expert and the run's
+  differ by at most ``2 d``, ``d`` the largest deviation of the run's scores
+  of that token from the reference's (:class:`Following`). That is exactly
+  the gap a deviation of ``d`` can cross: the j-th largest of a token's scores
+  moves by at most ``d`` when every score does, so the run's j-th choice sits
+  within ``2 d`` of the reference's j-th;
+- a choice the run's scores do not explain (a gap beyond ``2 d``: the run did
+  not take the top-k of its own scores) is not followed, and is a bug
+  (:func:`unexplained_line`); a score that deviates by more than rounding
+  moves the gates too, which the weights' comparison judges.
+
+In fp64 nothing is followed (no reference is banded there): the router runs in
+float64, and a correct layout's scores agree to the last bits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..models.moe import moe_layers
+from ..training import step as steps
+
+#: float64's rounding of a score difference (scores are at most 1): the slack the 2 d test allows
+SLACK = 4 * 2.0 ** -53
+
+
+def key_of(module) -> tuple[int, int, int]:
+    """Which forward this is: (step, the MoE's block, the first row of its tokens in the step's global batch)."""
+    at = steps.current()
+    return at.index, module.layer, at.first + (at.offset or 0)
+
+
+def modules_held(strategy) -> list[nn.Module]:
+    """The modules a strategy holds: the values of its attributes (and of its flavours', stages', ... the
+    objects ``diverge.held_objects`` walks, and the dicts and lists they hold) that are modules."""
+    from .diverge import held_objects
+    found = []
+    for o in held_objects(strategy, lambda o: True):
+        values = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else \
+            vars(o).values() if hasattr(o, "__dict__") else ()
+        found += [v for v in values if isinstance(v, nn.Module)]
+    return found
+
+
+class Recording:
+    """The run's side, on every rank: each training forward's scores and top-k choices of every MoE layer of
+    ``roots`` (the modules a strategy holds, :func:`modules_held`), until :meth:`take` hands them over."""
+
+    def __init__(self, roots: list[nn.Module]):
+        self.forwards: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers = {id(m): m for root in roots for m in moe_layers(root)}
+        for m in self.layers.values():
+            m.choose = self
+
+    def __call__(self, module, probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        if module.training:
+            self.forwards[key_of(module)] = (probs.detach().cpu(), expert.detach().cpu())
+        return expert
+
+    def take(self) -> dict:
+        """The forwards recorded since the last call (then forgotten here)."""
+        out, self.forwards = self.forwards, {}
+        return out
+
+
+class Routes:
+    """Rank 0's: every rank's recorded forwards (:meth:`add`, each rank's :meth:`Recording.take`), kept until
+    the check ends (the band's references, trained on first need, replay from the first step)."""
+
+    def __init__(self):
+        self.forwards: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, taken: list[dict] | None) -> None:
+        for forwards in taken or ():
+            self.forwards.update(forwards)
+
+
+class Following:
+    """A reference's side: its MoE layers' ``choose``, taking the run's choice at a token where the run's
+    scores explain it (the module's docstring); what it followed and what it could not, each as
+    ``(step, block, tokens, score gap, twice the deviation)`` of its forward's widest."""
+
+    def __init__(self, routes: Routes, model: nn.Module):
+        self.routes = routes
+        self.followed: list[tuple] = []
+        self.unexplained: list[tuple] = []
+        for m in moe_layers(model):
+            m.choose = self
+
+    def __deepcopy__(self, memo):  # a copy of the reference's model (the replay's) follows alike
+        return self
+
+    def __call__(self, module, probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        key = key_of(module)
+        run = self.routes.forwards.get(key) if module.training else None
+        if run is None:
+            return expert
+        run_probs, run_expert = (t.to(probs.device) for t in run)
+        if run_expert.shape != expert.shape or run_probs.shape != probs.shape:  # not the same tokens: no claim
+            return expert
+        differ = (run_expert != expert).any(1)
+        if not bool(differ.any()):
+            return expert
+        probs = probs.detach()
+        d = (run_probs - probs).abs().max(1).values                  # each token's largest score deviation
+        gap = (probs.gather(1, expert) - probs.gather(1, run_expert)).abs().max(1).values
+        explained = differ & (gap <= 2 * d + SLACK)
+        for found, where in ((self.followed, explained), (self.unexplained, differ & ~explained)):
+            if bool(where.any()):
+                worst = int(torch.argmax(torch.where(where, gap, -1.0)))
+                found.append((key[0] + 1, key[1], int(where.sum()), float(gap[worst]), float(2 * d[worst])))
+        return torch.where(explained[:, None], run_expert, expert)
+
+
+def followed_line(followed: list[tuple]) -> str | None:
+    """What the reference followed, as one line (None: nothing)."""
+    if not followed:
+        return None
+    tokens = sum(f[2] for f in followed)
+    where = ", ".join(f"step {s} block {b}: {n}" for s, b, n, _, _ in followed[:6]) + (
+        ", ..." if len(followed) > 6 else "")
+    widest = max(followed, key=lambda f: f[3])
+    return (f"experts: the reference took the run's choice at {tokens} token(s) whose top-k the two decided "
+            f"otherwise ({where}): near-ties the run's scores explain (the widest: a score gap of {widest[3]:.3g} "
+            f"within twice the run's deviation there, {widest[4]:.3g}), as rounding crosses a threshold")
+
+
+def unexplained_line(unexplained: list[tuple]) -> str | None:
+    """Why choices the run's scores do not explain are a bug, as one line (None: there were none)."""
+    if not unexplained:
+        return None
+    s, b, n, gap, twice = unexplained[0]
+    more = f" (and at {len(unexplained) - 1} more forward(s))" if len(unexplained) > 1 else ""
+    return (f"experts: at step {s}, block {b}, the run chose other experts than the top-k of its own router's "
+            f"scores for {n} token(s){more}: the reference's scores of the two differ by {gap:.3g}, more than "
+            f"twice the run's deviation from them ({twice:.3g}), which no rounding explains: how the run chooses "
+            "its experts is wrong")
