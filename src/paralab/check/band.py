@@ -98,6 +98,10 @@ class Band:
         for ref in self.refs:
             ref.advance_to(step)
 
+    def least_step(self) -> int:
+        """The step the furthest-behind of its references stands at (0 before they are built)."""
+        return min(ref.step for ref in self._refs) if self._refs is not None else 0
+
     def of(self, value, others) -> float:
         """The band of one tensor (or number) of the reference, from the perturbed references' ``others``."""
         value = torch.as_tensor(value).detach()

@@ -263,7 +263,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     model_fn, optim_fn = build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg)
     below = banded(cfg.precision, s.strategy.gradient_wire)
     # a mixture of experts below fp64: the references follow the run's near-ties as the check's do (routing.py)
-    routing = (Recording(s.roots), Routes()) if below and cfg.experts else None
+    routing = (Recording(s.roots, sends=s.mesh.coords.get("tp", 0) == 0), Routes()) if below and cfg.experts else None
     ref = Reference(s.strategy, s.source, model_fn, optim_fn, s.lr_for, cfg.seed, cfg.precision,
                     routes=routing[1] if routing else None)
     if ref.scaler is not None:  # fp16: it follows the run's overflow decisions (diverge.locate)
@@ -280,6 +280,8 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         x, y = s.source.batch(step)
         x, y = to_device(x, device, s.dtype), y.to(device)
         mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, judge, routing)
+        if routing is not None:  # the routing every reference has passed
+            routing[1].forget_before(min(ref.step, band.least_step() if band else ref.step))
         every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
         progress.update(step + 1)
         if every:
