@@ -26,8 +26,10 @@ def _passed(r):
     ["ddp", "--workers", "4", "--tp", "2"],                                            # dp x tp
 ], ids=["tp2-sp", "tp2xpp2", "dp2xtp2"])
 def test_gpt_layouts_pass_check(paralab, args, single_export):
-    r = paralab("train", *args, *GPT, fast=False)
+    r = paralab("train", *args, *GPT, "--eval-batches", "1", "--eval-batch-size", "40", fast=False)
     assert _passed(r)["tp"] == 2
+    # the validation windows counted once, though every rank of a tp group holds their logits (once twice)
+    assert "(40 windows, 640 tokens)" in r.stdout, r.stdout[-2000:]
     # calc tp: every tensor-parallel collective the run recorded, per step, equals the cost model's count and bytes
     calc = run_paralab("calc", "tp", str(r.out))
     assert calc.returncode == 0, calc.stderr

@@ -92,3 +92,13 @@ def test_throughput_counts_the_short_last_batch(paralab):
     rows = r.rows("steps.jsonl")
     assert [row["samples"] for row in rows] == [32, 32, 32, 4]
     assert r.summary["samples_per_s"] == pytest.approx(100 / sum(row["seconds"] for row in rows))
+
+
+def test_each_data_parallel_shard_is_evaluated_once():
+    """The ranks of one shard (a tp or cp group's, each holding the whole logits; a pipeline's, the last stage
+    alone) predict the same samples: each shard's figures are counted once, from a rank that predicted them."""
+    from paralab.training.evaluate import once_per_shard
+    # dp 2 x tp 2: shard 0 on ranks 0 and 1, shard 1 on ranks 2 and 3; a pipeline's first stage predicts none
+    parts = [(0, 5, "a"), (0, 5, "a"), (1, 4, "b"), (1, 4, "b")]
+    assert once_per_shard(parts) == [("a",), ("b",)]
+    assert once_per_shard([(0, 0, "none"), (0, 6, "last stage")]) == [("last stage",)]

@@ -5,8 +5,10 @@ bits per byte and next-token accuracy (256 byte classes: no confusion matrix).
 Each rank predicts the test samples it is given (data-parallel ranks a
 strided share, padded to equal length and the padding left out of the counts;
 pipeline ranks all of it, the last stage producing logits);
-confusion matrices and loss sums are then added over ranks, so the numbers
-are the same whatever the strategy.
+confusion matrices and loss sums are then added over the data-parallel
+shards, each shard's once (:func:`once_per_shard`: the ranks of one shard, a
+tp or cp group, may each hold its logits), so the numbers are the same
+whatever the strategy.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def evaluate(strategy, source, classes, comm, batch_size: int, max_batches: int 
     for logits, y in predictions(strategy, source, batch_size, max_batches, device, progress):
         loss_sum += cross_entropy(logits, y, reduction="sum").item()
         confusion += torch.bincount(y * k + logits.argmax(1), minlength=k * k).view(k, k)
-    parts = comm.all_gather_objects((confusion, loss_sum))
+    parts = once_per_shard(comm.all_gather_objects((source.rank, int(confusion.sum()), confusion, loss_sum)))
     confusion = sum(c for c, _ in parts)
     loss_sum = sum(s for _, s in parts)
     n = int(confusion.sum())
@@ -64,11 +66,23 @@ def evaluate_text(strategy, source, comm, batch_size: int, max_batches: int | No
         correct += int((logits.argmax(-1) == y).sum())
         tokens += int((y != IGNORE).sum())
         windows += len(y)
-    parts = comm.all_gather_objects((loss_sum, correct, tokens, windows))
+    parts = once_per_shard(comm.all_gather_objects((source.rank, windows, loss_sum, correct, tokens, windows)))
     loss_sum, correct, tokens, windows = (sum(p[j] for p in parts) for j in range(4))
     if tokens == 0:
         return None
     return text_metrics(loss_sum / tokens, correct, tokens, windows, source.data.name)
+
+
+def once_per_shard(parts: list[tuple]) -> list[tuple]:
+    """Every rank's ``(its data-parallel shard, samples it predicted, *figures)``: the figures of each shard once.
+    The ranks of one shard predict the same samples: a tp or cp group's ranks each hold the whole logits, a
+    pipeline's last stage alone (the others predicted none); each shard's figures are those of a rank that
+    predicted its samples."""
+    best: dict[int, tuple] = {}
+    for shard, samples, *figures in parts:
+        if shard not in best or samples > best[shard][0]:
+            best[shard] = (samples, figures)
+    return [tuple(figures) for _, (_, figures) in sorted(best.items())]
 
 
 def text_metrics(mean_loss: float, correct: int, tokens: int, windows: int, dataset: str) -> dict:
