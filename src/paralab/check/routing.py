@@ -25,9 +25,10 @@ token, but only where the run's own scores explain its choice:
 - the run records the top-k of its own scores, so at the same tokens every
   choice it made otherwise lies within ``2 d`` and is followed: the rule holds
   the two forwards to being the same tokens, and one beyond it is said, not
-  followed (:func:`not_followed_line`). Following hides no bug: whatever moved
-  the run's scores moved its gates and its router's gradient (the router's
-  auxiliary loss reads every score), which the weights' comparison judges.
+  followed (:func:`not_followed_line`). Following hides no bug: the scores
+  come from the router's weights and its input, and whatever moved those
+  moves the gates, the outputs and the weights the comparisons judge (the
+  scoring itself is the model's code, which run and reference share).
 
 In fp64 nothing is followed (no reference is banded there, but for a
 strategy's lossy ``gradient_wire``): the router runs in float64, and a
