@@ -293,9 +293,12 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     line = found.line() if found else (f"first divergence: none in {s.total_steps} replayed steps (every module's "
                                        f"output, the loss, every gradient and weight {agreed}: what failed lies "
                                        "outside the steps, e.g. the state a checkpoint saves)")
-    followed = sum(f[2] for f in ref.following.followed) if ref.following is not None else 0
-    if followed:  # rank 0's reference (every rank's replays every shard alike)
-        line += f"; the reference took the run's choice of experts at {followed} near-tie token(s) (check/routing.py)"
+    if ref.following is not None:  # rank 0's reference (every rank's replays every shard alike)
+        followed, other = (sum(f[2] for f in said) for said in (ref.following.followed, ref.following.not_followed))
+        if followed:
+            line += f"; the reference took the run's choice of experts at {followed} near-tie token(s) (check/routing.py)"
+        if other:
+            line += f"; {other} token(s) the run routed otherwise were no near-tie, not followed (check/routing.py)"
     say(f"check: {line}")
     return line
 
