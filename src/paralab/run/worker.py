@@ -296,9 +296,9 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     if ref.following is not None:  # rank 0's reference (every rank's replays every shard alike)
         followed, other = (sum(f[2] for f in said) for said in (ref.following.followed, ref.following.not_followed))
         if followed:
-            line += f"; the reference took the run's choice of experts at {followed} near-tie token(s) (check/routing.py)"
+            line += f"; the reference took the run's choice of experts at {followed} near-tie token(s) (routing.py)"
         if other:
-            line += f"; {other} token(s) the run routed otherwise were no near-tie, not followed (check/routing.py)"
+            line += f"; {other} token(s) the run routed otherwise were no near-tie, not followed (routing.py)"
     say(f"check: {line}")
     return line
 
