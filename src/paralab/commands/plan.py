@@ -368,7 +368,6 @@ def table(predictions, work) -> str:
 
 def show(plan, where: str, command: str) -> None:
     from ..analysis.plan import why_first
-    from ..report.page import text_table
     c, s = plan.cluster, plan.setting
     print(f"{plan.work.describe()}; global batch {s.global_batch}, {s.precision} precision, {s.optimizer}")
     print(f"cluster {c.name}" + ("" if where in c.source else f" ({where})") + f": {plan.workers} devices, {c.devices_per_node} per node, "
