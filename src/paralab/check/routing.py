@@ -147,8 +147,11 @@ def followed_line(followed: list[tuple]) -> str | None:
     if not followed:
         return None
     tokens = sum(f[2] for f in followed)
-    where = ", ".join(f"step {s} block {b}: {n}" for s, b, n, _, _ in followed[:6]) + (
-        ", ..." if len(followed) > 6 else "")
+    per: dict[tuple[int, int], int] = {}  # (step, block) -> tokens, over that step's forwards (shards, microbatches)
+    for s, b, n, _, _ in followed:
+        per[(s, b)] = per.get((s, b), 0) + n
+    where = ", ".join(f"step {s} block {b}: {n}" for (s, b), n in list(per.items())[:6]) + (
+        ", ..." if len(per) > 6 else "")
     widest = max(followed, key=lambda f: f[3])
     return (f"experts: the reference took the run's choice at {tokens} token(s) whose top-k the two decided "
             f"otherwise ({where}): near-ties the run's scores explain (the widest: a score gap of {widest[3]:.3g} "
