@@ -43,6 +43,9 @@ def test_a_near_tie_is_followed_and_a_choice_the_run_s_scores_do_not_explain_is_
     gap, twice = following.not_followed[0][3:]
     assert abs(gap - 1e-3) < 1e-12 and abs(twice - 2e-6) < 1e-12
     assert "step 4 block 1: 1" in followed_line(following.followed)
+    # a step's block said once over its forwards (two shards here), its tokens added
+    assert "at 3 token(s) " in followed_line(following.followed * 3) and "step 4 block 1: 3)" in \
+        followed_line(following.followed * 3)
     assert "step 4, block 1" in not_followed_line(following.not_followed)
     # a copy of the reference's model (the replay's module outputs) follows alike and counts nothing
     twin = copy.deepcopy(following)
