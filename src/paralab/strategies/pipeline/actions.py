@@ -202,8 +202,10 @@ def with_transfers(compute: list[list[Action]], placement: tuple[int, ...]) -> l
             elif a.kind.sends_gradient_back and s > 0 and placement[s - 1] != r:
                 mine.append(Action(Kind.SEND_GRAD, a.microbatch, placement[s - 1], s))
         sends.append(mine)
-    streams = {(src, dst): deque(message_of(a) for a in sends[src] if a.peer == dst)
-               for src in range(len(compute)) for dst in range(len(compute))}
+    streams = {(src, dst): deque() for src in range(len(compute)) for dst in range(len(compute))}
+    for src, mine in enumerate(sends):  # each pair's channel, in the order its sender sends
+        for a in mine:
+            streams[(src, a.peer)].append(message_of(a))
 
     out = []
     for r, acts in enumerate(compute):
