@@ -28,7 +28,7 @@ def _passed(r):
 def test_gpt_layouts_pass_check(paralab, args, single_export):
     r = paralab("train", *args, *GPT, "--eval-batches", "1", "--eval-batch-size", "40", fast=False)
     assert _passed(r)["tp"] == 2
-    # the validation windows counted once, though every rank of a tp group holds their logits (once twice)
+    # the validation windows counted once, though every rank of a tp group holds their logits (once counted twice)
     assert "(40 windows, 640 tokens)" in r.stdout, r.stdout[-2000:]
     # calc tp: every tensor-parallel collective the run recorded, per step, equals the cost model's count and bytes
     calc = run_paralab("calc", "tp", str(r.out))
