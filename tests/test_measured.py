@@ -183,21 +183,20 @@ def test_bad_flags_are_refused_and_nothing_is_written(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_printed_fit_finds_the_preset_and_a_held_out_fit_generalises(tmp_path):
     """The page's two fit commands: the first writes the a100-sxm preset's file (the same figures), the second,
-    fitted without two model sizes, predicts them within the page's figures. Each is one process on one core:
-    the two run side by side."""
-    from conftest import run_paralab, two_at_a_time
+    fitted without two model sizes, predicts them within the page's figures."""
+    from conftest import run_paralab
     out = tmp_path / "a100-sxm.json"
-    commands = [("measured", "--fit", "--cluster", "a100-sxm-datasheet", "--out", str(out)),
-                ("measured", "--fit", "--cluster", "a100-sxm-datasheet", "--hold-out", "1024x16,2048x24", "--json")]
-    r, held_out = two_at_a_time(lambda i, argv: run_paralab(*argv, timeout=600), commands)
+    r = run_paralab("measured", "--fit", "--cluster", "a100-sxm-datasheet", "--out", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got, shipped = json.loads(out.read_text()), json.loads((M.SHIPPED.parent / "a100-sxm.json").read_text())
     assert got.keys() == shipped.keys()
     for k, v in shipped.items():
         if isinstance(v, float):
             assert got[k] == pytest.approx(v, rel=1e-6), k
-    assert held_out.returncode == 0, held_out.stderr[-2000:]
-    held = json.loads(held_out.stdout)["held_out"]
+    r = run_paralab("measured", "--fit", "--cluster", "a100-sxm-datasheet", "--hold-out", "1024x16,2048x24",
+                    "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = json.loads(r.stdout)["held_out"]
     m = re.search(r"held out \(1024x16 and 2048x24, 360 runs\): median ([\d.]+) %, worst ([\d.]+) %", PAGE.read_text())
     assert m and (f"{100 * held['median']:.1f}", f"{100 * held['worst']:.1f}") == m.groups()
     assert held["median"] < 0.08
