@@ -183,8 +183,8 @@ MUTANTS = [
            "a zero-bubble W computes the weight gradients of one unit of the stage"),
     # ---- compression
     Mutant("powersgd-no-error-feedback", "strategies/compression/buckets.py",
-           "v.add_(method.error[k], alpha=self.scale)            # M = G/N + e",
-           "v.add_(0 * method.error[k], alpha=self.scale)",
+           "m = torch.add(v, method.error[k], alpha=self.scale)     # M = G/N + e",
+           "m = torch.add(v, 0 * method.error[k], alpha=self.scale)",
            cnn("ddp", "--workers", "2", "--compress", "powersgd", "--powersgd-start-iter", "2", "--num-batches", "5"),
            "PowerSGD without error feedback: invisible before it starts (--powersgd-start-iter, 10 by default)"),
     # ---- recomputation and dropout
@@ -381,6 +381,9 @@ def ran(request, pristine, tmp_path_factory) -> dict:
              for p in selected(request, "test_the_check_catches_the_mutant")]
     jobs += [(("hidden", p["name"], p["command"]), by_name[p["name"]], p["command"])
              for p in selected(request, "test_a_smaller_check_misses_it_and_says_what_it_left_out")]
+    jobs += [(("below", p["name"], p["precision"]), by_name[p["name"]],
+              (*by_name[p["name"]].command, "--precision", p["precision"]))
+             for p in selected(request, "test_below_fp64_a_layout_held_to_exact_catches_what_its_band_cannot")]
     jobs = [j for j in jobs if not _needs_missing_jargon(j[2])]
     zygotes: queue.Queue = queue.Queue()
     for _ in range(2):
@@ -449,3 +452,20 @@ def test_a_smaller_check_misses_it_and_says_what_it_left_out(ran, name, command,
     assert r.returncode == 0 and "check: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(line.startswith("check: not exercised:") and note in line for line in r.stdout.splitlines()), \
         r.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,precision", [("powersgd-no-error-feedback", "bf16"),
+                                            ("powersgd-no-error-feedback", "fp16")])
+def test_below_fp64_a_layout_held_to_exact_catches_what_its_band_cannot(ran, name, precision):
+    """PowerSGD without error feedback in bf16 lies at half its noise band (its projection turns a rounding of the
+    gradient into a large change of the compressed one, so a correct run of another layout could land as far):
+    on 2 shards of ddp the reference replays the run op for op, so the check holds it to exact (check/band.py),
+    and it fails where fp64 names it (fp16: a step later, as its first step overflows at the starting loss scale
+    and is skipped, so compression starts a step later)."""
+    r = ran[("below", name, precision)]
+    output = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 1 and "check: FAIL (bug)" in r.stdout and "held to exact" in r.stdout, output
+    step = 4 + (precision == "fp16")
+    assert f"check: first divergence: step {step}, rank 0, backward of 13.1 (Linear) weight gradient" in r.stdout, \
+        output

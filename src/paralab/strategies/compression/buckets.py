@@ -139,15 +139,19 @@ class _PowerSGDBucket(InFlight):
         r, n_ranks = method.rank, method.world
         self.scale = method.scale()
         self.plain = [v for v in views if not compressible(v.shape, r)]
-        self.matrices, self.keys = [], []
+        # each M, P and Q is a tensor of its own, not a view into a bucket: a CPU's matrix-vector products round
+        # by where a row starts in memory, and a view starts anywhere in its bucket (the check's reference, which
+        # multiplies tensors of its own, then rounds as this does)
+        self.matrices, self.targets, self.keys = [], [], []
         for i, v in enumerate(views):
             if compressible(v.shape, r):
                 k = (key, i)
                 if k not in method.q:
                     method.q[k] = initial_q(v.shape, r, v.dtype).to(v.device)
                     method.error[k] = torch.zeros_like(v)
-                v.add_(method.error[k], alpha=self.scale)            # M = G/N + e
-                self.matrices.append(v.view(matrix_shape(v.shape)))
+                m = torch.add(v, method.error[k], alpha=self.scale)     # M = G/N + e
+                self.matrices.append(m.view(matrix_shape(v.shape)))
+                self.targets.append(v)
                 self.keys.append(k)
         ps = [m @ method.q[k] for m, k in zip(self.matrices, self.keys)]
         self.p_sizes = [p.numel() for p in ps]
@@ -166,7 +170,7 @@ class _PowerSGDBucket(InFlight):
             offset += v.numel()
         self.p = []
         for m, size in zip(self.matrices, self.p_sizes):
-            self.p.append(orthonormalize_(self.first[offset:offset + size].view(m.shape[0], -1)))
+            self.p.append(orthonormalize_(self.first[offset:offset + size].view(m.shape[0], -1).clone()))
             offset += size
         qs = [m.t() @ p for m, p in zip(self.matrices, self.p)]
         self.q_sizes = [q.numel() for q in qs]
@@ -184,14 +188,14 @@ class _PowerSGDBucket(InFlight):
         if self.second_round is not None:
             self.second_round.wait()
         offset = 0
-        for m, p, k, size in zip(self.matrices, self.p, self.keys, self.q_sizes):
-            q = self.second[offset:offset + size].view(m.shape[1], -1)
+        for m, v, p, k, size in zip(self.matrices, self.targets, self.p, self.keys, self.q_sizes):
+            q = self.second[offset:offset + size].view(m.shape[1], -1).clone()
             offset += size
             approx = p @ q.t()
             self.method.error[k].copy_((m - approx / self.n_ranks).view_as(self.method.error[k]) / self.scale)
             #                                                                                   e = M - PQ^T/N
-            self.method.q[k] = q.clone()                                                        # warm start
-            m.copy_(approx)                                                                     # the mean's estimate
+            self.method.q[k] = q                                                                # warm start
+            v.copy_(approx.view_as(v))                                                          # the mean's estimate
 
 
 def make_compressor(options, world: int, scale=None):
