@@ -12,7 +12,8 @@ Two tables, each row a ``paralab train ... --check`` of this checkout:
   (below fp64), the first step where the weights or the optimizer's state leave it (fp64: their
   tolerance), and the first divergence its replay names (below fp64: the first quantity outside its own
   band). A bug should say ``bug`` at every precision, within a few steps of fp64, and be named where fp64
-  names it.
+  names it. A bug whose layout the check holds to exact (``check/band.py``: 2 shards of ddp, allreduce,
+  gather-scatter or torch-ddp on a CPU) has no band, so no ratio: the median ratio is over the others.
 
   .venv/bin/python bench/check_band.py [--only correct|bugs] [--precisions fp32,bf16,fp16] [--seeds 3] [--jobs 2]
 
@@ -98,6 +99,7 @@ def train(argv: list[str], out: Path, pythonpath: Path) -> dict:
         return max(ratios) > 1 if ratios else h["max_weight_dev"] > tolerance
     first = next((h["step"] for h in check.get("history") or [] if outside(h)), None)
     return {"verdict": check.get("verdict"), "worst_ratio": check.get("worst_ratio"), "exit": done.returncode,
+            "held_exact": "held_exact" in check,
             "failed": check.get("failed"), "first_step_outside": first, "seconds": seconds,
             "max_weight_dev": check.get("max_weight_dev"), "first_divergence": check.get("first_divergence")}
 
@@ -186,6 +188,8 @@ def summarise(correct: list[dict], bugs: list[dict], precisions: list[str]) -> d
                     and b[p]["first_step_outside"] - b["fp64"]["first_step_outside"] > 3]
             said[f"bugs_{p}"] = {"caught_in_fp64": len(caught),
                                  "bug_here": sum(b[p]["verdict"] == "bug" for b in caught),
+                                 # held to exact (check/band.py): beyond exact is a bug, no band to be a ratio of
+                                 "held_exact": sum(bool(b[p].get("held_exact")) for b in caught),
                                  "missed": [b["bug"] for b in caught if b[p]["verdict"] != "bug"],
                                  "more_than_3_steps_late": late,
                                  # the replay's first divergence at the place fp64's names, and where it is not

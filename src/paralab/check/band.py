@@ -40,11 +40,30 @@ of 4 for that. The floor keeps the band from vanishing where the three agree
 to the bit (a step's first loss, before any update). How the band holds on
 every built-in layout, and how far bugs land outside it:
 docs/correctness.md ("Bug or rounding").
+
+Held to exact instead (:func:`held_exact`): a layout whose arithmetic the
+reference replays op for op has no rounding of its own to measure. paralab's
+replicated data-parallel strategies (``Strategy.replayed``: ddp, allreduce,
+gather-scatter, torch-ddp) on two shards of one microbatch each are such a
+layout: each rank's forward and backward are the reference's on the same
+rows and on tensors of its own, and the sum of two gradients is the same
+bits in any order. On CPUs that run the same kernels with the same threads
+on every rank, a correct run of them is exact in every precision, and
+anything beyond exact is a bug, however small against a band (PowerSGD
+without its error feedback moves bf16 weights by about half the band that
+its projection's sensitivity to rounding measures). Not held: on CUDA (some
+kernels add in any order), with ``--clip-grad`` (the reference clips with
+torch's ``clip_grad_norm_``, which rounds the norm otherwise), over
+documents (the reference's loss is torch's over the whole batch), FSDP
+(views into a flat tensor) or a user's strategy.
 """
 from __future__ import annotations
 
+import platform
+
 import torch
 
+from ..mesh import MeshShape
 from .reference import max_abs_diff
 
 #: the change each of the band's references makes to the reference's training (see the module)
@@ -126,3 +145,30 @@ class Band:
         o = {f"{name} {key}": self.of(v, [s.optimizer[name][key] for s in snaps])
              for name, state in optimizer.items() for key, v in state.items() if v is not None}
         return w, o
+
+
+def held_exact(cfg, strategy, source, comm) -> str | None:
+    """Why this run is held to exact below fp64, not to a band (the module docstring), or None. A collective
+    where the run qualifies otherwise: every rank's kernels (torch, the CPU's instruction set, its threads)
+    must be rank 0's, as the reference on rank 0 computes every shard."""
+    mesh = strategy.ctx.mesh
+    qualifies = (strategy.replayed and type(strategy).__module__.startswith("paralab.strategies.")
+                 and (mesh.shape if mesh is not None else None) == MeshShape(dp=2) and strategy.microbatches == 1
+                 and strategy.gradient_wire is None and not getattr(cfg, "clip_grad", None)
+                 and not source.documents and strategy.ctx.device.type == "cpu")
+    if not qualifies:
+        return None
+    kernels = [torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+               platform.machine(), _cpu_model()]
+    if any(list(k) != kernels for k in comm.all_gather_objects(kernels)):
+        return None
+    return (f"{strategy.name} on 2 shards of one microbatch each, on CPUs alike, is replayed op for op by the "
+            "reference: a correct run is exact, so beyond exact is a bug (docs/correctness.md)")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()

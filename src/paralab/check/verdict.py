@@ -47,7 +47,7 @@ from ..training import step as steps
 from ..training.loss_scale import torch_scaler
 from ..training.lr_schedule import LRSchedule
 from . import kept
-from .band import Band
+from .band import Band, held_exact
 from .routing import Following, Recording, Routes, followed_line, modules_held, not_followed_line
 from .reference import (ADAMS, SCALE_DIFFERS, TOLERANCES, Comparison, banded, TorchSchedule, bits_deviation,
                         compare_optimizer, Replay, compare_tensors, optimizer_state, ratio_of, reference_train, worst)
@@ -228,9 +228,11 @@ class Check:
         self.start, self.total = start, total
         self.steps = checked_steps(start, total, cfg.check_every)
         # fp64: fixed tolerances; below it, fp64's tolerances say "exact" and a band measured for this run says
-        # what rounding may do (check/band.py)
-        self.banded = banded(cfg.precision, strategy.gradient_wire)
-        self.tol = TOLERANCES["fp64" if self.banded else cfg.precision]
+        # what rounding may do (check/band.py), but for a layout the reference replays op for op: held to exact
+        below = banded(cfg.precision, strategy.gradient_wire)
+        self.held = held_exact(cfg, strategy, source, comm) if below else None
+        self.banded = below and self.held is None
+        self.tol = TOLERANCES["fp64" if below else cfg.precision]
         self.band: Band | None = None
         self.bands: dict[int, tuple[dict, dict]] = {}  # rank 0: step -> (each weight's band, each state's)
         self.end_bands: dict | None = None  # rank 0: the bands of the logits, every step's losses and norms
@@ -274,6 +276,8 @@ class Check:
             if self.banded:  # its references trained where a comparison is first beyond exact (or to be kept)
                 self.band = self.ref.band(strategy, source, model_fn, optim_fn, lr_for)
                 say(f"check: {cfg.precision}: where a comparison is beyond exact, {self.band.describe()}")
+            elif self.held:
+                say(f"check: {cfg.precision}: held to exact, no noise band: {self.held}")
         if self.ref.compression:
             say(f"check: {self.ref.compression.caveat()}")
         if self.recording is not None and start > 0:
@@ -574,7 +578,8 @@ class Check:
                 "max_loss_dev": largest["loss"], "max_grad_norm_dev": largest["grad_norm"],
                 "max_output_dev": largest["outputs"],
                 "history": [by_step[s] for s in sorted(by_step)],
-                "unexercised": notes, "ranks": verdicts} | ({"loss_scale_followed": followed} if followed else {}) \
+                "unexercised": notes, "ranks": verdicts} | ({"held_exact": self.held} if self.held else {}) \
+            | ({"loss_scale_followed": followed} if followed else {}) \
             | ({"experts_followed": experts} if experts else {})
 
     def followed(self) -> list[str]:

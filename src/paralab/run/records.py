@@ -262,7 +262,7 @@ def summarize(cfg, steps: list[dict], spans: list[dict], *, parameters: int, wor
                                               "max_optimizer_dev", "max_loss_dev", "max_grad_norm_dev",
                                               "max_output_dev",
                                               "precision", "tolerances", "history", "unexercised")}
-        | {k: check[k] for k in ("first_divergence", "loss_scale_followed", "experts_followed")
+        | {k: check[k] for k in ("first_divergence", "held_exact", "loss_scale_followed", "experts_followed")
            if k in check},
         "error": error,
     }

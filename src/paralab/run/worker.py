@@ -250,6 +250,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     reference until a module's output, a gradient or a weight first differs (``check/diverge.py``); that
     place as one line, said and returned. Collective."""
     from ..check import diverge
+    from ..check.band import held_exact
     from ..check.reference import banded
     from ..check.routing import Recording, Routes
     from ..check.verdict import Reference
@@ -261,16 +262,19 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
     s = set_up(cfg, rank, world, device, backend, run_dir, replay=True)
     replicas, replica = s.strategy.replicas()
     model_fn, optim_fn = build_model_factory(cfg, len(s.data.classes)), build_optimizer_factory(cfg)
+    # below fp64 (or a lossy wire) judged by noise bands, but for a layout held to exact (check/band.py)
     below = banded(cfg.precision, s.strategy.gradient_wire)
+    held = held_exact(cfg, s.strategy, s.source, s.comm) if below else None
     # a mixture of experts below fp64: the references follow the run's near-ties as the check's do (routing.py)
-    routing = (Recording(s.roots, sends=s.mesh.coords.get("tp", 0) == 0), Routes()) if below and cfg.experts else None
+    routing = (Recording(s.roots, sends=s.mesh.coords.get("tp", 0) == 0), Routes()) \
+        if below and not held and cfg.experts else None
     ref = Reference(s.strategy, s.source, model_fn, optim_fn, s.lr_for, cfg.seed, cfg.precision,
                     routes=routing[1] if routing else None)
     if ref.scaler is not None:  # fp16: it follows the run's overflow decisions (diverge.locate)
         ref.run_scales = {}
-    # below fp64 (or a lossy wire) each compared quantity is judged by its own noise band (check/band.py)
-    band = ref.band(s.strategy, s.source, model_fn, optim_fn, s.lr_for) if below else None
-    judge = diverge.Judge(cfg.precision, band)
+    # each compared quantity judged by its own noise band (check/band.py), or by fp64's tolerances
+    band = ref.band(s.strategy, s.source, model_fn, optim_fn, s.lr_for) if below and not held else None
+    judge = diverge.Judge("fp64" if below else cfg.precision, band)
     tp = tp_of(s.strategy)  # the modules tp built in a unit's place are hooked too, under the unit's name
     roots = s.roots + ([tp.modules()] if tp is not None else [])
     progress = Progress(s.total_steps, "first divergence", enabled=rank == 0 and cfg.progress)

@@ -27,4 +27,5 @@ class AllReduceReplicas(Replicas):
 
 class AllReduce(DataParallel):
     name = "allreduce"
+    replayed = True  # by the check's reference, op for op at 2 shards (Strategy.replayed)
     replicas_cls = AllReduceReplicas

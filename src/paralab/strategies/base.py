@@ -256,6 +256,12 @@ class Strategy:
     #: references rounds each gradient through this dtype (check/band.py). None: none, or one replayed
     #: (``--compress``: the reference compresses alike)
     gradient_wire: torch.dtype | None = None
+    #: the check's reference replays its arithmetic op for op on two data-parallel shards of one microbatch each:
+    #: each rank's parameters and gradients are tensors of its own (as the reference's are), and any all-reduce
+    #: adds two gradients bit for bit (a + b = b + a). Below fp64 such a run on a CPU is then held to exact, not
+    #: to a noise band (``check/band.py``, held_exact). Not FSDP's: its parameters are views into one flat tensor,
+    #: and a CPU's kernels may round by where in memory a view starts
+    replayed: bool = False
 
     def __init__(self, ctx: Context, model_fn: ModelFactory, optim_fn: OptimizerFactory):
         self.ctx = ctx

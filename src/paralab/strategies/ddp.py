@@ -234,6 +234,7 @@ class DDPReplicas(Replicas):
 
 class DDP(DataParallel):
     name = "ddp"
+    replayed = True  # by the check's reference, op for op at 2 shards (Strategy.replayed)
     roles = ("scaling",)
     options = (AccumulateOptions, BucketOptions, CompressOptions)
     replicas_cls = DDPReplicas

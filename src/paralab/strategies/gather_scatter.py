@@ -53,4 +53,5 @@ class GatherScatterReplicas(Replicas):
 
 class GatherScatter(DataParallel):
     name = "gather-scatter"
+    replayed = True  # by the check's reference, op for op at 2 shards (Strategy.replayed)
     replicas_cls = GatherScatterReplicas

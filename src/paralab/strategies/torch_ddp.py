@@ -95,6 +95,7 @@ class TorchDDPReplicas(Replicas):
 
 class TorchDDP(DataParallel):
     name = "torch-ddp"
+    replayed = True  # by the check's reference, op for op at 2 shards (Strategy.replayed)
     replicas_cls = TorchDDPReplicas
     options = (AccumulateOptions, BucketOptions, CompressOptions)
 
