@@ -52,6 +52,7 @@ def test_the_same_reference_has_the_same_digest_and_anything_it_reads_changes_it
         "the steps": kept.digest(CFG, reference(), [1, 2, 4]),
         "the checked steps": kept.digest(CFG, reference(), [1, 3]),
         "a strategy's lossy wire (the band's)": kept.digest(CFG, reference(), STEPS, torch.float16),
+        "held to exact (no band kept)": kept.digest(CFG, reference(), STEPS, held=True),
     }
     ref = reference()
     with torch.no_grad():

@@ -88,9 +88,11 @@ def _source_files(model) -> list[str]:
     return sorted(f for f in files if f)
 
 
-def digest(cfg, ref, steps: list[int], wire=None) -> str:
+def digest(cfg, ref, steps: list[int], wire=None, held: bool = False) -> str:
     """The SHA-256 of everything that decides the reference at the checked ``steps`` (see the module), and its
-    noise band: the strategy's ``gradient_wire`` (``wire``), which the band's references round through."""
+    noise band: the strategy's ``gradient_wire`` (``wire``), which the band's references round through, and
+    whether the run is held to exact (``held``: no band kept; ``band.held_exact``), so that a layout held to
+    exact and one judged by its band on the same reference keep one file each, not one overwriting the other's."""
     from .. import __version__
     h = hashlib.sha256()
 
@@ -112,7 +114,7 @@ def digest(cfg, ref, steps: list[int], wire=None) -> str:
          torch.get_num_threads(), str(first.device), str(first.dtype), sorted(options.items()),
          # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
          ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", list(steps),
-         type(ref.optimizer).__name__, groups, str(model), str(wire))
+         type(ref.optimizer).__name__, groups, str(model), str(wire), held)
     for path in _source_files(model):
         text(os.path.basename(path))
         h.update(Path(path).read_bytes())

@@ -258,8 +258,8 @@ class Check:
                              routes=Routes() if self.recording is not None else None)
         if self.ref.scaler is not None:
             self.ref.run_scales = {}
-        self.key = kept.digest(cfg, self.ref, self.steps, strategy.gradient_wire) if kept.usable(cfg, self.ref) \
-            else None
+        self.key = kept.digest(cfg, self.ref, self.steps, strategy.gradient_wire, self.held is not None) \
+            if kept.usable(cfg, self.ref) else None
         if self.key is not None:
             loaded, why = kept.load(cfg.check_cache, self.key, self.ref.model, self.steps, self.ref.replicas)
             if loaded is not None and (loaded["bands"] is not None) == self.banded:
