@@ -54,8 +54,12 @@ without its error feedback moves bf16 weights by about half the band that
 its projection's sensitivity to rounding measures). Not held: on CUDA (some
 kernels add in any order), with ``--clip-grad`` (the reference clips with
 torch's ``clip_grad_norm_``, which rounds the norm otherwise), over
-documents (the reference's loss is torch's over the whole batch), FSDP
-(views into a flat tensor) or a user's strategy.
+documents (the reference's loss is torch's over the whole batch), with accumulation, a resumed run (the
+reference trains from step 0, and the checkpoint's steps may have run in
+another layout or on another machine), FSDP (views into a flat tensor) or a
+user's strategy. "Op for op" up to exact operations: the reference backs
+half of each shard's loss where the run halves its summed gradient, the
+same bits (halving is exact).
 """
 from __future__ import annotations
 
@@ -147,26 +151,29 @@ class Band:
         return w, o
 
 
-def held_exact(cfg, strategy, source, comm) -> str | None:
+def held_exact(cfg, strategy, source, comm, start: int = 0) -> str | None:
     """Why this run is held to exact below fp64, not to a band (the module docstring), or None. A collective
     where the run qualifies otherwise: every rank's kernels (torch, the CPU's instruction set, its threads)
-    must be rank 0's, as the reference on rank 0 computes every shard."""
+    must be rank 0's, as the reference on rank 0 computes every shard. ``start``: the step a resumed run
+    resumed at; a resumed run is not held (the reference trains from step 0, and the checkpoint's steps may
+    have run in another layout, on other threads or another machine)."""
     mesh = strategy.ctx.mesh
-    qualifies = (strategy.replayed and type(strategy).__module__.startswith("paralab.strategies.")
+    qualifies = (start == 0 and strategy.replayed and type(strategy).__module__.startswith("paralab.strategies.")
                  and (mesh.shape if mesh is not None else None) == MeshShape(dp=2) and strategy.microbatches == 1
                  and strategy.gradient_wire is None and not getattr(cfg, "clip_grad", None)
                  and not source.documents and strategy.ctx.device.type == "cpu")
     if not qualifies:
         return None
     kernels = [torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-               platform.machine(), _cpu_model()]
+               platform.machine(), cpu_model()]
     if any(list(k) != kernels for k in comm.all_gather_objects(kernels)):
         return None
     return (f"{strategy.name} on 2 shards of one microbatch each, on CPUs alike, is replayed op for op by the "
             "reference: a correct run is exact, so beyond exact is a bug (docs/correctness.md)")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere what the platform says)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

@@ -22,8 +22,10 @@ SHA-256 digest (:func:`digest`) of
   ranks, record it or launch it (:data:`LAYOUT_ONLY`; an option added later
   counts until it is listed there, so a new option can only make runs miss);
 - the model's printed structure and the source of every module class in it,
-  of the reference's replay and of the loss; paralab's and torch's versions
-  and the CPU's kernel level.
+  of the reference's replay and of the loss; paralab's and torch's versions,
+  the CPU's kernel level, its architecture and model (a layout held to exact
+  must meet a reference computed by the same kernels), and whether the run
+  is held to exact (``band.held_exact``: no band kept).
 
 Below fp64 the file also holds the noise band that first run measured
 (``check/band.py``: numbers, one per compared tensor and step), so a later run
@@ -40,6 +42,7 @@ import dataclasses
 import hashlib
 import inspect
 import os
+import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +97,7 @@ def digest(cfg, ref, steps: list[int], wire=None, held: bool = False) -> str:
     whether the run is held to exact (``held``: no band kept; ``band.held_exact``), so that a layout held to
     exact and one judged by its band on the same reference keep one file each, not one overwriting the other's."""
     from .. import __version__
+    from .band import cpu_model
     h = hashlib.sha256()
 
     def text(*parts):
@@ -111,7 +115,8 @@ def digest(cfg, ref, steps: list[int], wire=None, held: bool = False) -> str:
     first = next(model.parameters())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in ref.optimizer.param_groups]
     text("paralab", __version__, torch.__version__, torch.backends.cpu.get_cpu_capability(),
-         torch.get_num_threads(), str(first.device), str(first.dtype), sorted(options.items()),
+         torch.get_num_threads(), platform.machine(), cpu_model(),  # the kernels: one CPU's roundings
+         str(first.device), str(first.dtype), sorted(options.items()),
          # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
          ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", list(steps),
          type(ref.optimizer).__name__, groups, str(model), str(wire), held)

@@ -230,7 +230,7 @@ class Check:
         # fp64: fixed tolerances; below it, fp64's tolerances say "exact" and a band measured for this run says
         # what rounding may do (check/band.py), but for a layout the reference replays op for op: held to exact
         below = banded(cfg.precision, strategy.gradient_wire)
-        self.held = held_exact(cfg, strategy, source, comm) if below else None
+        self.held = held_exact(cfg, strategy, source, comm, start) if below else None
         self.banded = below and self.held is None
         self.tol = TOLERANCES["fp64" if below else cfg.precision]
         self.band: Band | None = None
