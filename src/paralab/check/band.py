@@ -54,12 +54,12 @@ without its error feedback moves bf16 weights by about half the band that
 its projection's sensitivity to rounding measures). Not held: on CUDA (some
 kernels add in any order), with ``--clip-grad`` (the reference clips with
 torch's ``clip_grad_norm_``, which rounds the norm otherwise), over
-documents (the reference's loss is torch's over the whole batch), with accumulation, a resumed run (the
-reference trains from step 0, and the checkpoint's steps may have run in
-another layout or on another machine), FSDP (views into a flat tensor) or a
-user's strategy. "Op for op" up to exact operations: the reference backs
-half of each shard's loss where the run halves its summed gradient, the
-same bits (halving is exact).
+documents (the reference's loss is torch's over the whole batch), with
+accumulation, a resumed run (the reference trains from step 0, and the
+checkpoint's steps may have run in another layout or on another machine),
+FSDP (views into a flat tensor) or a user's strategy. "Op for op" up to
+exact operations: the reference backs half of each shard's loss where the
+run halves its summed gradient, the same bits (halving is exact).
 """
 from __future__ import annotations
 
