@@ -164,12 +164,18 @@ def held_exact(cfg, strategy, source, comm, start: int = 0) -> str | None:
                  and not source.documents and strategy.ctx.device.type == "cpu")
     if not qualifies:
         return None
-    kernels = [torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-               platform.machine(), cpu_model()]
-    if any(list(k) != kernels for k in comm.all_gather_objects(kernels)):
+    mine = kernels()
+    if any(list(k) != mine for k in comm.all_gather_objects(mine)):
         return None
     return (f"{strategy.name} on 2 shards of one microbatch each, on CPUs alike, is replayed op for op by the "
             "reference: a correct run is exact, so beyond exact is a bug (docs/correctness.md)")
+
+
+def kernels() -> list:
+    """What decides a CPU's roundings for given shapes: torch's version, the kernels' instruction set, the threads,
+    the architecture and the CPU's model (a held run's ranks, and a kept reference's key, ``kept.digest``)."""
+    return [torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), platform.machine(),
+            cpu_model()]
 
 
 def cpu_model() -> str:

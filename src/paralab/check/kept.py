@@ -42,7 +42,6 @@ import dataclasses
 import hashlib
 import inspect
 import os
-import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +96,7 @@ def digest(cfg, ref, steps: list[int], wire=None, held: bool = False) -> str:
     whether the run is held to exact (``held``: no band kept; ``band.held_exact``), so that a layout held to
     exact and one judged by its band on the same reference keep one file each, not one overwriting the other's."""
     from .. import __version__
-    from .band import cpu_model
+    from .band import kernels
     h = hashlib.sha256()
 
     def text(*parts):
@@ -114,9 +113,7 @@ def digest(cfg, ref, steps: list[int], wire=None, held: bool = False) -> str:
     model = ref.model
     first = next(model.parameters())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in ref.optimizer.param_groups]
-    text("paralab", __version__, torch.__version__, torch.backends.cpu.get_cpu_capability(),
-         torch.get_num_threads(), platform.machine(), cpu_model(),  # the kernels: one CPU's roundings
-         str(first.device), str(first.dtype), sorted(options.items()),
+    text("paralab", __version__, *kernels(), str(first.device), str(first.dtype), sorted(options.items()),
          # one shard: the BatchNorm rules agree (shard 0's statistics are all of them)
          ref.replicas, ref.microbatches, ref.bn_rule if ref.replicas > 1 else "-", list(steps),
          type(ref.optimizer).__name__, groups, str(model), str(wire), held)

@@ -103,6 +103,10 @@ class Routes:
         """Drop the forwards of the steps before ``step`` (from 0), which every reference has passed."""
         self.forwards = {k: v for k, v in self.forwards.items() if k[0] >= step}
 
+    def forget_passed(self, ref, band) -> None:
+        """Drop what the reference ``ref`` and ``band``'s references (None: none) have all passed."""
+        self.forget_before(min(ref.step, band.least_step() if band is not None else ref.step))
+
 
 class Following:
     """A reference's side: its MoE layers' ``choose``, taking the run's choice at a token where the run's

@@ -344,7 +344,7 @@ class Check:
         if states is not None:  # rank 0
             self.found.append(self.optimizer_comparison(states, ref, step))
         if self.recording is not None and self.ref is not None:  # the routing every reference has passed
-            self.ref.routes.forget_before(min(self.ref.step, self.band.least_step() if self.band else self.ref.step))
+            self.ref.routes.forget_passed(self.ref, self.band)
 
     def weights_comparison(self, whole: dict, ref: kept.Snapshot | None, step: int) -> Comparison:
         """This rank's view of the weights against the reference's (a collective). Rank 0 compares its own;

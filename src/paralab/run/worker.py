@@ -285,7 +285,7 @@ def first_divergence(cfg: RunConfig, rank: int, world: int, device: torch.device
         x, y = to_device(x, device, s.dtype), y.to(device)
         mine = diverge.locate(step, x, y, s.strategy, roots, s.optimizers, ref, s.mesh, replica, judge, routing)
         if routing is not None:  # the routing every reference has passed
-            routing[1].forget_before(min(ref.step, band.least_step() if band else ref.step))
+            routing[1].forget_passed(ref, band)
         every = [diverge.Finding(*f) for f in s.comm.all_gather_objects(astuple(mine) if mine else None) if f]
         progress.update(step + 1)
         if every:
