@@ -16,12 +16,16 @@ hundred returning only (step, memory, fits), so that what crosses back costs
 little beside the work. Most layouts differ from others only in their ZeRO
 stage and HSDP replication, which change neither their stages nor their
 pipeline: those go out side by side, and a chunk works their pipeline out
-once (``predict``'s ``memo``).
+once (``predict``'s ``memo``). Python's cycle collector is paused while they
+run (:func:`_uncollected`): a search allocates millions of objects that hold
+no reference cycles.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
+import gc
 import multiprocessing
 import os
 from dataclasses import dataclass, field, replace
@@ -70,9 +74,30 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+@contextlib.contextmanager
+def _uncollected():
+    """Python's cycle collector paused (as it was after). A search builds schedules of up to hundreds of
+    thousands of actions, keeps dozens of them (``predict._schedule``'s cache) and allocates millions of
+    short-lived tuples: none of it holds a reference cycle, so reference counting frees it all, but the
+    collector, run every few hundred allocations, walks the live ones over and over (a third of a 175B
+    search's time on 1,024 workers, measured: docs/plan.md "The search")."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _map(job, items: list, tick, chunk: int) -> list:
     """``job`` over ``items`` in order, on the cores this process may use (a forked pool where there are several
-    and enough items to pay for it), ``tick(n)`` after every ``n`` done."""
+    and enough items to pay for it; it inherits the paused collector), ``tick(n)`` after every ``n`` done."""
+    with _uncollected():
+        return _map_now(job, items, tick, chunk)
+
+
+def _map_now(job, items: list, tick, chunk: int) -> list:
     if _cores() < 2 or len(items) < 8 or "fork" not in multiprocessing.get_all_start_methods():
         out = []
         for item in items:
