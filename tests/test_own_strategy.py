@@ -241,7 +241,7 @@ def test_a_users_strategy_that_counts_its_own_steps_is_named_at_the_step_it_goes
 @pytest.mark.slow
 def test_a_users_strategy_that_hangs_is_diagnosed_naming_the_rank_and_the_operation(tmp_path):
     (tmp_path / "hangs.py").write_text(HANGS)
-    r = run_paralab("train", str(tmp_path / "hangs.py"), *SMALL, "--timeout", "10", out=tmp_path / "run")
+    r = run_paralab("train", str(tmp_path / "hangs.py"), *SMALL, "--timeout", "5", out=tmp_path / "run")
     assert r.returncode != 0
     err = r.stderr
     assert "they disagree: rank 0 called all_reduce" in err, err[-3000:]
