@@ -79,7 +79,7 @@ def _uncollected():
     """Python's cycle collector paused (as it was after). A search builds schedules of up to hundreds of
     thousands of actions, keeps dozens of them (``predict._schedule``'s cache) and allocates millions of
     short-lived tuples: none of it holds a reference cycle, so reference counting frees it all, but the
-    collector, run every few hundred allocations, walks the live ones over and over (a third of a 175B
+    collector, set off by allocations, walks the live ones over and over (more than a quarter of a 175B
     search's time on 1,024 workers, measured: docs/plan.md "The search")."""
     was = gc.isenabled()
     gc.disable()
