@@ -67,6 +67,12 @@ COMMON = ["--no-progress", "--eval-batches", "1", "--eval-batch-size", "16", "--
           "--log-every", "1000"]
 
 
+def precision_args(precision: str) -> list[str]:
+    """``--precision P``; bf16 with ``--allow-slow-bf16``: this bench measures rounding, not speed, and a CPU
+    without bf16 instructions refuses bf16 otherwise."""
+    return ["--precision", precision, *(["--allow-slow-bf16"] if precision == "bf16" else [])]
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="bench/check_band.py", description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("correct", "bugs"), help="one table only (default: both)")
@@ -120,7 +126,7 @@ def correct_table(args, work: Path) -> list[dict]:
     def one(job):
         name, precision, seed = job
         out = work / f"correct-{name}-{precision}-{seed}"
-        row = train([*LAYOUTS[name], *GPT, *COMMON, "--precision", precision, "--seed", str(seed),
+        row = train([*LAYOUTS[name], *GPT, *COMMON, *precision_args(precision), "--seed", str(seed),
                      "--num-batches", str(args.steps), "--check-every", "5", "--no-first-divergence"], out, SRC)
         shutil.rmtree(out, ignore_errors=True)
         print(f"  correct {name:18s} {precision} seed {seed}: {row['verdict']:15s} "
@@ -151,8 +157,8 @@ def bugs_table(args, work: Path) -> list[dict]:
         for precision in ("fp64", *args.precisions.split(",")):
             out = root / precision
             # the bug's own options after the common ones, so they win (--num-batches), as tests/test_mutants.py
-            row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check", "--precision",
-                                    precision, "--check-every", "1"], out, root)
+            row[precision] = train([mutant.command[0], *common, *mutant.command[1:], "--check",
+                                    *precision_args(precision), "--check-every", "1"], out, root)
         shutil.rmtree(root, ignore_errors=True)
         print(f"  bug {mutant.name:40s} " + "  ".join(
             f"{p} {row[p]['verdict']:15s} {_ratio(row[p].get('worst_ratio'))}"

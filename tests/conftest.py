@@ -69,6 +69,12 @@ FAST = ["--dataset", "synthetic", "--synthetic-size", "512", "--width", "0.125",
         "--no-progress", "--eval-batches", "1", "--eval-batch-size", "64", "--timeout", "30", "--precision", "fp32"]
 
 
+def precision_args(precision: str) -> tuple[str, ...]:
+    """``--precision P`` for a test that measures rounding, not speed: bf16 adds ``--allow-slow-bf16``, as a CPU
+    without bf16 instructions (an AVX2-only EPYC) refuses bf16 otherwise and the suite must pass on every CPU."""
+    return ("--precision", precision, *(("--allow-slow-bf16",) if precision == "bf16" else ()))
+
+
 @dataclass
 class Result:
     returncode: int

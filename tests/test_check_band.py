@@ -155,8 +155,8 @@ LAYOUTS = {  # id -> (the layout and its model, its precision, the verdict a cor
 
 @pytest.fixture(scope="module")
 def correct(tmp_path_factory):
-    from conftest import side_by_side
-    jobs = {k: (*layout, "--precision", precision, "--lr", "0.1") for k, (layout, precision, _) in LAYOUTS.items()}
+    from conftest import precision_args, side_by_side
+    jobs = {k: (*layout, *precision_args(precision), "--lr", "0.1") for k, (layout, precision, _) in LAYOUTS.items()}
     return side_by_side(jobs, tmp_path_factory.mktemp("band"))
 
 
@@ -212,7 +212,7 @@ def test_an_exact_check_trains_no_band_and_a_deviation_trains_it(tmp_path):
 
 def test_a_band_the_machine_cannot_hold_is_refused_before_start(paralab):
     r = paralab("train", "single", "--model", "gpt", "--dataset", "synthetic-text", "--layers", "8", "--embed",
-                "2048", "--heads", "16", "--check", "--precision", "bf16", "--no-progress")
+                "2048", "--heads", "16", "--check", "--precision", "bf16", "--allow-slow-bf16", "--no-progress")
     assert r.returncode == 2 and "its noise band measures the run's rounding with" in r.stderr
     assert not r.out.exists() or not any(r.out.iterdir())  # nothing half-written
 
@@ -250,7 +250,8 @@ def test_a_bf16_bug_is_a_bug_and_its_first_divergence_is_named_where_fp64_names_
     example = Path(__file__).resolve().parent.parent / "examples" / "strategies" / "forgot_to_average.py"
     r = paralab("train", str(example), "--workers", "2", "--dataset", "synthetic", "--synthetic-size", "256",
                 "--width", "0.125", "--num-batches", "3", "--batch-size", "32", "--eval-batches", "1",
-                "--eval-batch-size", "64", "--check", "--precision", "bf16", "--no-progress")
+                "--eval-batch-size", "64", "--check", "--precision", "bf16", "--allow-slow-bf16",
+                "--no-progress")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     check = r.summary["check"]
     assert check["verdict"] == "bug" and check["worst_ratio"] > 10 and "check: FAIL (bug, worst " in r.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from check_band import COMMON, GPT, LAYOUTS  # noqa: E402 - the bench's own matrix, not a copy
+from check_band import COMMON, GPT, LAYOUTS, precision_args  # noqa: E402 - the bench's own matrix, not a copy
 
 pytestmark = pytest.mark.slow
 PRECISIONS = ("fp32", "bf16")
@@ -24,7 +24,7 @@ PRECISIONS = ("fp32", "bf16")
 def runs(request, tmp_path_factory):
     from conftest import selected, side_by_side
     chosen = {(p["name"], p["precision"]) for p in selected(request, "test_a_correct_layout_is_never_a_bug")}
-    jobs = {(name, p): (*LAYOUTS[name], *GPT, *COMMON, "--precision", p, "--num-batches", "20", "--check-every", "5",
+    jobs = {(name, p): (*LAYOUTS[name], *GPT, *COMMON, *precision_args(p), "--num-batches", "20", "--check-every", "5",
                         "--no-first-divergence")
             for name in LAYOUTS for p in PRECISIONS if (name, p) in chosen}
     return side_by_side(jobs, tmp_path_factory.mktemp("matrix"), timeout=600)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_paralab, selected, two_at_a_time
+from conftest import precision_args, run_paralab, selected, two_at_a_time
 from paralab.check.diverge import DIRECTIONS, Finding, deviation, plain_name
 from paralab.strategies.context.layout import Layout
 
@@ -94,7 +94,7 @@ BELOW_FP64 = [("tp+sp", "bf16"), ("pp 1f1b", "fp16"), ("cp ring", "fp32"), ("hsd
 
 def replay_command(name: str, precision: str) -> tuple:
     layout = LAYOUTS[name]
-    below = ("--precision", precision, "--num-batches", "8") if precision != "fp64" else ()
+    below = (*precision_args(precision), "--num-batches", "8") if precision != "fp64" else ()
     return ("train", layout[0], *GPT, *layout[1:], "--replay", *below)
 
 

@@ -181,7 +181,8 @@ def test_fp16_is_refused_where_it_cannot_be_scaled(paralab):
             refuse_unclipped(RunConfig(strategy=name, precision="fp16"), get_strategy(name), get_strategy(name))
     r = paralab("train", "ddp", "--workers", "2", *CNN, "--initial-loss-scale", "1000")
     assert r.returncode == 2 and "--initial-loss-scale 1000 must be a power of two (e.g. 1024)" in r.stderr
-    r = paralab("train", "ddp", "--workers", "2", *CNN[:-2], "--precision", "bf16", "--initial-loss-scale", "1024")
+    r = paralab("train", "ddp", "--workers", "2", *CNN[:-2], "--precision", "bf16", "--allow-slow-bf16",
+                "--initial-loss-scale", "1024")
     assert r.returncode == 2 and "is fp16's loss scale: give --precision fp16" in r.stderr
 
 

@@ -372,7 +372,7 @@ def ran(request, pristine, tmp_path_factory) -> dict:
     ("pristine", command) | ("mutant", name) | ("hidden", name, command) -> CompletedProcess."""
     import queue
 
-    from conftest import selected, two_at_a_time
+    from conftest import precision_args, selected, two_at_a_time
     root = tmp_path_factory.mktemp("ran")
     by_name = {m.name: m for m in MUTANTS}
     jobs = [(("pristine", p["command"]), None, p["command"])
@@ -382,7 +382,7 @@ def ran(request, pristine, tmp_path_factory) -> dict:
     jobs += [(("hidden", p["name"], p["command"]), by_name[p["name"]], p["command"])
              for p in selected(request, "test_a_smaller_check_misses_it_and_says_what_it_left_out")]
     jobs += [(("below", p["name"], p["precision"]), by_name[p["name"]],
-              (*by_name[p["name"]].command, "--precision", p["precision"]))
+              (*by_name[p["name"]].command, *precision_args(p["precision"])))
              for p in selected(request, "test_below_fp64_a_layout_held_to_exact_catches_what_its_band_cannot")]
     jobs = [j for j in jobs if not _needs_missing_jargon(j[2])]
     zygotes: queue.Queue = queue.Queue()
